@@ -1,0 +1,84 @@
+"""Shared helpers for benchmark scripts: environment record, timing, MLP builders."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import torch_dad as td
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def environment() -> dict[str, Any]:
+    """Device, torch version, commit and date, stored in every record."""
+    try:
+        commit = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, check=False
+        ).stdout.strip() or os.environ.get("GIT_COMMIT", "unknown")
+    except OSError:
+        commit = os.environ.get("GIT_COMMIT", "unknown")
+    if torch.cuda.is_available():
+        device = torch.cuda.get_device_name(0)
+    else:
+        device = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+    return {
+        "device": device,
+        "torch": torch.__version__,
+        "commit": commit,
+        "date": _dt.date.today().isoformat(),
+    }
+
+
+def median_time(fn: Callable[[], Any], *, warmup: int, repeats: int, sync: Callable[[], None] | None = None) -> float:
+    """Median wall seconds of ``fn()`` over ``repeats`` calls after ``warmup`` calls."""
+    for _ in range(warmup):
+        fn()
+    if sync:
+        sync()
+    samples = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        if sync:
+            sync()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+class SeedMLP(td.DADModel):
+    """The seed's Option A model: DAD hidden layers + an ``nn.Linear`` classifier."""
+
+    def __init__(self, widths: Sequence[int], num_classes: int = 10, activation: str = "relu") -> None:
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            td.DADLinear(a, b, num_classes=num_classes, activation=activation) for a, b in zip(widths[:-1], widths[1:])
+        )
+        self.classifier = torch.nn.Linear(widths[-1], num_classes)
+
+
+def backprop_mlp(widths: Sequence[int], num_classes: int = 10) -> torch.nn.Sequential:
+    """The same MLP as :class:`SeedMLP` for plain backprop: Linear+ReLU blocks, then a Linear head."""
+    mods: list[torch.nn.Module] = []
+    for a, b in zip(widths[:-1], widths[1:]):
+        mods += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+    mods.append(torch.nn.Linear(widths[-1], num_classes))
+    return torch.nn.Sequential(*mods)
+
+
+def write_records(name: str, records: list[dict[str, Any]], smoke: bool) -> Path:
+    """Write ``results/<name>.json`` (or ``<name>.smoke.json`` under ``--smoke``, not committed)."""
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / (f"{name}.smoke.json" if smoke else f"{name}.json")
+    path.write_text(json.dumps(records, indent=2) + "\n")
+    return path

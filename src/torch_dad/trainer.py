@@ -1,0 +1,406 @@
+"""``DADTrainer``: the one-line decoupled training step, fit/evaluate, closed-form head, checkpoints."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from . import functional as F
+from .layers import DADModel, check_inputs, check_labels
+from .optim import LocalOptimizerState, OptimizerConfig, check_optimizer
+from .ridge import GramAccumulator, RidgeSolution
+
+__all__ = ["DADTrainer"]
+
+_AMP_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _resolve_device(device: torch.device | str | None, model: nn.Module) -> torch.device:
+    if device is None:
+        first = next(iter(model.parameters()), None)
+        return first.device if first is not None else torch.device("cpu")
+    if isinstance(device, str):
+        try:
+            return torch.device(device)
+        except RuntimeError as err:
+            raise ValueError(f"device={device!r} is not a valid torch device string ({err})") from None
+    if isinstance(device, torch.device):
+        return device
+    raise TypeError(f"device must be a str, torch.device or None, got {type(device).__name__}")
+
+
+class DADTrainer:
+    """Trains a :class:`~torch_dad.DADModel` layer by layer from local targets.
+
+    ``step(x, y)`` runs, for each DAD layer in order: forward, local error, in-place update;
+    only the current layer's activations are alive. If the model has a ``classifier``
+    (``nn.Linear``), it is trained as an output head (its gradient is exactly backprop's for
+    that layer) and its input features are accumulated into float64 Gram statistics for
+    :meth:`solve_head`.
+
+    Args:
+        model: the ``DADModel`` to train (moved to ``device``).
+        device: ``"cuda"``, ``torch.device(...)`` or ``None`` for the model's device.
+        lr, weight_decay, optimizer, betas, eps, momentum: the local optimizer
+            (``"adamw"``: decoupled weight decay as ``torch.optim.AdamW``; ``"sgd"``: momentum).
+        amp_dtype: default compute dtype for :meth:`step` (``torch.bfloat16`` / ``torch.float16``
+            on CUDA, ``torch.bfloat16`` on CPU); master weights stay float32.
+        accumulate_head_statistics: accumulate the classifier's Gram statistics in ``step``.
+        head_statistics_window: forget statistics older than about this many samples
+            (exponential decay), because features from early, stale weights hurt the solve.
+            Measured on MNIST, seed model, 3 epochs: window 10k gives 97.22% after
+            ``solve_head()``, 30k 97.07%, no forgetting 96.90% (local head: 96.93%).
+            ``None`` keeps every sample since the last solve/reset.
+        check_values: check label ranges and finiteness of inputs in ``step``. These checks
+            read the tensors, which is free on CPU but a host sync on CUDA, so ``"auto"``
+            checks on CPU only. Shapes and dtypes are always checked.
+    """
+
+    def __init__(
+        self,
+        model: DADModel,
+        device: torch.device | str | None = None,
+        lr: float = 1e-3,
+        weight_decay: float = 0.01,
+        optimizer: str = "adamw",
+        *,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        momentum: float = 0.9,
+        amp_dtype: torch.dtype | None = None,
+        accumulate_head_statistics: bool = True,
+        head_statistics_window: float | None = 10_000,
+        check_values: bool | str = "auto",
+    ) -> None:
+        if not isinstance(model, DADModel):
+            raise TypeError(
+                f"model must be a torch_dad.DADModel (a subclass declaring DADLinear layers), "
+                f"got {type(model).__name__}"
+            )
+        layers = model._require_layers()
+        check_optimizer(optimizer)
+        self.device = _resolve_device(device, model)
+        self._check_amp(amp_dtype, "amp_dtype")
+        if check_values not in (True, False, "auto"):
+            raise ValueError(f"check_values={check_values!r} must be True, False or 'auto'")
+        self.config = OptimizerConfig(
+            name=optimizer, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, momentum=momentum
+        )
+        self.model = model.to(self.device)
+        self.amp_dtype = amp_dtype
+        self.check_values = (self.device.type == "cpu") if check_values == "auto" else bool(check_values)
+        self.accumulate_head_statistics = accumulate_head_statistics
+        self.num_classes = model.num_classes
+        for layer in layers:
+            if layer.num_classes != self.num_classes:
+                raise ValueError(
+                    f"every DADLinear must have num_classes={self.num_classes} (the classifier's), "
+                    f"but {layer!r} has {layer.num_classes}"
+                )
+        head = model.head
+        self.head_state: LocalOptimizerState | None = None
+        self.head_statistics: GramAccumulator | None = None
+        if head is not None:
+            if head.in_features != layers[-1].out_features:
+                raise ValueError(
+                    f"model.classifier takes {head.in_features} features but the last DADLinear "
+                    f"gives {layers[-1].out_features}"
+                )
+            shapes = [p.shape for p in self._head_tensors()]
+            self.head_state = LocalOptimizerState(shapes, device=self.device, dtype=head.weight.dtype)
+            self.head_statistics = GramAccumulator(
+                head.in_features, head.out_features, device=self.device, window=head_statistics_window
+            )
+        self.step_count = 0
+        self._loss_sum = torch.zeros((), device=self.device)
+        self._loss_batches = 0
+        self.history: list[dict[str, float]] = []
+
+    # ------------------------------------------------------------------ helpers
+    def _check_amp(self, amp_dtype: torch.dtype | None, name: str) -> None:
+        if amp_dtype is None or amp_dtype == torch.float32:
+            return
+        if amp_dtype not in _AMP_DTYPES:
+            raise ValueError(f"{name}={amp_dtype!r}: use torch.bfloat16, torch.float16 or None")
+        if amp_dtype == torch.float16 and self.device.type == "cpu":
+            raise ValueError(f"{name}=torch.float16 is not supported on CPU; use torch.bfloat16")
+
+    def _head_tensors(self) -> list[Tensor]:
+        head = self.model.head
+        assert head is not None
+        return [head.weight.data] + ([head.bias.data] if head.bias is not None else [])
+
+    def _prepare(self, inputs: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+        if not isinstance(inputs, Tensor):
+            raise TypeError(f"inputs must be a torch.Tensor, got {type(inputs).__name__}")
+        if inputs.dim() == 0:
+            raise ValueError("inputs must have a batch dimension, got a 0-dim tensor")
+        first = self.model.dad_layers[0]
+        x = inputs.to(self.device, non_blocking=True).reshape(inputs.shape[0], -1)
+        if not x.dtype.is_floating_point:
+            raise TypeError(f"inputs have dtype {inputs.dtype}; convert them with .float()")
+        if x.dtype != first.weight.dtype:
+            x = x.to(first.weight.dtype)
+        check_inputs(x, first.in_features, check_values=self.check_values)
+        if not isinstance(target, Tensor):
+            raise TypeError(f"labels must be a torch.Tensor of class ids, got {type(target).__name__}")
+        y = target.to(self.device, non_blocking=True)
+        check_labels(y, x.shape[0], self.num_classes, check_values=self.check_values)
+        return x, y.long()
+
+    # ------------------------------------------------------------------ training
+    def step(
+        self,
+        inputs: Tensor,
+        labels: Tensor,
+        lr: float | None = None,
+        amp_dtype: torch.dtype | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """One decoupled training step; returns ``(logits, loss)``, both detached, no host sync.
+
+        ``logits`` are the model's outputs for the batch, computed with the weights before
+        this step's update; ``loss`` is their cross-entropy (a 0-dim tensor on the device).
+        ``lr`` overrides the learning rate for this step; ``amp_dtype`` the compute dtype.
+        Invalid input raises before anything is modified.
+        """
+        if lr is not None and (not isinstance(lr, (int, float)) or not lr >= 0):
+            raise ValueError(f"lr={lr!r} must be a finite float >= 0")
+        compute = amp_dtype if amp_dtype is not None else self.amp_dtype
+        self._check_amp(compute, "amp_dtype")
+        if compute == torch.float32:
+            compute = None
+        x, y = self._prepare(inputs, labels)
+        rate = self.config.lr if lr is None else float(lr)
+        h = x
+        last = None
+        for layer in self.model.dad_layers:
+            last = layer.local_step(h, y, self.config, rate, compute)
+            h = last.output
+        assert last is not None
+        head = self.model.head
+        if head is None:
+            logits, loss = last.logits, last.loss
+        else:
+            logits, loss = self._head_step(h, y, rate, compute)
+        self.step_count += 1
+        self._loss_sum += loss.detach().float()
+        self._loss_batches += 1
+        return logits.detach().float(), loss.detach().float()
+
+    @torch.no_grad()
+    def _head_step(self, features: Tensor, y: Tensor, lr: float, compute: torch.dtype | None) -> tuple[Tensor, Tensor]:
+        head = self.model.head
+        assert head is not None and self.head_state is not None and self.head_statistics is not None
+        if self.accumulate_head_statistics:
+            self.head_statistics.update(features, y)
+        dtype = compute or head.weight.dtype
+        bias = head.bias.to(dtype) if head.bias is not None else None
+        result = F.head_loss_and_gradients(features.to(dtype), head.weight.to(dtype), bias, y)
+        grads = [result.grad_weight.to(head.weight.dtype)]
+        if result.grad_bias is not None:
+            grads.append(result.grad_bias.to(head.weight.dtype))
+        self.head_state.apply_(self._head_tensors(), grads, self.config, lr)
+        return result.logits, result.loss.float()
+
+    @property
+    def running_loss(self) -> float:
+        """Mean loss over the steps since the last call (reads the device once)."""
+        if self._loss_batches == 0:
+            return float("nan")
+        value = float(self._loss_sum) / self._loss_batches
+        self._loss_sum.zero_()
+        self._loss_batches = 0
+        return value
+
+    # ------------------------------------------------------------------ closed-form head
+    def reset_head_statistics(self) -> None:
+        """Forget the Gram statistics accumulated by :meth:`step`."""
+        if self.head_statistics is not None:
+            self.head_statistics.reset()
+
+    def _require_head(self) -> nn.Linear:
+        head = self.model.head
+        if head is None or self.head_statistics is None:
+            raise ValueError(
+                "solve_head() needs model.classifier (an nn.Linear on the last DAD layer's output); "
+                f"{type(self.model).__name__} has none. Add `self.classifier = torch.nn.Linear(features, classes)`"
+            )
+        return head
+
+    @torch.no_grad()
+    def solve_head(
+        self,
+        lambda_reg: float | str = "auto",
+        loader: Iterable[tuple[Tensor, Tensor]] | None = None,
+    ) -> RidgeSolution:
+        """Solve ``model.classifier`` in closed form by ridge regression onto one-hot labels.
+
+        With ``loader``, one no-grad pass computes the final features with the current
+        weights. Without, it uses the statistics ``step()`` accumulated since the last
+        solve or reset (these are then reset). ``lambda_reg="auto"`` picks lambda by GCV.
+        """
+        head = self._require_head()
+        assert self.head_statistics is not None and self.head_state is not None
+        if loader is not None:
+            stats = GramAccumulator(head.in_features, head.out_features, device=self.device)
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                for inputs, labels in loader:
+                    x, y = self._prepare(inputs, labels)
+                    stats.update(self.model.features(x), y)
+            finally:
+                self.model.train(was_training)
+        else:
+            stats = self.head_statistics
+        solution = stats.solve(lambda_reg)
+        head.weight.copy_(solution.weight.to(head.weight.dtype))
+        if head.bias is not None:
+            head.bias.copy_(solution.bias.to(head.bias.dtype))
+        else:
+            # no bias to hold the intercept: fold nothing, the solve already centred it away
+            pass
+        for buffer in self.head_state.buffers():
+            buffer.zero_()
+        if loader is None:
+            stats.reset()
+        return solution
+
+    # ------------------------------------------------------------------ loops
+    def _batches(self, data: Any, batch_size: int, shuffle: bool, generator: torch.Generator | None) -> Iterator[tuple[Tensor, Tensor]]:
+        if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, Tensor) for t in data):
+            inputs, labels = data
+            n = inputs.shape[0]
+            if labels.shape[0] != n:
+                raise ValueError(f"inputs have {n} rows but labels have {labels.shape[0]}")
+            order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
+            for start in range(0, n, batch_size):
+                idx = order[start : start + batch_size]
+                yield inputs[idx], labels[idx]
+        else:
+            yield from data
+
+    def fit(
+        self,
+        train: Any,
+        epochs: int = 1,
+        eval: Any = None,
+        *,
+        batch_size: int = 256,
+        shuffle: bool = True,
+        seed: int | None = 0,
+        progress: bool = True,
+        log_every: int = 50,
+    ) -> list[dict[str, float]]:
+        """Train for ``epochs``; returns (and appends to ``self.history``) one record per epoch.
+
+        ``train``/``eval`` are iterables of ``(x, y)`` batches (e.g. a ``DataLoader``) or a
+        pair of tensors ``(X, Y)`` batched here with ``batch_size``. Each record holds
+        ``epoch, loss, train_s, img_per_s`` and, with ``eval``, ``accuracy`` / ``eval_loss``.
+        A tqdm bar shows progress if tqdm is installed; the loss it shows is read every
+        ``log_every`` steps only, so training stays free of host syncs in between.
+        """
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+            raise ValueError(f"epochs={epochs!r} must be a positive int")
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        records = []
+        for epoch in range(epochs):
+            batches = self._batches(train, batch_size, shuffle, generator)
+            bar = _progress(batches, progress, desc=f"epoch {epoch + 1}/{epochs}")
+            seen = 0
+            losses = torch.zeros((), device=self.device)
+            count = 0
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            start = time.perf_counter()
+            for inputs, labels in bar:
+                _, loss = self.step(inputs, labels)
+                losses += loss
+                count += 1
+                seen += inputs.shape[0]
+                if hasattr(bar, "set_postfix") and count % log_every == 0:
+                    bar.set_postfix(loss=f"{float(losses) / count:.4f}")
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)
+            elapsed = time.perf_counter() - start
+            record = {
+                "epoch": float(len(self.history) + 1),
+                "loss": float(losses) / max(count, 1),
+                "train_s": elapsed,
+                "img_per_s": seen / elapsed if elapsed > 0 else float("nan"),
+            }
+            if eval is not None:
+                metrics = self.evaluate(eval, batch_size=batch_size)
+                record["accuracy"] = metrics["accuracy"]
+                record["eval_loss"] = metrics["loss"]
+            if hasattr(bar, "close"):
+                bar.close()
+            self.history.append(record)
+            records.append(record)
+        return records
+
+    @torch.no_grad()
+    def evaluate(self, data: Any, *, batch_size: int = 1024, use_local_head: bool = False) -> dict[str, float]:
+        """Accuracy and mean cross-entropy of ``model(x)`` (or the last local head) over ``data``."""
+        was_training = self.model.training
+        self.model.eval()
+        correct = torch.zeros((), device=self.device, dtype=torch.long)
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
+        total = 0
+        try:
+            for inputs, labels in self._batches(data, batch_size, False, None):
+                x, y = self._prepare(inputs, labels)
+                logits = self.model.local_head_logits(x) if use_local_head else self.model(x)
+                correct += (logits.argmax(1) == y).sum()
+                loss_sum += nn.functional.cross_entropy(logits.float(), y, reduction="sum").double()
+                total += y.shape[0]
+        finally:
+            self.model.train(was_training)
+        if total == 0:
+            raise ValueError("evaluate() got no batches")
+        return {"accuracy": int(correct) / total, "loss": float(loss_sum) / total, "samples": float(total)}
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume bit-for-bit: model (with local heads and moments),
+        classifier optimizer state, Gram statistics, step count and hyper-parameters."""
+        return {
+            "model": self.model.state_dict(),
+            "head_state": self.head_state.state_dict() if self.head_state is not None else None,
+            "head_statistics": self.head_statistics.state_dict() if self.head_statistics is not None else None,
+            "step_count": self.step_count,
+            "config": dict(vars(self.config)),
+            "history": list(self.history),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        missing = {"model", "head_state", "head_statistics", "step_count", "config"} - set(state)
+        if missing:
+            raise ValueError(f"trainer state_dict is missing keys {sorted(missing)}")
+        self.model.load_state_dict(state["model"])
+        if self.head_state is not None:
+            if state["head_state"] is None:
+                raise ValueError("checkpoint has no classifier state but this model has a classifier")
+            self.head_state.load_state_dict(state["head_state"])
+            assert self.head_statistics is not None
+            self.head_statistics.load_state_dict(state["head_statistics"])
+        config = dict(state["config"])
+        config["betas"] = tuple(config["betas"])
+        self.config = OptimizerConfig(**config)
+        self.step_count = int(state["step_count"])
+        self.history = list(state.get("history", []))
+
+
+def _progress(iterable: Iterable[Any], enabled: bool, desc: str) -> Any:
+    if not enabled:
+        return iterable
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return iterable
+    return tqdm(iterable, desc=desc, leave=False, dynamic_ncols=True)

@@ -1,0 +1,96 @@
+"""The closed-form gradients in ``functional`` equal autograd's on the same local loss (float64)."""
+
+import pytest
+import torch
+
+from torch_dad import functional as F
+
+from .conftest import relative_error
+
+ACTS = list(F.ACTIVATIONS)
+
+
+def _autograd_local(a, w, b, wl, bl, y, act, smoothing=0.0):
+    w, wl, bl = (t.clone().requires_grad_(True) for t in (w, wl, bl))
+    b = b.clone().requires_grad_(True) if b is not None else None
+    z = a @ w.T + (b if b is not None else 0)
+    h = {"relu": torch.relu, "gelu": torch.nn.functional.gelu, "tanh": torch.tanh, "identity": lambda t: t}[act](z)
+    loss = torch.nn.functional.cross_entropy(h @ wl.T + bl, y, label_smoothing=smoothing)
+    loss.backward()
+    return loss.detach(), w.grad, (b.grad if b is not None else None), wl.grad, bl.grad
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("batch", [1, 7, 1000])
+@pytest.mark.parametrize("width", [1, 3, 257])
+def test_local_gradients_match_autograd(act, bias, batch, width):
+    d_in, classes = 5, 4
+    a = torch.randn(batch, d_in, dtype=torch.float64)
+    w = torch.randn(width, d_in, dtype=torch.float64)
+    b = torch.randn(width, dtype=torch.float64) if bias else None
+    wl = torch.randn(classes, width, dtype=torch.float64)
+    bl = torch.randn(classes, dtype=torch.float64)
+    y = torch.randint(0, classes, (batch,))
+    got = F.local_loss_and_gradients(a, w, b, wl, bl, y, act)
+    loss, gw, gb, gwl, gbl = _autograd_local(a, w, b, wl, bl, y, act)
+    assert relative_error(got.loss, loss) < 1e-10
+    assert relative_error(got.grad_weight, gw) < 1e-10
+    assert relative_error(got.grad_head_weight, gwl) < 1e-10
+    assert relative_error(got.grad_head_bias, gbl) < 1e-10
+    if bias:
+        assert relative_error(got.grad_bias, gb) < 1e-10
+    else:
+        assert got.grad_bias is None
+
+
+def test_label_smoothing_matches_autograd():
+    a = torch.randn(33, 6, dtype=torch.float64)
+    w, wl = torch.randn(9, 6, dtype=torch.float64), torch.randn(5, 9, dtype=torch.float64)
+    b, bl = torch.randn(9, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    y = torch.randint(0, 5, (33,))
+    got = F.local_loss_and_gradients(a, w, b, wl, bl, y, "gelu", label_smoothing=0.1)
+    loss, gw, gb, *_ = _autograd_local(a, w, b, wl, bl, y, "gelu", smoothing=0.1)
+    assert relative_error(got.loss, loss) < 1e-10
+    assert relative_error(got.grad_weight, gw) < 1e-10
+
+
+def test_ignore_index_rows_get_no_gradient():
+    logits = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
+    y = torch.tensor([0, -100, 2, 1, -100, 0])
+    loss, d = F.cross_entropy_error(logits.detach(), y)
+    ref = torch.nn.functional.cross_entropy(logits, y, ignore_index=-100)
+    ref.backward()
+    assert relative_error(loss, ref.detach()) < 1e-12
+    assert relative_error(d, logits.grad) < 1e-12
+    all_ignored = torch.full((6,), -100)
+    loss0, d0 = F.cross_entropy_error(logits.detach(), all_ignored)
+    assert float(loss0) == 0.0 and float(d0.abs().sum()) == 0.0
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_head_gradients_equal_backprop(bias):
+    a = torch.randn(17, 11, dtype=torch.float64)
+    w = torch.randn(7, 11, dtype=torch.float64, requires_grad=True)
+    b = torch.randn(7, dtype=torch.float64, requires_grad=True) if bias else None
+    y = torch.randint(0, 7, (17,))
+    torch.nn.functional.cross_entropy(torch.nn.functional.linear(a, w, b), y).backward()
+    got = F.head_loss_and_gradients(a, w.detach(), b.detach() if bias else None, y)
+    assert relative_error(got.grad_weight, w.grad) < 1e-10
+    if bias:
+        assert relative_error(got.grad_bias, b.grad) < 1e-10
+
+
+def test_unknown_activation_is_rejected():
+    with pytest.raises(ValueError, match="activation='swish'.*relu"):
+        F.check_activation("swish")
+
+
+def test_ridge_solve_minimises_the_objective():
+    h = torch.randn(200, 6, dtype=torch.float64)
+    y = torch.nn.functional.one_hot(torch.randint(0, 3, (200,)), 3).double()
+    w, b = F.ridge_solve(h, y, 0.5)
+    # gradient of ||H W^T + b - Y||^2 + lam ||W||^2 vanishes at the optimum
+    r = h @ w.T + b - y
+    assert float((2 * r.T @ h + 2 * 0.5 * w).abs().max()) < 1e-9
+    assert float(r.sum(0).abs().max()) < 1e-9

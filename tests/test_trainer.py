@@ -1,0 +1,197 @@
+"""DADTrainer: step semantics, closed-form head, fit/evaluate, checkpoints and bad input."""
+
+import copy
+import io
+
+import pytest
+import torch
+
+import torch_dad as td
+from torch_dad import data
+from torch_dad import functional as F
+
+from .conftest import relative_error
+
+
+class Net(td.DADModel):
+    def __init__(self, d=20, classes=4, classifier=True):
+        super().__init__()
+        self.l1 = td.DADLinear(d, 33, num_classes=classes)
+        self.l2 = td.DADLinear(33, 17, num_classes=classes, activation="gelu")
+        if classifier:
+            self.classifier = torch.nn.Linear(17, classes)
+
+
+def full_state(trainer):
+    state = trainer.state_dict()
+    flat = {f"model.{k}": v for k, v in state["model"].items()}
+    flat.update({f"head.{k}": v for k, v in (state["head_state"] or {}).items()})
+    flat.update({f"stats.{k}": v for k, v in (state["head_statistics"] or {}).items()})
+    return {k: v.clone() for k, v in flat.items()}
+
+
+def assert_same_state(a, b):
+    assert a.keys() == b.keys()
+    for k in a:
+        assert torch.equal(a[k], b[k]), k
+
+
+def test_device_accepts_string_device_and_none():
+    for device in ("cpu", torch.device("cpu"), None):
+        assert td.DADTrainer(Net(), device=device).device == torch.device("cpu")
+    with pytest.raises(TypeError, match="device"):
+        td.DADTrainer(Net(), device=3.5)
+
+
+def test_step_returns_detached_logits_and_loss_before_update():
+    trainer = td.DADTrainer(Net(), lr=1e-2)
+    x, y = torch.randn(9, 20), torch.randint(0, 4, (9,))
+    expected = trainer.model(x).detach()
+    logits, loss = trainer.step(x, y)
+    assert loss.dim() == 0 and not loss.requires_grad and not logits.requires_grad
+    assert torch.allclose(logits, expected, atol=1e-6)
+    assert abs(float(loss) - float(torch.nn.functional.cross_entropy(expected, y))) < 1e-5
+    assert trainer.step_count == 1
+
+
+def test_step_equals_layerwise_functional_reference_float64():
+    torch.manual_seed(0)
+    model = Net().double()
+    reference = copy.deepcopy(model)
+    trainer = td.DADTrainer(model, lr=1e-2, weight_decay=0.0, optimizer="sgd", momentum=0.0)
+    x, y = torch.randn(11, 20, dtype=torch.float64), torch.randint(0, 4, (11,))
+    trainer.step(x, y)
+    # reference: plain SGD on each layer's own closed-form gradients, inputs from pre-update weights
+    h = x
+    for layer in reference.dad_layers:
+        g = F.local_loss_and_gradients(h, layer.weight.detach(), layer.bias.detach(), layer.head_weight,
+                                       layer.head_bias, y, layer.activation)
+        h = g.output
+        layer.weight.data -= 1e-2 * g.grad_weight
+        layer.bias.data -= 1e-2 * g.grad_bias
+    hg = F.head_loss_and_gradients(h, reference.classifier.weight.detach(), reference.classifier.bias.detach(), y)
+    reference.classifier.weight.data -= 1e-2 * hg.grad_weight
+    reference.classifier.bias.data -= 1e-2 * hg.grad_bias
+    for (name, got), want in zip(model.named_parameters(), reference.parameters()):
+        assert relative_error(got.detach(), want.detach()) < 1e-12, name
+
+
+def test_solve_head_from_loader_equals_functional_ridge():
+    trainer = td.DADTrainer(Net().double())
+    x, y = torch.randn(300, 20, dtype=torch.float64), torch.randint(0, 4, (300,))
+    solution = trainer.solve_head(lambda_reg=0.3, loader=[(x[:128], y[:128]), (x[128:], y[128:])])
+    with torch.no_grad():
+        feats = trainer.model.features(x)
+    w, b = F.ridge_solve(feats, torch.nn.functional.one_hot(y, 4).double(), 0.3)
+    assert relative_error(trainer.model.classifier.weight.detach(), w) < 1e-9
+    assert relative_error(trainer.model.classifier.bias.detach(), b) < 1e-9
+    assert solution.lambda_reg == 0.3
+
+
+def test_solve_head_uses_statistics_accumulated_by_step():
+    (xtr, ytr), (xte, yte) = data.synthetic(num_train=4096, num_features=20, seed=3)
+    trainer = td.DADTrainer(Net(), lr=3e-3)
+    for x, y in data.batches(xtr, ytr, 128):
+        trainer.step(x, y)
+    assert trainer.head_statistics.num_samples > 0
+    solution = trainer.solve_head()
+    assert solution.gcv is not None and solution.lambda_reg > 0
+    assert trainer.head_statistics.num_samples == 0  # reset after a solve
+    assert trainer.evaluate((xte, yte))["accuracy"] > 0.9
+    with pytest.raises(ValueError, match="no Gram statistics"):
+        trainer.solve_head()
+
+
+def test_solve_head_without_classifier_is_a_clear_error():
+    trainer = td.DADTrainer(Net(classifier=False))
+    with pytest.raises(ValueError, match="classifier"):
+        trainer.solve_head()
+
+
+def test_fit_and_evaluate_learn_a_synthetic_task():
+    (xtr, ytr), (xte, yte) = data.synthetic(num_train=2048, num_features=20, seed=1)
+    trainer = td.DADTrainer(Net(), lr=3e-3)
+    history = trainer.fit((xtr, ytr), epochs=3, eval=(xte, yte), batch_size=64, progress=False)
+    assert len(history) == 3 and all(r["img_per_s"] > 0 for r in history)
+    assert history[-1]["loss"] < history[0]["loss"]
+    assert history[-1]["accuracy"] > 0.9
+    local = trainer.evaluate((xte, yte), use_local_head=True)
+    assert local["accuracy"] > 0.9
+
+
+def test_bf16_autocast_keeps_fp32_masters():
+    trainer = td.DADTrainer(Net(), amp_dtype=torch.bfloat16)
+    logits, loss = trainer.step(torch.randn(8, 20), torch.randint(0, 4, (8,)))
+    assert all(p.dtype == torch.float32 for p in trainer.model.parameters())
+    assert torch.isfinite(loss)
+    with pytest.raises(ValueError, match="float16 is not supported on CPU"):
+        trainer.step(torch.randn(8, 20), torch.randint(0, 4, (8,)), amp_dtype=torch.float16)
+
+
+def _run(trainer, batches):
+    for x, y in batches:
+        trainer.step(x, y)
+
+
+def test_resume_is_bitwise_identical():
+    (xtr, ytr), _ = data.synthetic(num_train=640, num_features=20, seed=5)
+    batches = list(data.batches(xtr, ytr, 64, seed=2))
+    torch.manual_seed(0)
+    straight = td.DADTrainer(Net())
+    _run(straight, batches)
+    torch.manual_seed(0)
+    first = td.DADTrainer(Net())
+    _run(first, batches[:4])
+    buffer = io.BytesIO()
+    torch.save(first.state_dict(), buffer)
+    buffer.seek(0)
+    torch.manual_seed(99)  # a different init, fully overwritten by the checkpoint
+    resumed = td.DADTrainer(Net())
+    resumed.load_state_dict(torch.load(buffer))
+    _run(resumed, batches[4:])
+    assert resumed.step_count == straight.step_count
+    assert_same_state(full_state(resumed), full_state(straight))
+
+
+BAD_STEP_INPUTS = [
+    ("label too large", lambda x, y: (x, torch.full_like(y, 4)), ValueError, r"\[0, 4\)"),
+    ("negative label", lambda x, y: (x, -torch.ones_like(y)), ValueError, r"\[0, 4\)"),
+    ("float labels", lambda x, y: (x, y.float()), TypeError, "integer class ids"),
+    ("label count", lambda x, y: (x, y[:-1]), ValueError, "one class id per row"),
+    ("input width", lambda x, y: (x[:, :-1], y), ValueError, "in_features=20"),
+    ("empty batch", lambda x, y: (x[:0], y[:0]), ValueError, "empty batch"),
+    ("nan input", lambda x, y: (x.index_fill(0, torch.tensor([1]), float("nan")), y), ValueError, "NaN or Inf"),
+    ("inf input", lambda x, y: (x.index_fill(1, torch.tensor([2]), float("inf")), y), ValueError, "NaN or Inf"),
+    ("integer inputs", lambda x, y: (x.long(), y), TypeError, "float"),
+    ("labels not a tensor", lambda x, y: (x, y.tolist()), TypeError, "torch.Tensor"),
+]
+
+
+@pytest.mark.parametrize("name, corrupt, error, match", BAD_STEP_INPUTS, ids=[c[0] for c in BAD_STEP_INPUTS])
+def test_bad_step_input_raises_and_changes_nothing(name, corrupt, error, match):
+    trainer = td.DADTrainer(Net())
+    x, y = torch.randn(6, 20), torch.randint(0, 4, (6,))
+    trainer.step(x, y)
+    before = full_state(trainer)
+    steps = trainer.step_count
+    bad_x, bad_y = corrupt(x, y)
+    with pytest.raises(error, match=match):
+        trainer.step(bad_x, bad_y)
+    assert trainer.step_count == steps
+    assert_same_state(full_state(trainer), before)
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    ({"optimizer": "adagrad"}, "optimizer='adagrad'"),
+    ({"lr": -1.0}, "lr"),
+    ({"amp_dtype": torch.int8}, "amp_dtype"),
+    ({"check_values": "sometimes"}, "check_values"),
+])
+def test_trainer_rejects_bad_options(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        td.DADTrainer(Net(), **kwargs)
+
+
+def test_trainer_rejects_non_dad_model():
+    with pytest.raises(TypeError, match="DADModel"):
+        td.DADTrainer(torch.nn.Linear(3, 2))
