@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import Tensor, nn
@@ -194,13 +194,18 @@ class DADLinear(nn.Module):
         config: OptimizerConfig | None = None,
         lr: float | Tensor | None = None,
         compute_dtype: torch.dtype | None = None,
+        reduce_gradients: Callable[[list[Tensor]], None] | None = None,
     ) -> LocalStepResult:
         """One decoupled step: forward, local error, in-place update of layer and head.
 
         Returns the output ``h`` computed with the weights *before* the update (what the
         next layer consumes, as in sequential training), the local loss and local logits.
+        ``reduce_gradients`` (e.g. an all-reduce mean across processes) is applied in place
+        to the gradient list before the update.
         """
         result, grads = self.local_gradients(inputs, target, compute_dtype)
+        if reduce_gradients is not None:
+            reduce_gradients(grads)
         self.optim_state.apply_(self._trained_tensors(), grads, config or OptimizerConfig(), lr)
         return result
 

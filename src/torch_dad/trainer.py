@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -115,6 +115,10 @@ class DADTrainer:
             self.head_statistics = GramAccumulator(
                 head.in_features, head.out_features, device=self.device, window=head_statistics_window
             )
+        # Hooks for torch.distributed: called on each layer's local gradients before the
+        # in-place update, and on the Gram statistics before a solve (see torch_dad.parallel).
+        self.gradient_reducer: Callable[[list[Tensor]], None] | None = None
+        self.statistics_reducer: Callable[[GramAccumulator], None] | None = None
         self.step_count = 0
         self._loss_sum = torch.zeros((), device=self.device)
         self._loss_batches = 0
@@ -140,6 +144,8 @@ class DADTrainer:
         if inputs.dim() == 0:
             raise ValueError("inputs must have a batch dimension, got a 0-dim tensor")
         first = self.model.dad_layers[0]
+        if inputs.shape[0] == 0:
+            raise ValueError("inputs are an empty batch; pass at least one row")
         x = inputs.to(self.device, non_blocking=True).reshape(inputs.shape[0], -1)
         if not x.dtype.is_floating_point:
             raise TypeError(f"inputs have dtype {inputs.dtype}; convert them with .float()")
@@ -178,7 +184,7 @@ class DADTrainer:
         h = x
         last = None
         for layer in self.model.dad_layers:
-            last = layer.local_step(h, y, self.config, rate, compute)
+            last = layer.local_step(h, y, self.config, rate, compute, reduce_gradients=self.gradient_reducer)
             h = last.output
         assert last is not None
         head = self.model.head
@@ -203,6 +209,8 @@ class DADTrainer:
         grads = [result.grad_weight.to(head.weight.dtype)]
         if result.grad_bias is not None:
             grads.append(result.grad_bias.to(head.weight.dtype))
+        if self.gradient_reducer is not None:
+            self.gradient_reducer(grads)
         self.head_state.apply_(self._head_tensors(), grads, self.config, lr)
         return result.logits, result.loss.float()
 
@@ -257,6 +265,8 @@ class DADTrainer:
                 self.model.train(was_training)
         else:
             stats = self.head_statistics
+        if self.statistics_reducer is not None:
+            self.statistics_reducer(stats)
         solution = stats.solve(lambda_reg)
         head.weight.copy_(solution.weight.to(head.weight.dtype))
         if head.bias is not None:
