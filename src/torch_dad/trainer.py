@@ -119,6 +119,10 @@ class DADTrainer:
         # in-place update, and on the Gram statistics before a solve (see torch_dad.parallel).
         self.gradient_reducer: Callable[[list[Tensor]], None] | None = None
         self.statistics_reducer: Callable[[GramAccumulator], None] | None = None
+        # per-layer reusable buffers (CPU only: CUDA's caching allocator already reuses memory)
+        self._workspaces: list[dict[str, Tensor] | None] = [
+            {} if self.device.type == "cpu" else None for _ in layers
+        ]
         self.step_count = 0
         self._loss_sum = torch.zeros((), device=self.device)
         self._loss_batches = 0
@@ -183,8 +187,10 @@ class DADTrainer:
         rate = self.config.lr if lr is None else float(lr)
         h = x
         last = None
-        for layer in self.model.dad_layers:
-            last = layer.local_step(h, y, self.config, rate, compute, reduce_gradients=self.gradient_reducer)
+        for layer, workspace in zip(self.model.dad_layers, self._workspaces):
+            last = layer.local_step(
+                h, y, self.config, rate, compute, reduce_gradients=self.gradient_reducer, workspace=workspace
+            )
             h = last.output
         assert last is not None
         head = self.model.head
