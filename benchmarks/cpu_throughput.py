@@ -38,12 +38,12 @@ def main() -> None:
             x = torch.randn(batch, widths[0])
             y = torch.randint(0, 10, (batch,))
             dad = td.DADTrainer(SeedMLP(widths), device="cpu")
-            systems = {"dad": lambda: dad.step(x, y)}
+            systems = {"dad": lambda dad=dad, x=x, y=y: dad.step(x, y)}
             for label, fused in (("backprop-eager", None), ("backprop-eager-fused", True)):
                 net = backprop_mlp(widths)
                 opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.01, fused=fused)
 
-                def bp_step(net=net, opt=opt) -> None:
+                def bp_step(net=net, opt=opt, x=x, y=y) -> None:
                     opt.zero_grad(set_to_none=True)
                     torch.nn.functional.cross_entropy(net(x), y).backward()
                     opt.step()

@@ -81,6 +81,10 @@ class DADLinear(nn.Module):
     are in ``state_dict`` but not in ``parameters()``, so a user's optimizer never sees them.
     """
 
+    head_weight: Tensor
+    head_bias: Tensor
+    bias: nn.Parameter | None
+
     def __init__(
         self,
         in_features: int,
@@ -103,11 +107,10 @@ class DADLinear(nn.Module):
         if not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f"label_smoothing={label_smoothing!r} must lie in [0, 1)")
         self.label_smoothing = float(label_smoothing)
-        kw = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, **kw))
-        self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
-        self.register_buffer("head_weight", torch.empty(num_classes, out_features, **kw))
-        self.register_buffer("head_bias", torch.empty(num_classes, **kw))
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
+        self.register_buffer("head_weight", torch.empty(num_classes, out_features, device=device, dtype=dtype))
+        self.register_buffer("head_bias", torch.empty(num_classes, device=device, dtype=dtype))
         self.reset_parameters()
         shapes = [p.shape for p in self._trained_tensors()]
         self.optim_state = LocalOptimizerState(shapes, device=device, dtype=dtype)
@@ -298,8 +301,8 @@ class DADModel(nn.Module):
     def features(self, inputs: Tensor) -> Tensor:
         """Output of the last DAD layer: what ``classifier`` (or the local head) sees."""
         h = inputs
-        for h in self.iter_features(inputs):
-            pass
+        for output in self.iter_features(inputs):
+            h = output
         return h
 
     def forward(self, inputs: Tensor) -> Tensor:
