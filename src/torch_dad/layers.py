@@ -62,12 +62,23 @@ def check_inputs(inputs: Tensor, in_features: int, *, check_values: bool = True,
 
 
 class LocalStepResult:
-    """What one local step returns: the layer output (pre-update weights), loss and local logits."""
+    """What one local step returns: the layer output (pre-update weights), loss, local logits,
+    and whether the update was skipped because its gradients were not finite."""
 
-    __slots__ = ("output", "loss", "logits")
+    __slots__ = ("output", "loss", "logits", "skipped")
 
     def __init__(self, output: Tensor, loss: Tensor, logits: Tensor) -> None:
         self.output, self.loss, self.logits = output, loss, logits
+        self.skipped = False
+
+
+def gradients_are_finite(grads: list[Tensor]) -> bool:
+    """``all(isfinite(g).all() for g in grads)``, via one sum per gradient (NaN/Inf propagate)."""
+    total = torch.stack([g.float().sum() for g in grads]).sum()
+    if bool(torch.isfinite(total)):
+        return True
+    # a finite but huge gradient can overflow the sum: confirm elementwise before failing
+    return all(bool(torch.isfinite(g).all()) for g in grads)
 
 
 class DADLinear(nn.Module):
@@ -221,17 +232,30 @@ class DADLinear(nn.Module):
         compute_dtype: torch.dtype | None = None,
         reduce_gradients: Callable[[list[Tensor]], None] | None = None,
         workspace: dict[str, Tensor] | None = None,
+        on_nonfinite: str = "ignore",
     ) -> LocalStepResult:
         """One decoupled step: forward, local error, in-place update of layer and head.
 
         Returns the output ``h`` computed with the weights *before* the update (what the
         next layer consumes, as in sequential training), the local loss and local logits.
         ``reduce_gradients`` (e.g. an all-reduce mean across processes) is applied in place
-        to the gradient list before the update.
+        to the gradient list before the update. ``on_nonfinite``: with ``"raise"`` or
+        ``"skip"``, gradients containing NaN/Inf are detected (one reduction per gradient,
+        a host sync on CUDA) and the update is not applied (``result.skipped`` is True);
+        ``"raise"`` then raises ``FloatingPointError``.
         """
         result, grads = self.local_gradients(inputs, target, compute_dtype, workspace)
         if reduce_gradients is not None:
             reduce_gradients(grads)
+        if on_nonfinite != "ignore" and not gradients_are_finite(grads):
+            result.skipped = True
+            if on_nonfinite == "raise":
+                raise FloatingPointError(
+                    f"non-finite local gradients in {self!r} (learning rate too high, or overflow in "
+                    "half precision?); this layer was not updated. Lower lr, or pass "
+                    "on_nonfinite='skip' to skip such updates and count them"
+                )
+            return result
         self.optim_state.apply_(self._trained_tensors(), grads, config or OptimizerConfig(), lr)
         return result
 
