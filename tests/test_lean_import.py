@@ -5,10 +5,14 @@ import sys
 
 
 def test_import_pulls_no_optional_library():
+    # compared with what `import torch` alone loads (some torch builds import tqdm themselves)
     code = (
-        "import sys, torch_dad\n"
-        "heavy = [m for m in ('transformers', 'triton', 'matplotlib', 'peft', 'trl', 'tqdm', 'zarr') if m in sys.modules]\n"
-        "import torch\n"
+        "import sys, torch\n"
+        "before = set(sys.modules)\n"
+        "import torch_dad\n"
+        "new = set(sys.modules) - before\n"
+        "optional = ('transformers', 'triton', 'matplotlib', 'peft', 'trl', 'tqdm', 'zarr')\n"
+        "heavy = [m for m in optional if m in new]\n"
         "assert not torch.cuda.is_initialized()\n"
         "print(','.join(heavy))\n"
     )
