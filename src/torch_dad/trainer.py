@@ -460,4 +460,5 @@ def _progress(iterable: Iterable[Any], enabled: bool, desc: str) -> Any:
         from tqdm.auto import tqdm
     except ImportError:
         return iterable
-    return tqdm(iterable, desc=desc, leave=False, dynamic_ncols=True)
+    # disable=None: no bar when stdout is not a terminal (CI logs), as tqdm documents
+    return tqdm(iterable, desc=desc, leave=False, dynamic_ncols=True, disable=None)
