@@ -90,7 +90,8 @@ class GramAccumulator(torch.nn.Module):
         per_class.index_add_(0, target, h)
         self.count.add_(h.shape[0])
         self.sum_features.add_(h.sum(0).double())
-        self.sum_targets.add_(torch.bincount(target, minlength=self.num_classes).double())
+        # index_add_ instead of bincount: bincount sizes its output from max(target), a host sync on CUDA
+        self.sum_targets.index_add_(0, target, torch.ones_like(target, dtype=torch.float64))
         self.gram.add_((h.T @ h).double())
         self.cross.add_(per_class.T.double())
 
