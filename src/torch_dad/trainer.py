@@ -173,14 +173,7 @@ class DADTrainer:
         ``lr`` overrides the learning rate for this step; ``amp_dtype`` the compute dtype.
         Invalid input raises before anything is modified.
         """
-        if lr is not None and (not isinstance(lr, (int, float)) or not lr >= 0):
-            raise ValueError(f"lr={lr!r} must be a finite float >= 0")
-        compute = amp_dtype if amp_dtype is not None else self.amp_dtype
-        self._check_amp(compute, "amp_dtype")
-        if compute == torch.float32:
-            compute = None
-        x, y = self._prepare(inputs, labels)
-        rate = self.config.lr if lr is None else float(lr)
+        x, y, rate, compute = self._begin_step(inputs, labels, lr, amp_dtype)
         h = x
         last = None
         for layer in self.model.dad_layers:
@@ -192,6 +185,23 @@ class DADTrainer:
             logits, loss = last.logits, last.loss
         else:
             logits, loss = self._head_step(h, y, rate, compute)
+        return self._end_step(logits, loss)
+
+    def _begin_step(
+        self, inputs: Tensor, labels: Tensor, lr: float | None, amp_dtype: torch.dtype | None
+    ) -> tuple[Tensor, Tensor, float, torch.dtype | None]:
+        """Validate a step's arguments: ``(x, y, lr, compute dtype or None for the master dtype)``."""
+        if lr is not None and (not isinstance(lr, (int, float)) or not lr >= 0):
+            raise ValueError(f"lr={lr!r} must be a finite float >= 0")
+        compute = amp_dtype if amp_dtype is not None else self.amp_dtype
+        self._check_amp(compute, "amp_dtype")
+        if compute == torch.float32:
+            compute = None
+        x, y = self._prepare(inputs, labels)
+        return x, y, self.config.lr if lr is None else float(lr), compute
+
+    def _end_step(self, logits: Tensor, loss: Tensor) -> tuple[Tensor, Tensor]:
+        """Count the step and its loss (on the device: no host sync); detached ``(logits, loss)``."""
         self.step_count += 1
         self._loss_sum += loss.detach().float()
         self._loss_batches += 1
