@@ -277,6 +277,7 @@ class DADAutogradLinear(nn.Module):
         self.grad_scaler: Any = None
         self.last_local_loss: Tensor | None = None
         self._y_context: Tensor | None = None
+        self._forward_labels: Tensor | None = None
         self._update_count = 0
         self._warned_fp16 = False
 
@@ -434,15 +435,19 @@ class DADAutogradLinear(nn.Module):
                 f"inputs have shape {tuple(inputs.shape)}; the last dim must be in_features={self.in_features}"
             )
         records = torch.is_grad_enabled() and (inputs.requires_grad or self._trains())
+        recomputing = _inside_backward()
+        if self.training and not recomputing:
+            # what a checkpoint recomputation of this forward will need: use_reentrant=True runs
+            # the first forward under no_grad and the recorded one inside backward, often after
+            # the labels were cleared or replaced
+            self._forward_labels = self._y_context
         if not (self.training and records):
             a, w, b = self._cast_for_forward(inputs, self.weight, self.bias)
             return F.activation_forward(nn.functional.linear(a, w, b), self.activation)
-        labels = self._y_context
+        labels = self._forward_labels if recomputing and self._forward_labels is not None else self._y_context
         if labels is not None:
             labels = self._check_y(inputs, labels)
-        elif self._trains() and not _inside_backward():
-            # inside a backward this forward is checkpoint's recomputation: the original node
-            # keeps the labels it saw, these are not used
+        elif self._trains():
             raise ValueError(
                 "DADAutogradLinear needs labels in training mode: call layer.set_y_context(labels) or wrap the "
                 "forward in `with torch_dad.label_context(model, labels):`; use model.eval() or torch.no_grad() "
