@@ -120,6 +120,41 @@ def _errors(rank, out):
     )
 
 
+def autograd_net():
+    from torch_dad.autograd import DADAutogradLinear
+
+    return torch.nn.Sequential(
+        torch.nn.Flatten(),
+        DADAutogradLinear(D_IN, 37, num_classes=CLASSES, activation="relu", update="grad"),
+        DADAutogradLinear(37, 19, num_classes=CLASSES, activation="gelu", update="grad"),
+        DADAutogradLinear(19, CLASSES, update="grad"),
+    )
+
+
+def autograd_steps(model, x, y, shard=slice(None), steps=3, batch=24):
+    """``update="grad"`` DAD layers + torch AdamW; ``model`` may be DDP-wrapped (then ``shard`` picks rows)."""
+    from torch_dad.autograd import label_context
+
+    plain = getattr(model, "module", model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for t in range(steps):
+        xb, yb = x[t * batch : (t + 1) * batch][shard], y[t * batch : (t + 1) * batch][shard]
+        with label_context(plain, yb):
+            loss = torch.nn.functional.cross_entropy(model(xb), yb)
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {k: v.detach().clone() for k, v in plain.state_dict().items()}
+
+
+def _ddp_autograd(rank, out):
+    torch.manual_seed(300 + rank)
+    model = autograd_net()
+    ddp = torch.nn.parallel.DistributedDataParallel(model)  # copies rank 0's weights; no find_unused_parameters
+    x, y, _, _ = make_data()
+    out["state"] = autograd_steps(ddp, x, y, shard=slice(rank * 12, (rank + 1) * 12))
+
+
 def _worker(rank, world, port, outdir):
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
@@ -132,6 +167,7 @@ def _worker(rank, world, port, outdir):
             ("pipe_auto", lambda o: _pipeline(rank, o, None)),
             ("pipe_1_2", lambda o: _pipeline(rank, o, [1, 2])),
             ("errors", lambda o: _errors(rank, o)),
+            ("ddp_autograd", lambda o: _ddp_autograd(rank, o)),
         ]:
             out[name] = {}
             fn(out[name])
@@ -316,3 +352,21 @@ def test_partition_layers_is_optimal_and_contiguous():
         parallel.partition_layers([1.0, 2.0], 3)
     with pytest.raises(ValueError, match="num_stages"):
         parallel.partition_layers([1.0], 0)
+
+
+# ---------------------------------------------------------------------------- DADAutogradLinear under DDP
+def test_autograd_update_grad_under_ddp_equals_single_process(ranks):
+    # DDP would raise "Expected to have finished reduction in the prior iteration" at step 2
+    # if any parameter (local heads included) missed its gradient; 3 steps ran on both ranks
+    torch.manual_seed(300)
+    model = autograd_net()
+    init = {k: v.clone() for k, v in model.state_dict().items()}
+    x, y, _, _ = make_data()
+    want = autograd_steps(model, x, y)
+    # every layer and local head trained (not a vacuous comparison of untouched weights)
+    assert all(not torch.equal(init[k], want[k]) for k in want)
+    for res in ranks:
+        got = res["ddp_autograd"]["state"]
+        assert got.keys() == want.keys()
+        for k in want:
+            assert relative_error(got[k], want[k]) <= TOL, k
