@@ -42,8 +42,8 @@ class Net(td.DADModel):
 
 
 def make_data(n=107, seed=3):
-    (x, y), (xt, yt) = data.synthetic(num_train=n, num_test=41, num_features=D_IN, num_classes=CLASSES, seed=seed)
-    return x, y, xt, yt
+    (x, y), (xt, yt) = data.synthetic(num_train=n, num_test=49, num_features=D_IN, num_classes=CLASSES, seed=seed)
+    return x, y, xt, yt  # 107 = 4 * 24 + 11: the last global batch splits 5 / 6 over 2 ranks
 
 
 def full_state(trainer):

@@ -187,6 +187,7 @@ class DataParallelTrainer(DADTrainer):
         self._global_window = self.head_statistics.window if self.head_statistics is not None else None
         self._shard_scale: float | None = None
         self._epoch = 0
+        self._fitting = False  # inside fit(): skip a global tail of fewer than W rows (see _batches)
 
     @property
     def is_main(self) -> bool:
@@ -269,8 +270,6 @@ class DataParallelTrainer(DADTrainer):
                 self._epoch += 1
         yield from data
 
-    _fitting = False
-
     def fit(self, train: Any, epochs: int = 1, eval: Any = None, *, batch_size: int = 256,
             shuffle: bool = True, seed: int | None = 0, progress: bool = True,
             log_every: int = 50) -> list[dict[str, float]]:
@@ -303,6 +302,7 @@ class DataParallelTrainer(DADTrainer):
     @torch.no_grad()
     def evaluate(self, data: Any, *, batch_size: int = 1024, use_local_head: bool = False) -> dict[str, float]:
         """Accuracy and mean cross-entropy over ``data``, each rank scoring its shards, summed over ranks."""
+        fitting, self._fitting = self._fitting, False  # score every row, even a tail shorter than W
         try:
             local = super().evaluate(data, batch_size=batch_size, use_local_head=use_local_head)
             n = local["samples"]
@@ -311,6 +311,8 @@ class DataParallelTrainer(DADTrainer):
             if "no batches" not in str(err):
                 raise
             sums = [0.0, 0.0, 0.0]
+        finally:
+            self._fitting = fitting
         totals = torch.tensor(sums, dtype=torch.float64, device=self.device)
         dist.all_reduce(totals, group=self.process_group)
         total = float(totals[2])
