@@ -231,13 +231,15 @@ class DataParallelTrainer(DADTrainer):
             h = last.output
             while len(pending) > 1:
                 self._apply(pending.popleft(), rate)
-        while pending:
-            self._apply(pending.popleft(), rate)
         assert last is not None
         if self.model.head is None:
             logits, loss = last.logits, last.loss
         else:
+            # the classifier reads the last layer's pre-update output: its step (and the Gram
+            # update) runs while the last layer's gradients are still being reduced
             logits, loss = self._head_step(h, y, rate, compute)
+        while pending:
+            self._apply(pending.popleft(), rate)
         return self._end_step(logits, loss)
 
     def _apply(self, item: tuple[DADLinear, Any, list[Tensor], Tensor], rate: float) -> None:
