@@ -24,6 +24,8 @@ from .conftest import relative_error
 
 WORLD = 2
 D_IN, CLASSES = 21, 5
+DEVICE = "cpu"  # set per rank in _worker: "cpu" (gloo) or "cuda:<rank>" (nccl)
+TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 # fp32: the 2-rank sum of two half-batch means differs from the full-batch mean by rounding
 # only; measured worst relative error after 10 AdamW steps is printed by the tests (~1e-7).
 TOL = 1e-6
@@ -51,7 +53,7 @@ def full_state(trainer):
     flat = {f"model.{k}": v for k, v in state["model"].items()}
     flat.update({f"head.{k}": v for k, v in (state["head_state"] or {}).items()})
     flat.update({f"stats.{k}": v for k, v in (state["head_statistics"] or {}).items()})
-    return {k: v.detach().clone() for k, v in flat.items()}
+    return {k: v.detach().cpu().clone() for k, v in flat.items()}
 
 
 def trainer_kwargs():
@@ -70,7 +72,7 @@ def _catch(fn):
 def _data_parallel(rank, out, overlap, epochs):
     # a different seed per rank: the trainer must copy rank 0's initial weights everywhere
     torch.manual_seed(100 + rank)
-    trainer = parallel.DataParallelTrainer(Net(), "cpu", overlap=overlap, **trainer_kwargs())
+    trainer = parallel.DataParallelTrainer(Net(), DEVICE, overlap=overlap, **trainer_kwargs())
     x, y, xt, yt = make_data()
     records = trainer.fit((x, y), epochs=epochs, batch_size=24, progress=False, eval=(xt, yt))
     out["records"] = records
@@ -93,7 +95,7 @@ def _data_parallel(rank, out, overlap, epochs):
 
 def _pipeline(rank, out, balance):
     torch.manual_seed(200 + rank)
-    trainer = td.DADTrainer(Net(), "cpu", **trainer_kwargs())
+    trainer = td.DADTrainer(Net(), DEVICE, **trainer_kwargs())
     pipe = parallel.Pipeline(trainer, balance=balance)
     out["bounds"] = pipe.bounds
     x, y, xt, yt = make_data()
@@ -110,13 +112,13 @@ def _pipeline(rank, out, balance):
 
 def _errors(rank, out):
     torch.manual_seed(0)
-    out["too_many_stages"] = _catch(lambda: parallel.Pipeline(td.DADTrainer(Net(widths=(D_IN, 7)), "cpu")))
+    out["too_many_stages"] = _catch(lambda: parallel.Pipeline(td.DADTrainer(Net(widths=(D_IN, 7)), DEVICE)))
     widths = (D_IN, 37, 19, 13) if rank == 0 else (D_IN, 36, 19, 13)
-    out["mismatched_model"] = _catch(lambda: parallel.DataParallelTrainer(Net(widths=widths), "cpu"))
-    out["mismatched_lr"] = _catch(lambda: parallel.DataParallelTrainer(Net(), "cpu", lr=1e-3 * (rank + 1)))
-    out["bad_balance"] = _catch(lambda: parallel.Pipeline(td.DADTrainer(Net(), "cpu"), balance=[2, 2]))
+    out["mismatched_model"] = _catch(lambda: parallel.DataParallelTrainer(Net(widths=widths), DEVICE))
+    out["mismatched_lr"] = _catch(lambda: parallel.DataParallelTrainer(Net(), DEVICE, lr=1e-3 * (rank + 1)))
+    out["bad_balance"] = _catch(lambda: parallel.Pipeline(td.DADTrainer(Net(), DEVICE), balance=[2, 2]))
     out["mismatched_balance"] = _catch(
-        lambda: parallel.Pipeline(td.DADTrainer(Net(), "cpu"), balance=[1, 2] if rank == 0 else [2, 1])
+        lambda: parallel.Pipeline(td.DADTrainer(Net(), DEVICE), balance=[1, 2] if rank == 0 else [2, 1])
     )
 
 
@@ -144,21 +146,29 @@ def autograd_steps(model, x, y, shard=slice(None), steps=3, batch=24):
             loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-    return {k: v.detach().clone() for k, v in plain.state_dict().items()}
+    return {k: v.detach().cpu().clone() for k, v in plain.state_dict().items()}
 
 
 def _ddp_autograd(rank, out):
     torch.manual_seed(300 + rank)
     model = autograd_net()
-    ddp = torch.nn.parallel.DistributedDataParallel(model)  # copies rank 0's weights; no find_unused_parameters
-    x, y, _, _ = make_data()
+    ids = [rank] if DEVICE != "cpu" else None
+    # DDP copies rank 0's weights; no find_unused_parameters
+    ddp = torch.nn.parallel.DistributedDataParallel(model.to(DEVICE), device_ids=ids)
+    x, y = (t.to(DEVICE) for t in make_data()[:2])
     out["state"] = autograd_steps(ddp, x, y, shard=slice(rank * 12, (rank + 1) * 12))
 
 
-def _worker(rank, world, port, outdir):
+def _worker(rank, world, port, outdir, backend):
+    global DEVICE
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if backend == "nccl":
+        DEVICE = f"cuda:{rank}"
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device(DEVICE))
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
     out: dict = {}
     try:
         for name, fn in [
@@ -184,11 +194,22 @@ def _free_port():
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def ranks(tmp_path_factory):
-    outdir = tmp_path_factory.mktemp("parallel")
-    mp.spawn(_worker, args=(WORLD, _free_port(), str(outdir)), nprocs=WORLD, join=True)
-    results = [torch.load(outdir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+class Ranks(list):
+    """What each rank saved, plus the device the single-process reference must use."""
+
+    device = "cpu"
+
+
+@pytest.fixture(
+    scope="module",
+    params=["gloo", pytest.param("nccl", marks=pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA GPUs"))],
+)
+def ranks(request, tmp_path_factory):
+    backend = request.param
+    outdir = tmp_path_factory.mktemp(f"parallel-{backend}")
+    mp.spawn(_worker, args=(WORLD, _free_port(), str(outdir), backend), nprocs=WORLD, join=True)
+    results = Ranks(torch.load(outdir / f"rank{r}.pt", weights_only=False, map_location="cpu") for r in range(WORLD))
+    results.device = "cuda:0" if backend == "nccl" else "cpu"
     for r, res in enumerate(results):
         assert "crash" not in res, f"rank {r} crashed:\n{res['crash']}"
     return results
@@ -204,9 +225,9 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def reference(epochs, batch_size, seed_rank0):
+def reference(epochs, batch_size, seed_rank0, device="cpu"):
     torch.manual_seed(seed_rank0)
-    trainer = td.DADTrainer(Net(), "cpu", **trainer_kwargs())
+    trainer = td.DADTrainer(Net(), device, **trainer_kwargs())
     x, y, xt, yt = make_data()
     records = trainer.fit((x, y), epochs=epochs, batch_size=batch_size, progress=False, eval=(xt, yt))
     return trainer, records
@@ -227,7 +248,7 @@ def assert_close_states(got, want, tol, skip=()):
 # ---------------------------------------------------------------------------- data parallel
 @pytest.mark.parametrize("name,epochs", [("dp_overlap", 2), ("dp_blocking", 1)])
 def test_data_parallel_global_batch_equals_single_process(ranks, name, epochs):
-    trainer, records = reference(epochs, 24, seed_rank0=100)
+    trainer, records = reference(epochs, 24, seed_rank0=100, device=ranks.device)
     want = full_state(trainer)
     r0, r1 = ranks[0][name], ranks[1][name]
     # weights, local heads, optimizer moments: equal to single process, and bitwise equal across ranks
@@ -247,7 +268,7 @@ def test_data_parallel_global_batch_equals_single_process(ranks, name, epochs):
     # solve_head sums statistics over ranks: the same closed-form head as single process
     solution = trainer.solve_head(lambda_reg=0.1)
     for r in (r0, r1):
-        assert relative_error(r["solution"].weight, solution.weight) <= 1e-5
+        assert relative_error(r["solution"].weight, solution.weight.cpu()) <= 1e-5
         assert r["solution"].num_samples == solution.num_samples
     assert_close_states(r0["solved"], full_state(trainer), 1e-5)
     metrics = trainer.evaluate(make_data()[2:], batch_size=10)
@@ -271,7 +292,9 @@ def test_data_parallel_bad_configuration(ranks):
 # ---------------------------------------------------------------------------- pipeline
 @pytest.mark.parametrize("name,bounds", [("pipe_auto", None), ("pipe_1_2", [(0, 1), (1, 3)])])
 def test_pipeline_equals_sequential(ranks, name, bounds):
-    trainer, records = reference(2, 16, seed_rank0=200)
+    trainer, records = reference(2, 16, seed_rank0=200, device=ranks.device)
+    # CPU: same kernels, same inputs, same order, so bitwise equal; two GPUs: to rounding
+    same = torch.equal if ranks.device == "cpu" else (lambda a, b: relative_error(a, b) <= TOL)
     r0, r1 = ranks[0][name], ranks[1][name]
     if bounds is not None:
         assert r0["bounds"] == bounds
@@ -282,22 +305,21 @@ def test_pipeline_equals_sequential(ranks, name, bounds):
         lo, hi = res["bounds"][stage]
         mine = [k for k in want if k.startswith("model.layers.") and lo <= int(k.split(".")[2]) < hi]
         assert mine
-        # same kernels on the same inputs in the same order: bitwise equal, not just close
         for k in mine:
-            assert torch.equal(res["stage_state"][k], want[k]), k
+            assert same(res["stage_state"][k], want[k]), k
     for k in want:
         if k.startswith(("model.classifier", "head.", "stats.")):
-            assert torch.equal(r1["stage_state"][k], want[k]), k
+            assert same(r1["stage_state"][k], want[k]), k
     for got, ref in zip(r0["records"], records):
         assert got["accuracy"] == ref["accuracy"]
         assert abs(got["loss"] - ref["loss"]) <= 1e-6 * ref["loss"]
     assert r0["records"] == r1["records"]
     # solve_head on the last stage from the training statistics, then from streamed features
     solution = trainer.solve_head(lambda_reg=0.1)
-    assert r0["solution"] is None and relative_error(r1["solution"].weight, solution.weight) <= 1e-5
+    assert r0["solution"] is None and relative_error(r1["solution"].weight, solution.weight.cpu()) <= 1e-5
     streamed = trainer.solve_head(lambda_reg=0.1, loader=[make_data()[:2]])
     assert r0["streamed_solution"] is None
-    assert torch.equal(r1["streamed_solution"].weight, streamed.weight)
+    assert same(r1["streamed_solution"].weight, streamed.weight.cpu())
     metrics = trainer.evaluate(make_data()[2:], batch_size=10)
     for r in (r0, r1):
         assert r["evaluate"]["accuracy"] == metrics["accuracy"]
@@ -359,9 +381,9 @@ def test_autograd_update_grad_under_ddp_equals_single_process(ranks):
     # DDP would raise "Expected to have finished reduction in the prior iteration" at step 2
     # if any parameter (local heads included) missed its gradient; 3 steps ran on both ranks
     torch.manual_seed(300)
-    model = autograd_net()
-    init = {k: v.clone() for k, v in model.state_dict().items()}
-    x, y, _, _ = make_data()
+    model = autograd_net().to(ranks.device)
+    init = {k: v.cpu().clone() for k, v in model.state_dict().items()}
+    x, y = (t.to(ranks.device) for t in make_data()[:2])
     want = autograd_steps(model, x, y)
     # every layer and local head trained (not a vacuous comparison of untouched weights)
     assert all(not torch.equal(init[k], want[k]) for k in want)
