@@ -80,14 +80,14 @@ def _check_same_on_all_ranks(trainer: DADTrainer, process_group: Any, extra: dic
     for other_rank, other in enumerate(everyone):
         if other == reference:
             continue
-        keys = sorted(k for k in reference if reference[k] != other.get(k))
+        keys = sorted(k for k in set(reference) | set(other) if reference.get(k) != other.get(k))
         detail = keys[0]
         if detail == "state":
             a, b = reference["state"], other["state"]
             names = [k for k in a if a[k] != b.get(k)] + [k for k in b if k not in a]
             detail = f"state entry {names[0]!r}: rank 0 has {a.get(names[0])}, rank {other_rank} has {b.get(names[0])}"
         else:
-            detail = f"{detail}: rank 0 has {reference[detail]!r}, rank {other_rank} has {other.get(detail)!r}"
+            detail = f"{detail}: rank 0 has {reference.get(detail)!r}, rank {other_rank} has {other.get(detail)!r}"
         raise ValueError(
             f"ranks disagree ({detail}); build the same model with the same trainer arguments on every rank"
         )
