@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import json
 import os
 import socket
@@ -170,45 +171,56 @@ def main() -> None:
     common = {"gpus": world if cuda else 0, "topology": topology, "amp_dtype": str(amp), **env}
     records: list[dict[str, Any]] = []
 
+    # where DADTrainer has a `backend` (fused / CUDA-graph step), data parallelism and the
+    # pipeline still run the per-layer eager path, so `single` is measured both ways and the
+    # speed-ups compare like with like (eager single); the default backend is reported too
+    has_backend = "backend" in inspect.signature(td.DADTrainer.__init__).parameters
+    eager = {"backend": "eager"} if has_backend else {}
+
     def build(trainer_cls: Any = td.DADTrainer, **kw: Any) -> Any:
         torch.manual_seed(0)
         return trainer_cls(SeedMLP(widths), device=device, lr=1e-3, amp_dtype=amp, **kw)
 
     def save(record: dict[str, Any]) -> None:
-        record = {**record, **common}
+        record = {"backend": "eager", **record, **common}
         if record["mode"] != "single":
-            single = next((r for r in records if r["mode"] == "single" and r["batch"] == record["per_gpu_batch"]), None)
-            if single:
-                record["speedup_vs_single"] = record["img_per_s"] / single["img_per_s"]
+            for key, backend in (("speedup_vs_single", "eager"), ("speedup_vs_single_default", "default")):
+                single = next((r for r in records if r["mode"] == "single" and r["backend"] == backend
+                               and r["batch"] == record["per_gpu_batch"]), None)
+                if single:
+                    record[key] = record["img_per_s"] / single["img_per_s"]
         records.append(record)
         if rank == 0:
-            print(json.dumps({k: record[k] for k in ("mode", "variant", "batch", "img_per_s", "speedup_vs_single")
-                              if k in record}), flush=True)
+            keys = ("mode", "variant", "batch", "img_per_s", "speedup_vs_single", "speedup_vs_single_default")
+            print(json.dumps({k: record[k] for k in keys if k in record}), flush=True)
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(records, indent=2) + "\n")  # after every mode: a crash keeps the rest
 
     # ---------------------------------------------------------------- single GPU (rank 0; others wait)
     costs: list[float] = []
     if rank == 0:
-        for batch in sorted({args.batch, args.batch * world}):
-            trainer = build()
-            pool = data_pool(batch, d_in, device)
-            seconds = timed_windows(lambda i, t=trainer, p=pool: t.step(*p[i % len(p)]), device, warmup, args.steps,
-                                    args.repeats)
-            if batch == args.batch:
-                costs = layer_step_seconds(trainer, *pool[0])
-            save({"mode": "single", "variant": "DADTrainer.step", "batch": batch, "per_gpu_batch": batch,
-                  "img_per_s": batch * args.steps / seconds, "step_ms": seconds / args.steps * 1e3})
-            del trainer, pool
-            if cuda:
-                torch.cuda.empty_cache()
+        variants = [("eager", eager)] + ([("default", {})] if has_backend else [])
+        for backend, kw in variants:
+            for batch in sorted({args.batch, args.batch * world}):
+                trainer = build(**kw)
+                pool = data_pool(batch, d_in, device)
+                seconds = timed_windows(lambda i, t=trainer, p=pool: t.step(*p[i % len(p)]), device, warmup,
+                                        args.steps, args.repeats)
+                if batch == args.batch and backend == "eager":
+                    costs = layer_step_seconds(trainer, *pool[0])
+                save({"mode": "single", "variant": f"DADTrainer.step ({backend} backend)", "backend": backend,
+                      "batch": batch, "per_gpu_batch": batch, "img_per_s": batch * args.steps / seconds,
+                      "step_ms": seconds / args.steps * 1e3})
+                del trainer, pool
+                if cuda:
+                    torch.cuda.empty_cache()
     box = [records, costs]
     dist.broadcast_object_list(box, src=0, group=cpu_group)
     records, costs = box
 
     # ---------------------------------------------------------------- data parallel
     for overlap in (True, False):
-        trainer = build(parallel.DataParallelTrainer, overlap=overlap)
+        trainer = build(parallel.DataParallelTrainer, overlap=overlap, **eager)
         pool = data_pool(args.batch, d_in, device)
         seconds = timed_windows(lambda i, t=trainer, p=pool: t.step(*p[i % len(p)]), device, warmup, args.steps,
                                 args.repeats, group=cpu_group)
@@ -220,7 +232,7 @@ def main() -> None:
             torch.cuda.empty_cache()
 
     # ---------------------------------------------------------------- pipeline
-    trainer = build()
+    trainer = build(**eager)
     balance = [b - a for a, b in parallel.partition_layers(costs, world)]
     pipe = parallel.Pipeline(trainer, balance=balance)
     pool = data_pool(args.batch, d_in, device) if pipe.is_first else []

@@ -211,7 +211,9 @@ class DataParallelTrainer(DADTrainer):
         self._reducer.scale = scale if scale is not None else 1.0 / self.world_size
         if self._global_window is not None and self.head_statistics is not None:
             self.head_statistics.window = self._global_window * self._reducer.scale
-        if not self.overlap:
+        if not self.overlap or getattr(self, "dropout", 0.0):
+            # options that change DADTrainer.step's layer loop (e.g. dropout between layers)
+            # take the hook path, which runs that loop itself
             return super().step(inputs, labels, lr, amp_dtype)
         return self._overlapped_step(inputs, labels, lr, amp_dtype)
 
@@ -494,9 +496,12 @@ class Pipeline:
     @torch.no_grad()
     def _stage_train(self, h: Tensor, y: Tensor, rate: float, compute: torch.dtype | None) -> tuple[Tensor, Any]:
         last = None
+        dropout = float(getattr(self.trainer, "dropout", 0.0))  # as DADTrainer.step, where it exists
         for layer in self.layers:
             last = layer.local_step(h, y, self.trainer.config, rate, compute)
             h = last.output
+            if dropout:
+                h = torch.nn.functional.dropout(h, dropout, training=True)
         assert last is not None
         return h, last
 
