@@ -24,7 +24,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--batch", type=int, nargs="+", default=[256, 1024])
-    parser.add_argument("--repeats", type=int, default=15)
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--rounds", type=int, default=5)
     args = parser.parse_args()
     topologies = {"smoke": [64, 48, 32]} if args.smoke else {"mnist-medium-3": TOPOLOGIES["mnist-medium-3"]}
     batches = [64] if args.smoke else args.batch
@@ -37,12 +38,12 @@ def main() -> None:
             x = torch.randn(batch, widths[0])
             y = torch.randint(0, 10, (batch,))
             dad = td.DADTrainer(SeedMLP(widths), device="cpu")
-            systems = {"dad": lambda: dad.step(x, y)}
+            systems = {"dad": lambda dad=dad, x=x, y=y: dad.step(x, y)}
             for label, fused in (("backprop-eager", None), ("backprop-eager-fused", True)):
                 net = backprop_mlp(widths)
                 opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.01, fused=fused)
 
-                def bp_step(net=net, opt=opt) -> None:
+                def bp_step(net=net, opt=opt, x=x, y=y) -> None:
                     opt.zero_grad(set_to_none=True)
                     torch.nn.functional.cross_entropy(net(x), y).backward()
                     opt.step()
@@ -50,7 +51,7 @@ def main() -> None:
                 systems[label] = bp_step
             # interleave systems across rounds so drift on a shared machine hits all alike
             times: dict[str, list[float]] = {k: [] for k in systems}
-            for _ in range(3):
+            for _ in range(1 if args.smoke else args.rounds):
                 for label, fn in systems.items():
                     times[label].append(median_time(fn, warmup=warmup, repeats=repeats))
             for label, samples in times.items():

@@ -195,3 +195,17 @@ def test_trainer_rejects_bad_options(kwargs, match):
 def test_trainer_rejects_non_dad_model():
     with pytest.raises(TypeError, match="DADModel"):
         td.DADTrainer(torch.nn.Linear(3, 2))
+
+
+def test_huge_lr_is_detected_and_never_leaves_nan_weights():
+    x, y = torch.randn(16, 20) * 50, torch.randint(0, 4, (16,))
+    raising = td.DADTrainer(Net(), lr=1e30)
+    with pytest.raises(FloatingPointError, match="non-finite"):
+        for _ in range(20):
+            raising.step(x, y)
+    assert all(torch.isfinite(t).all() for t in raising.model.state_dict().values())
+    skipping = td.DADTrainer(Net(), lr=1e30, on_nonfinite="skip")
+    for _ in range(20):
+        skipping.step(x, y)
+    assert skipping.skipped_updates > 0
+    assert all(torch.isfinite(t).all() for t in skipping.model.state_dict().values())

@@ -59,7 +59,8 @@ def mnist(normalize: bool = True) -> tuple[Split, Split]:
     store = zarr.storage.ZipStore(path, mode="r")
     try:
         group = zarr.open_group(store, mode="r")
-        xtr, ytr, xte, yte = (np.asarray(group[k][:]) for k in ("train_images", "train_labels", "test_images", "test_labels"))
+        keys = ("train_images", "train_labels", "test_images", "test_labels")
+        xtr, ytr, xte, yte = (np.asarray(group[k][:]) for k in keys)  # type: ignore[index]
     finally:
         store.close()
     return _finish(xtr, ytr, xte, yte, normalize)

@@ -87,6 +87,7 @@ def adamw_(
         )
         return
     beta1, beta2 = betas
+    lr = float(lr)  # the fallback path (devices without fused AdamW) may sync here
     bias1 = 1 - beta1**step
     bias2 = 1 - beta2**step
     for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs):
@@ -110,6 +111,8 @@ def sgd_(
 ) -> None:
     """SGD with momentum and decoupled weight decay: ``p -= lr*wd*p; m = mu m + g; p -= lr m``."""
     step.add_(1)
+    if isinstance(lr, Tensor):
+        lr = float(lr)
     for p, g, m in zip(params, grads, momentum_buffers):
         if weight_decay:
             p.mul_(1 - lr * weight_decay)
@@ -124,6 +127,8 @@ class LocalOptimizerState(torch.nn.Module):
     ``exp_avg_<i>`` as its momentum buffer, so one layout serves both optimizers and a
     ``state_dict`` loads whichever optimizer the trainer picks.
     """
+
+    step: Tensor
 
     def __init__(self, shapes: Sequence[torch.Size], device=None, dtype=None) -> None:
         super().__init__()

@@ -46,6 +46,12 @@ class GramAccumulator(torch.nn.Module):
     are saved in ``state_dict`` and can be all-reduced across processes.
     """
 
+    count: Tensor
+    sum_features: Tensor
+    sum_targets: Tensor
+    gram: Tensor
+    cross: Tensor
+
     def __init__(self, num_features: int, num_classes: int, device=None, window: float | None = None) -> None:
         super().__init__()
         if window is not None and not window > 0:
@@ -98,7 +104,7 @@ class GramAccumulator(torch.nn.Module):
         """How many rows were accumulated (reads the device: a host sync on CUDA)."""
         return int(self.count.item())
 
-    def centred(self) -> tuple[Tensor, Tensor, Tensor, float]:
+    def centred(self) -> tuple[Tensor, Tensor, float, float]:
         """``(Hc^T Hc, Hc^T Yc, tr(Yc^T Yc), n)`` from the raw sums."""
         n = float(self.count.item())
         mean_h = self.sum_features / n

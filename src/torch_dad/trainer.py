@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from . import functional as F
-from .layers import DADModel, check_inputs, check_labels
+from .layers import DADModel, check_inputs, check_labels, gradients_are_finite
 from .optim import LocalOptimizerState, OptimizerConfig, check_optimizer
 from .ridge import GramAccumulator, RidgeSolution
 
@@ -58,6 +58,12 @@ class DADTrainer:
         check_values: check label ranges and finiteness of inputs in ``step``. These checks
             read the tensors, which is free on CPU but a host sync on CUDA, so ``"auto"``
             checks on CPU only. Shapes and dtypes are always checked.
+        on_nonfinite: what to do when a layer's local gradients contain NaN/Inf (e.g. a huge
+            lr, or fp16 overflow): ``"raise"`` (``FloatingPointError``; that layer is not
+            updated), ``"skip"`` (the update is skipped and counted in
+            ``skipped_updates``), or ``"ignore"``. Checked whenever value checks are on
+            (see ``check_values``); on CUDA without them, :meth:`fit` still raises when
+            the running loss it reads every ``log_every`` steps is not finite.
     """
 
     def __init__(
@@ -75,6 +81,7 @@ class DADTrainer:
         accumulate_head_statistics: bool = True,
         head_statistics_window: float | None = 10_000,
         check_values: bool | str = "auto",
+        on_nonfinite: str = "raise",
     ) -> None:
         if not isinstance(model, DADModel):
             raise TypeError(
@@ -85,6 +92,8 @@ class DADTrainer:
         check_optimizer(optimizer)
         self.device = _resolve_device(device, model)
         self._check_amp(amp_dtype, "amp_dtype")
+        if on_nonfinite not in ("raise", "skip", "ignore"):
+            raise ValueError(f"on_nonfinite={on_nonfinite!r} must be 'raise', 'skip' or 'ignore'")
         if check_values not in (True, False, "auto"):
             raise ValueError(f"check_values={check_values!r} must be True, False or 'auto'")
         self.config = OptimizerConfig(
@@ -94,6 +103,8 @@ class DADTrainer:
         self.amp_dtype = amp_dtype
         self.check_values = (self.device.type == "cpu") if check_values == "auto" else bool(check_values)
         self.accumulate_head_statistics = accumulate_head_statistics
+        self.on_nonfinite = on_nonfinite if self.check_values else "ignore"
+        self.skipped_updates = 0
         self.num_classes = model.num_classes
         for layer in layers:
             if layer.num_classes != self.num_classes:
@@ -119,6 +130,10 @@ class DADTrainer:
         # in-place update, and on the Gram statistics before a solve (see torch_dad.parallel).
         self.gradient_reducer: Callable[[list[Tensor]], None] | None = None
         self.statistics_reducer: Callable[[GramAccumulator], None] | None = None
+        # per-layer reusable buffers (CPU only: CUDA's caching allocator already reuses memory)
+        self._workspaces: list[dict[str, Tensor] | None] = [
+            {} if self.device.type == "cpu" else None for _ in layers
+        ]
         self.step_count = 0
         self._loss_sum = torch.zeros((), device=self.device)
         self._loss_batches = 0
@@ -176,8 +191,25 @@ class DADTrainer:
         x, y, rate, compute = self._begin_step(inputs, labels, lr, amp_dtype)
         h = x
         last = None
-        for layer in self.model.dad_layers:
-            last = layer.local_step(h, y, self.config, rate, compute, reduce_gradients=self.gradient_reducer)
+        for layer, workspace in zip(self.model.dad_layers, self._workspaces):
+            last = layer.local_step(
+                h,
+                y,
+                self.config,
+                rate,
+                compute,
+                reduce_gradients=self.gradient_reducer,
+                workspace=workspace,
+                on_nonfinite="skip" if self.on_nonfinite != "ignore" else "ignore",
+            )
+            if last.skipped:
+                self.skipped_updates += 1
+                if self.on_nonfinite == "raise":
+                    raise FloatingPointError(
+                        f"non-finite local gradients in {layer!r} at step {self.step_count} (lr too high, or "
+                        "half-precision overflow?); this layer and the ones above it were not updated. Lower lr, "
+                        "or pass DADTrainer(on_nonfinite='skip') to skip and count such updates"
+                    )
             h = last.output
         assert last is not None
         head = self.model.head
@@ -221,6 +253,14 @@ class DADTrainer:
             grads.append(result.grad_bias.to(head.weight.dtype))
         if self.gradient_reducer is not None:
             self.gradient_reducer(grads)
+        if self.on_nonfinite != "ignore" and not gradients_are_finite(grads):
+            self.skipped_updates += 1
+            if self.on_nonfinite == "raise":
+                raise FloatingPointError(
+                    "non-finite gradients for model.classifier; it was not updated. Lower lr, or pass "
+                    "DADTrainer(on_nonfinite='skip')"
+                )
+            return result.logits, result.loss.float()
         self.head_state.apply_(self._head_tensors(), grads, self.config, lr)
         return result.logits, result.loss.float()
 
@@ -342,8 +382,15 @@ class DADTrainer:
                 losses += loss
                 count += 1
                 seen += inputs.shape[0]
-                if hasattr(bar, "set_postfix") and count % log_every == 0:
-                    bar.set_postfix(loss=f"{float(losses) / count:.4f}")
+                if count % log_every == 0:
+                    mean_loss = float(losses) / count
+                    if mean_loss != mean_loss or mean_loss in (float("inf"), float("-inf")):
+                        raise FloatingPointError(
+                            f"training loss became non-finite by step {self.step_count}; lower lr, or use "
+                            "amp_dtype=torch.bfloat16 instead of float16"
+                        )
+                    if hasattr(bar, "set_postfix"):
+                        bar.set_postfix(loss=f"{mean_loss:.4f}")
             if self.device.type == "cuda":
                 torch.cuda.synchronize(self.device)
             elapsed = time.perf_counter() - start
@@ -423,4 +470,5 @@ def _progress(iterable: Iterable[Any], enabled: bool, desc: str) -> Any:
         from tqdm.auto import tqdm
     except ImportError:
         return iterable
-    return tqdm(iterable, desc=desc, leave=False, dynamic_ncols=True)
+    # disable=None: no bar when stdout is not a terminal (CI logs), as tqdm documents
+    return tqdm(iterable, desc=desc, leave=False, dynamic_ncols=True, disable=None)
