@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from .layers import DADLinear, DADModel
+from .layers import DADLinear, DADModel, gradients_are_finite
 from .ridge import GramAccumulator, RidgeSolution
 from .trainer import DADTrainer, _progress
 
@@ -211,7 +211,8 @@ class DataParallelTrainer(DADTrainer):
         self._reducer.scale = scale if scale is not None else 1.0 / self.world_size
         if self._global_window is not None and self.head_statistics is not None:
             self.head_statistics.window = self._global_window * self._reducer.scale
-        if not self.overlap or getattr(self, "dropout", 0.0):
+        dropout = float(getattr(self, "dropout", 0.0))
+        if not self.overlap or dropout > 0:
             # options that change DADTrainer.step's layer loop (e.g. dropout between layers)
             # take the hook path, which runs that loop itself
             return super().step(inputs, labels, lr, amp_dtype)
@@ -226,8 +227,9 @@ class DataParallelTrainer(DADTrainer):
         x, y, rate, compute = self._begin_step(inputs, labels, lr, amp_dtype)
         pending: deque[tuple[DADLinear, Any, list[Tensor], Tensor]] = deque()
         h, last = x, None
-        for layer in self.model.dad_layers:
-            last, grads = layer.local_gradients(h, y, compute)
+        for layer, workspace in zip(self.model.dad_layers, self._workspaces):
+            # grads[0] may alias the workspace: launch() copies it into the flat buffer at once
+            last, grads = layer.local_gradients(h, y, compute, workspace)
             flat, work, views = self._reducer.launch(grads)
             pending.append((layer, work, views, flat))
             h = last.output
@@ -247,6 +249,10 @@ class DataParallelTrainer(DADTrainer):
     def _apply(self, item: tuple[DADLinear, Any, list[Tensor], Tensor], rate: float) -> None:
         layer, work, views, _ = item
         work.wait()
+        # the reduced gradients are the same on every rank, so every rank skips alike
+        if self.on_nonfinite != "ignore" and not gradients_are_finite(views):
+            self._skipped_update(repr(layer))
+            return
         layer.optim_state.apply_(layer._trained_tensors(), views, self.config, rate)
 
     def _batches(self, data: Any, batch_size: int, shuffle: bool,
@@ -497,8 +503,13 @@ class Pipeline:
     def _stage_train(self, h: Tensor, y: Tensor, rate: float, compute: torch.dtype | None) -> tuple[Tensor, Any]:
         last = None
         dropout = float(getattr(self.trainer, "dropout", 0.0))  # as DADTrainer.step, where it exists
-        for layer in self.layers:
-            last = layer.local_step(h, y, self.trainer.config, rate, compute)
+        start, stop = self.bounds[self.stage]
+        workspaces = self.trainer._workspaces[start:stop]
+        for i, layer in enumerate(self.layers):
+            # the stage's output leaves with an asynchronous send, so it must not live in a
+            # workspace that the next batch overwrites
+            workspace = workspaces[i] if i < len(self.layers) - 1 else None
+            last = self.trainer._layer_step(layer, h, y, rate, compute, workspace)
             h = last.output
             if dropout:
                 h = torch.nn.functional.dropout(h, dropout, training=True)
