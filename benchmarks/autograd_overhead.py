@@ -12,13 +12,15 @@ head weights and the same batch:
 Workloads: ``seqcls``, a frozen 2-layer transformer encoder (d=128) mean-pooled into a
 2-class head (the HF head-tuning case; the backbone forward dominates); ``lmhead``, frozen
 token features (B, T, D) into a vocab-sized head with 10% of the labels ``-100`` (the head is
-the whole step). Each system runs in its own subprocess so the memory peaks do not mix
-(``--smoke`` runs them in-process: its memory figures mean nothing):
-peak = highest RSS during the timed steps (Linux ``VmHWM`` after a reset through
-``/proc/self/clear_refs``) minus RSS before them, on CPU; ``max_memory_allocated`` minus
-allocated before, on CUDA. Both are measured after the warm-up, so AdamW's lazily created
-moments count as static state, not as peak. Time: median over interleaved rounds of the
-median of ``repeats`` steps after a warm-up (CUDA: synchronised).
+the whole step).
+
+Time: median over 3 interleaved rounds (so drift on a shared machine hits every system alike)
+of the median of ``repeats`` steps, after a warm-up; CUDA steps are synchronised.
+Peak memory of one step above what is allocated before it (after the warm-up, so AdamW's
+lazily created moments count as static state): on CPU from the allocator events that
+``torch.profiler`` records (``profile_memory=True``), summed in time order; on CUDA
+``max_memory_allocated()`` minus ``memory_allocated()`` before the step. Static state
+(parameters, optimizer moments) is reported separately.
 
     python benchmarks/autograd_overhead.py                 # CPU, about 2 minutes on 1 thread
     python benchmarks/autograd_overhead.py --device cuda   # GPU, fp32 and bf16 autocast
@@ -28,12 +30,8 @@ median of ``repeats`` steps after a warm-up (CUDA: synchronised).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
-import subprocess
-import sys
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -45,7 +43,7 @@ from _common import environment, median_time, write_records
 SYSTEMS = ("linear+adamw", "linear+adamw-fused", "dad-inplace", "dad-grad")
 WORKLOADS: dict[str, dict[str, int]] = {
     "seqcls": {"batch": 32, "seq": 64, "dim": 128, "classes": 2, "layers": 2},
-    "lmhead": {"batch": 8, "seq": 256, "dim": 256, "classes": 16384},
+    "lmhead": {"batch": 4, "seq": 256, "dim": 256, "classes": 8192},
 }
 SMOKE: dict[str, dict[str, int]] = {
     "seqcls": {"batch": 4, "seq": 8, "dim": 16, "classes": 2, "layers": 1},
@@ -53,22 +51,28 @@ SMOKE: dict[str, dict[str, int]] = {
 }
 
 
-def _rss_kib(field: str) -> int | None:
-    try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    except OSError:
-        pass
-    return None
+def cpu_step_peak(step: Any) -> int:
+    """Peak bytes allocated during ``step()`` above the start, from the profiler's allocator events."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type().name == "CPU"]
+    current = peak = 0
+    for event in sorted(events, key=lambda e: e.start_ns()):
+        current += event.nbytes()
+        peak = max(peak, current)
+    return peak
 
 
-def _reset_peak_rss() -> bool:
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS
-        return True
-    except OSError:
-        return False
+def cuda_step_peak(step: Any) -> int:
+    """``max_memory_allocated`` during ``step()`` minus the allocation before it."""
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    step()
+    torch.cuda.synchronize()
+    return torch.cuda.max_memory_allocated() - before
 
 
 def build(workload: str, shape: dict[str, int], device: torch.device) -> tuple[Any, torch.Tensor, torch.Tensor]:
@@ -94,8 +98,8 @@ def build(workload: str, shape: dict[str, int], device: torch.device) -> tuple[A
 
 
 def make_step(system: str, features: Any, inputs: torch.Tensor, labels: torch.Tensor, classes: int,
-              dim: int, device: torch.device, amp: torch.dtype | None) -> tuple[Any, Any]:
-    """``(step, last_loss)`` closures for one system; the head starts from the same init for all."""
+              dim: int, device: torch.device, amp: torch.dtype | None) -> tuple[Any, Any, int]:
+    """``(step, last_loss, static_bytes)`` for one system; every head starts from the same init."""
     torch.manual_seed(1)
     linear = torch.nn.Linear(dim, classes, device=device)
     head: torch.nn.Module = linear
@@ -119,39 +123,35 @@ def make_step(system: str, features: Any, inputs: torch.Tensor, labels: torch.Te
             opt.step()
         losses[:] = [loss.detach()]
 
-    return step, (lambda: float(losses[0]))
+    def static_bytes() -> int:
+        tensors = [*head.parameters(), *head.buffers()]
+        if opt is not None:
+            tensors += [v for state in opt.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+    return step, (lambda: float(losses[0])), static_bytes
 
 
-def measure(args: argparse.Namespace) -> dict[str, Any]:
-    """Time and measure one (workload, system, dtype) in this process."""
-    device = torch.device(args.device)
-    if device.type == "cpu":
-        torch.set_num_threads(args.threads)
-    shapes = SMOKE if args.smoke else WORKLOADS
-    shape = shapes[args.workload]
-    amp = {"fp32": None, "bf16": torch.bfloat16}[args.dtype]
-    features, inputs, labels = build(args.workload, shape, device)
-    step, last_loss = make_step(args.system, features, inputs, labels, shape["classes"], shape["dim"], device, amp)
+def measure(workload: str, shape: dict[str, int], dtype: str, device: torch.device, smoke: bool,
+            repeats: int) -> list[dict[str, Any]]:
+    """Time and measure every system on one workload; one record per system."""
+    amp = {"fp32": None, "bf16": torch.bfloat16}[dtype]
+    features, inputs, labels = build(workload, shape, device)
+    steps = {s: make_step(s, features, inputs, labels, shape["classes"], shape["dim"], device, amp) for s in SYSTEMS}
     sync = torch.cuda.synchronize if device.type == "cuda" else None
-    warmup, repeats, rounds = (1, 2, 1) if args.smoke else (5, args.repeats, 3)
-    for _ in range(warmup):
-        step()
-    if sync:
-        sync()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated()
-        reset = True
-    else:
-        reset = _reset_peak_rss()
-        before = (_rss_kib("VmRSS") or 0) * 1024
-    samples = [median_time(step, warmup=0, repeats=repeats, sync=sync) for _ in range(rounds)]
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated() - before
-    else:
-        peak = (_rss_kib("VmHWM") or 0) * 1024 - before if reset else None
-    return {"step_ms": statistics.median(samples) * 1e3, "peak_extra_bytes": peak,
-            "final_loss": last_loss(), "steps": warmup + repeats * rounds}
+    warmup, repeats, rounds = (1, 2, 1) if smoke else (3, repeats, 3)
+    times: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+    for _ in range(rounds):
+        for system, (step, _, _) in steps.items():
+            times[system].append(median_time(step, warmup=warmup, repeats=repeats, sync=sync))
+    records = []
+    for system, (step, last_loss, static_bytes) in steps.items():
+        peak = cuda_step_peak(step) if device.type == "cuda" else cpu_step_peak(step)
+        records.append({"workload": workload, **shape, "dtype": dtype, "system": system,
+                        "step_ms": statistics.median(times[system]) * 1e3, "peak_step_bytes": peak,
+                        "static_bytes": static_bytes(), "final_loss": last_loss(),
+                        "steps": rounds * (warmup + repeats) + 1})
+    return records
 
 
 def main() -> None:
@@ -159,48 +159,29 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (1: the shared 2-core box)")
-    parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--workload", choices=list(WORKLOADS), help=argparse.SUPPRESS)
-    parser.add_argument("--system", choices=SYSTEMS, help=argparse.SUPPRESS)
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16"], help=argparse.SUPPRESS)
+    parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
-    if args.worker:
-        print(json.dumps(measure(args)))
-        return
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda asked for but CUDA is not available")
     dtypes = ["fp32", "bf16"] if device.type == "cuda" and not args.smoke else ["fp32"]
     env = {**environment(), "threads": args.threads if device.type == "cpu" else None}
     if device.type == "cpu":
+        torch.set_num_threads(args.threads)
         env["load_average"] = os.getloadavg()[0]
     shapes = SMOKE if args.smoke else WORKLOADS
     records = []
     for workload, shape in shapes.items():
         for dtype in dtypes:
-            base = None
-            for system in SYSTEMS:
-                if args.smoke:  # in-process: a fresh interpreter per system costs ~15 s of imports here
-                    result = measure(argparse.Namespace(**{**vars(args), "workload": workload, "system": system,
-                                                           "dtype": dtype}))
-                else:
-                    cmd = [sys.executable, __file__, "--worker", "--workload", workload, "--system", system,
-                           "--dtype", dtype, "--device", args.device, "--threads", str(args.threads),
-                           "--repeats", str(args.repeats)]
-                    out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout.strip()
-                    result = json.loads(out.splitlines()[-1])
-                record = {"workload": workload, **shape, "dtype": dtype, "system": system, **result, **env}
-                if system == "linear+adamw-fused":
-                    base = record
-                records.append(record)
-            for record in records[-len(SYSTEMS):]:
-                assert base is not None
-                record["time_vs_fused_adamw"] = record["step_ms"] / base["step_ms"]
-                peak = record["peak_extra_bytes"]
-                mib = "n/a" if peak is None else f"{peak / 2**20:8.2f} MiB"
-                print(f"{workload:7s} {dtype} {record['system']:20s} {record['step_ms']:8.3f} ms/step "
-                      f"(x{record['time_vs_fused_adamw']:.2f})  peak +{mib}  loss {record['final_loss']:.4f}")
+            rows = [{**r, **env} for r in measure(workload, shape, dtype, device, args.smoke, args.repeats)]
+            base = next(r for r in rows if r["system"] == "linear+adamw-fused")
+            for r in rows:
+                r["time_vs_fused_adamw"] = r["step_ms"] / base["step_ms"]
+                r["peak_vs_fused_adamw"] = r["peak_step_bytes"] / max(base["peak_step_bytes"], 1)
+                print(f"{workload:7s} {dtype} {r['system']:20s} {r['step_ms']:9.3f} ms/step (x{r['time_vs_fused_adamw']:.2f})"
+                      f"  step peak {r['peak_step_bytes'] / 2**20:8.2f} MiB (x{r['peak_vs_fused_adamw']:.2f})"
+                      f"  static {r['static_bytes'] / 2**20:7.2f} MiB  loss {r['final_loss']:.4f}")
+            records += rows
     print("wrote", write_records("autograd_overhead", records, args.smoke))
 
 
