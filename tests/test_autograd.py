@@ -408,9 +408,7 @@ def test_checkpoint_gives_the_same_update_and_input_gradients(reentrant):
     for use_checkpoint in (False, True):
         backbone, layer = _block({})
         head = torch.nn.Linear(6, 3, dtype=F64)
-
-        def block(inp):
-            return layer(torch.tanh(backbone(inp)))
+        block = torch.nn.Sequential(backbone, torch.nn.Tanh(), layer)
 
         xin = x.clone().requires_grad_(True)
         with label_context(layer, y):
