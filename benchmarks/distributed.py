@@ -133,15 +133,17 @@ def layer_step_seconds(trainer: td.DADTrainer, x: torch.Tensor, y: torch.Tensor,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run (gloo, world size 1 unless torchrun)")
-    parser.add_argument("--batch", type=int, default=16384, help="rows per GPU per step")
+    parser.add_argument("--batch", type=int, nargs="+", default=[8192, 16384, 32768], help="rows per GPU per step")
+    parser.add_argument("--budget-s", type=float, default=150.0,
+                        help="start no new batch size after this many seconds (the whole run must stay < 4 min)")
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--depth", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default results/distributed.json)")
     args = parser.parse_args()
     if args.smoke:
-        args.batch, args.width, args.depth, args.steps, args.repeats = 32, 24, 3, 3, 2
+        args.batch, args.width, args.depth, args.steps, args.repeats = [32], 24, 3, 3, 2
     d_in = 48 if args.smoke else 3072
     widths = [d_in] + [args.width] * args.depth
     topology = f"{'smoke' if args.smoke else 'cifar'}-{d_in}-{args.depth}x{args.width}"
@@ -196,69 +198,81 @@ def main() -> None:
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(records, indent=2) + "\n")  # after every mode: a crash keeps the rest
 
-    # ---------------------------------------------------------------- single GPU (rank 0; others wait)
-    costs: list[float] = []
-    if rank == 0:
-        variants = [("eager", eager)] + ([("default", {})] if has_backend else [])
-        for backend, kw in variants:
-            for batch in sorted({args.batch, args.batch * world}):
-                trainer = build(**kw)
-                pool = data_pool(batch, d_in, device)
-                seconds = timed_windows(lambda i, t=trainer, p=pool: t.step(*p[i % len(p)]), device, warmup,
-                                        args.steps, args.repeats)
-                if batch == args.batch and backend == "eager":
-                    costs = layer_step_seconds(trainer, *pool[0])
-                save({"mode": "single", "variant": f"DADTrainer.step ({backend} backend)", "backend": backend,
-                      "batch": batch, "per_gpu_batch": batch, "img_per_s": batch * args.steps / seconds,
-                      "step_ms": seconds / args.steps * 1e3})
-                del trainer, pool
-                if cuda:
-                    torch.cuda.empty_cache()
-    box = [records, costs]
-    dist.broadcast_object_list(box, src=0, group=cpu_group)
-    records, costs = box
+    def measure(batch: int) -> None:
+        # ------------------------------------------------------------ single GPU (rank 0; others wait)
+        costs: list[float] = []
+        if rank == 0:
+            variants = [("eager", eager)] + ([("default", {})] if has_backend else [])
+            for backend, kw in variants:
+                for rows in sorted({batch, batch * world}):
+                    trainer = build(**kw)
+                    pool = data_pool(rows, d_in, device)
+                    seconds = timed_windows(lambda i, t=trainer, p=pool: t.step(*p[i % len(p)]), device, warmup,
+                                            args.steps, args.repeats)
+                    if rows == batch and backend == "eager":
+                        costs = layer_step_seconds(trainer, *pool[0])
+                    save({"mode": "single", "variant": f"DADTrainer.step ({backend} backend)", "backend": backend,
+                          "batch": rows, "per_gpu_batch": rows, "img_per_s": rows * args.steps / seconds,
+                          "step_ms": seconds / args.steps * 1e3})
+                    del trainer, pool
+                    if cuda:
+                        torch.cuda.empty_cache()
+        box = [records, costs]
+        dist.broadcast_object_list(box, src=0, group=cpu_group)
+        records[:], costs = box
 
-    # ---------------------------------------------------------------- data parallel
-    for overlap in (True, False):
-        trainer = build(parallel.DataParallelTrainer, overlap=overlap, **eager)
-        pool = data_pool(args.batch, d_in, device)
-        seconds = timed_windows(lambda i, t=trainer, p=pool: t.step(*p[i % len(p)]), device, warmup, args.steps,
-                                args.repeats, group=cpu_group)
-        save({"mode": "data-parallel", "variant": "overlapped all-reduce" if overlap else "blocking all-reduce",
-              "batch": args.batch * world, "per_gpu_batch": args.batch,
-              "img_per_s": args.batch * world * args.steps / seconds, "step_ms": seconds / args.steps * 1e3})
+        # ------------------------------------------------------------ data parallel
+        for overlap in (True, False):
+            trainer = build(parallel.DataParallelTrainer, overlap=overlap, **eager)
+            pool = data_pool(batch, d_in, device)
+            seconds = timed_windows(lambda i, t=trainer, p=pool: t.step(*p[i % len(p)]), device, warmup,
+                                    args.steps, args.repeats, group=cpu_group)
+            save({"mode": "data-parallel", "variant": "overlapped all-reduce" if overlap else "blocking all-reduce",
+                  "batch": batch * world, "per_gpu_batch": batch,
+                  "img_per_s": batch * world * args.steps / seconds, "step_ms": seconds / args.steps * 1e3})
+            del trainer, pool
+            if cuda:
+                torch.cuda.empty_cache()
+
+        # ------------------------------------------------------------ pipeline
+        trainer = build(**eager)
+        balance = [b - a for a, b in parallel.partition_layers(costs, world)]
+        pipe = parallel.Pipeline(trainer, balance=balance)
+        pool = data_pool(batch, d_in, device) if pipe.is_first else []
+        total = warmup + args.steps * args.repeats
+        timer = Timer(device)
+
+        def on_batch(index: int, *_: Any) -> None:
+            if pipe.is_last and index >= warmup - 1 and (index - warmup + 1) % args.steps == 0:
+                timer.mark()
+
+        stream = (pool[i % len(pool)] for i in range(total)) if pipe.is_first else None
+        dist.barrier(group=cpu_group)
+        start = time.perf_counter()
+        pipe.run(stream, callback=on_batch)
+        if cuda:
+            torch.cuda.synchronize(device)
+        end_to_end = time.perf_counter() - start
+        box = [timer.seconds() if pipe.is_last else []]
+        dist.broadcast_object_list(box, src=world - 1, group=cpu_group)
+        seconds = statistics.median(box[0])
+        save({"mode": "pipeline", "variant": "decoupled layer stages", "batch": batch, "per_gpu_batch": batch,
+              "img_per_s": batch * args.steps / seconds, "img_per_s_end_to_end": batch * total / end_to_end,
+              "step_ms": seconds / args.steps * 1e3, "balance": balance,
+              "stage_ms_measured_single": [sum(costs[a:b]) * 1e3 for a, b in pipe.bounds]})
         del trainer, pool
         if cuda:
             torch.cuda.empty_cache()
 
-    # ---------------------------------------------------------------- pipeline
-    trainer = build(**eager)
-    balance = [b - a for a, b in parallel.partition_layers(costs, world)]
-    pipe = parallel.Pipeline(trainer, balance=balance)
-    pool = data_pool(args.batch, d_in, device) if pipe.is_first else []
-    total = warmup + args.steps * args.repeats
-    timer = Timer(device)
-
-    def on_batch(index: int, *_: Any) -> None:
-        if pipe.is_last and index >= warmup - 1 and (index - warmup + 1) % args.steps == 0:
-            timer.mark()
-
-    stream = (pool[i % len(pool)] for i in range(total)) if pipe.is_first else None
-    dist.barrier(group=cpu_group)
-    start = time.perf_counter()
-    pipe.run(stream, callback=on_batch)
-    if cuda:
-        torch.cuda.synchronize(device)
-    end_to_end = time.perf_counter() - start
-    windows = timer.seconds() if pipe.is_last else []
-    box = [windows]
-    dist.broadcast_object_list(box, src=world - 1, group=cpu_group)
-    seconds = statistics.median(box[0])
-    stage_ms = [sum(costs[a:b]) * 1e3 for a, b in pipe.bounds]
-    save({"mode": "pipeline", "variant": "decoupled layer stages", "batch": args.batch,
-          "per_gpu_batch": args.batch, "img_per_s": args.batch * args.steps / seconds,
-          "img_per_s_end_to_end": args.batch * total / end_to_end, "step_ms": seconds / args.steps * 1e3,
-          "balance": balance, "stage_ms_measured_single": stage_ms})
+    begin = time.perf_counter()
+    for batch in args.batch:
+        spent = torch.tensor([time.perf_counter() - begin], dtype=torch.float64)
+        dist.broadcast(spent, src=0, group=cpu_group)  # every rank takes the same decision
+        if float(spent) > args.budget_s:
+            if rank == 0:
+                print(f"skipping batch {batch}: {float(spent):.0f} s spent of a {args.budget_s:.0f} s budget")
+            break
+        measure(batch)
     if rank == 0:
         print("wrote", out)
     dist.destroy_process_group()
