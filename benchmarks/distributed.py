@@ -134,7 +134,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run (gloo, world size 1 unless torchrun)")
     parser.add_argument("--batch", type=int, nargs="+", default=[8192, 16384, 32768], help="rows per GPU per step")
-    parser.add_argument("--budget-s", type=float, default=150.0,
+    parser.add_argument("--budget-s", type=float, default=110.0,
                         help="start no new batch size after this many seconds (the whole run must stay < 4 min)")
     parser.add_argument("--width", type=int, default=4096)
     parser.add_argument("--depth", type=int, default=16)

@@ -82,6 +82,7 @@ def _data_parallel(rank, out, overlap, epochs):
     out["evaluate"] = trainer.evaluate((xt, yt), batch_size=10)
     before = full_state(trainer)
     out["bad_batch"] = _catch(lambda: trainer.fit((x, y), batch_size=25, progress=False))
+    out["bad_seed"] = _catch(lambda: trainer.fit((x, y), batch_size=24, seed=None, progress=False))
     out["bad_batch_unchanged"] = all(torch.equal(v, full_state(trainer)[k]) for k, v in before.items())
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
     out["bad_loader"] = _catch(lambda: trainer.fit(loader, progress=False))
@@ -282,6 +283,7 @@ def test_data_parallel_bad_configuration(ranks):
     for res in ranks:
         out = res["dp_overlap"]
         assert out["bad_batch"].startswith("ValueError") and "multiple of the world size 2" in out["bad_batch"]
+        assert out["bad_seed"].startswith("ValueError") and "pass an int seed" in out["bad_seed"]
         assert out["bad_batch_unchanged"]
         assert "DistributedSampler" in out["bad_loader"]
         # a DistributedSampler loader trains, and set_epoch ran once per epoch (epochs 0 and 1)

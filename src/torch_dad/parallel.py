@@ -281,13 +281,13 @@ class DataParallelTrainer(DADTrainer):
         yield from data
 
     def fit(self, train: Any, epochs: int = 1, eval: Any = None, *, batch_size: int = 256,
-            shuffle: bool = True, seed: int | None = 0, progress: bool = True,
-            log_every: int = 50) -> list[dict[str, float]]:
+            progress: bool = True, **kwargs: Any) -> list[dict[str, float]]:
         """``DADTrainer.fit`` over this rank's shards; ``batch_size`` is the global batch.
 
-        Records hold the global mean loss and global img/s (sum over ranks); only rank 0
-        shows progress. Raises ``ValueError`` if ``batch_size`` is not a multiple of the
-        world size (shards would differ in size every step).
+        Other keyword arguments go to ``DADTrainer.fit`` unchanged (``seed`` must be the
+        same on every rank). Records hold the global mean loss and global img/s (sum over
+        ranks); only rank 0 shows progress. Raises ``ValueError`` if ``batch_size`` is not
+        a multiple of the world size (shards would differ in size every step).
         """
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r} must be a positive int")
@@ -296,10 +296,14 @@ class DataParallelTrainer(DADTrainer):
                 f"batch_size={batch_size} is the global batch and must be a multiple of the world size "
                 f"{self.world_size}; use e.g. batch_size={max(1, round(batch_size / self.world_size)) * self.world_size}"
             )
+        if kwargs.get("shuffle", True) and "seed" in kwargs and kwargs["seed"] is None:
+            raise ValueError(
+                "seed=None would shuffle differently on every rank (rows seen twice or never); pass an int seed"
+            )
         self._fitting = True
         try:
-            records = super().fit(train, epochs, eval, batch_size=batch_size, shuffle=shuffle, seed=seed,
-                                  progress=progress and self.is_main, log_every=log_every)
+            records = super().fit(train, epochs, eval, batch_size=batch_size, progress=progress and self.is_main,
+                                  **kwargs)
         finally:
             self._fitting = False
         for record in records:
