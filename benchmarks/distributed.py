@@ -148,6 +148,8 @@ def main() -> None:
     widths = [d_in] + [args.width] * args.depth
     topology = f"{'smoke' if args.smoke else 'cifar'}-{d_in}-{args.depth}x{args.width}"
 
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("the full benchmark needs CUDA GPUs (one per process); on CPU use --smoke")
     launched = "RANK" in os.environ
     cuda = torch.cuda.is_available() and not args.smoke
     if not launched:
