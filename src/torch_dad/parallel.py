@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import math
 import os
+import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
@@ -147,6 +148,10 @@ def all_reduce_statistics(stats: GramAccumulator, process_group: Any = None) -> 
         b.copy_(v.view(b.shape))
 
 
+def _is_tensor_pair(data: Any) -> bool:
+    return isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, Tensor) for t in data)
+
+
 def _is_distributed_loader(data: Any) -> bool:
     sampler = getattr(data, "sampler", None)
     return isinstance(sampler, torch.utils.data.distributed.DistributedSampler)
@@ -257,7 +262,7 @@ class DataParallelTrainer(DADTrainer):
 
     def _batches(self, data: Any, batch_size: int, shuffle: bool,
                  generator: torch.Generator | None) -> Iterator[tuple[Tensor, Tensor]]:
-        if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, Tensor) for t in data):
+        if _is_tensor_pair(data):
             training = self._fitting
             for inputs, labels in super()._batches(data, batch_size, shuffle, generator):
                 rows = inputs.shape[0]
@@ -291,12 +296,12 @@ class DataParallelTrainer(DADTrainer):
         """
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
             raise ValueError(f"batch_size={batch_size!r} must be a positive int")
-        if batch_size % self.world_size:
+        if _is_tensor_pair(train) and batch_size % self.world_size:
             raise ValueError(
                 f"batch_size={batch_size} is the global batch and must be a multiple of the world size "
                 f"{self.world_size}; use e.g. batch_size={max(1, round(batch_size / self.world_size)) * self.world_size}"
             )
-        if kwargs.get("shuffle", True) and "seed" in kwargs and kwargs["seed"] is None:
+        if _is_tensor_pair(train) and kwargs.get("shuffle", True) and "seed" in kwargs and kwargs["seed"] is None:
             raise ValueError(
                 "seed=None would shuffle differently on every rank (rows seen twice or never); pass an int seed"
             )
@@ -342,7 +347,7 @@ class DataParallelTrainer(DADTrainer):
         A ``(X, Y)`` pair as ``loader`` is sharded here; any other loader must already
         give each rank different rows.
         """
-        if isinstance(loader, (tuple, list)) and len(loader) == 2 and all(isinstance(t, Tensor) for t in loader):
+        if _is_tensor_pair(loader):
             loader = self._batches(loader, 4096, False, None)
         return super().solve_head(lambda_reg, loader)
 
@@ -590,8 +595,6 @@ class Pipeline:
         ``train``/``eval`` matter on rank 0 only (pass ``None`` elsewhere). Records hold
         ``epoch, loss, train_s, img_per_s`` (+ ``accuracy, eval_loss`` with ``eval``).
         """
-        import time
-
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"epochs={epochs!r} must be a positive int")
         if self.is_first and train is None:
