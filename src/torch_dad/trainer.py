@@ -10,7 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from . import functional as F
-from .layers import DADModel, check_inputs, check_labels, gradients_are_finite
+from .layers import DADLinear, DADModel, LocalStepResult, check_inputs, check_labels, gradients_are_finite
 from .optim import LocalOptimizerState, OptimizerConfig, check_optimizer
 from .ridge import GramAccumulator, RidgeSolution
 
@@ -188,35 +188,11 @@ class DADTrainer:
         ``lr`` overrides the learning rate for this step; ``amp_dtype`` the compute dtype.
         Invalid input raises before anything is modified.
         """
-        if lr is not None and (not isinstance(lr, (int, float)) or not lr >= 0):
-            raise ValueError(f"lr={lr!r} must be a finite float >= 0")
-        compute = amp_dtype if amp_dtype is not None else self.amp_dtype
-        self._check_amp(compute, "amp_dtype")
-        if compute == torch.float32:
-            compute = None
-        x, y = self._prepare(inputs, labels)
-        rate = self.config.lr if lr is None else float(lr)
+        x, y, rate, compute = self._begin_step(inputs, labels, lr, amp_dtype)
         h = x
         last = None
         for layer, workspace in zip(self.model.dad_layers, self._workspaces):
-            last = layer.local_step(
-                h,
-                y,
-                self.config,
-                rate,
-                compute,
-                reduce_gradients=self.gradient_reducer,
-                workspace=workspace,
-                on_nonfinite="skip" if self.on_nonfinite != "ignore" else "ignore",
-            )
-            if last.skipped:
-                self.skipped_updates += 1
-                if self.on_nonfinite == "raise":
-                    raise FloatingPointError(
-                        f"non-finite local gradients in {layer!r} at step {self.step_count} (lr too high, or "
-                        "half-precision overflow?); this layer and the ones above it were not updated. Lower lr, "
-                        "or pass DADTrainer(on_nonfinite='skip') to skip and count such updates"
-                    )
+            last = self._layer_step(layer, h, y, rate, compute, workspace)
             h = last.output
         assert last is not None
         head = self.model.head
@@ -224,6 +200,57 @@ class DADTrainer:
             logits, loss = last.logits, last.loss
         else:
             logits, loss = self._head_step(h, y, rate, compute)
+        return self._end_step(logits, loss)
+
+    def _begin_step(
+        self, inputs: Tensor, labels: Tensor, lr: float | None, amp_dtype: torch.dtype | None
+    ) -> tuple[Tensor, Tensor, float, torch.dtype | None]:
+        """Validate a step's arguments: ``(x, y, lr, compute dtype or None for the master dtype)``."""
+        if lr is not None and (not isinstance(lr, (int, float)) or not lr >= 0):
+            raise ValueError(f"lr={lr!r} must be a finite float >= 0")
+        compute = amp_dtype if amp_dtype is not None else self.amp_dtype
+        self._check_amp(compute, "amp_dtype")
+        if compute == torch.float32:
+            compute = None
+        x, y = self._prepare(inputs, labels)
+        return x, y, self.config.lr if lr is None else float(lr), compute
+
+    def _layer_step(
+        self,
+        layer: DADLinear,
+        h: Tensor,
+        y: Tensor,
+        rate: float,
+        compute: torch.dtype | None,
+        workspace: dict[str, Tensor] | None,
+    ) -> LocalStepResult:
+        """``layer.local_step`` with this trainer's config, gradient reducer and non-finite policy."""
+        last = layer.local_step(
+            h,
+            y,
+            self.config,
+            rate,
+            compute,
+            reduce_gradients=self.gradient_reducer,
+            workspace=workspace,
+            on_nonfinite="skip" if self.on_nonfinite != "ignore" else "ignore",
+        )
+        if last.skipped:
+            self._skipped_update(repr(layer))
+        return last
+
+    def _skipped_update(self, where: str) -> None:
+        """Count an update skipped for non-finite gradients; raise ``FloatingPointError`` under ``"raise"``."""
+        self.skipped_updates += 1
+        if self.on_nonfinite == "raise":
+            raise FloatingPointError(
+                f"non-finite local gradients in {where} at step {self.step_count} (lr too high, or "
+                "half-precision overflow?); it and the layers above it were not updated. Lower lr, "
+                "or pass DADTrainer(on_nonfinite='skip') to skip and count such updates"
+            )
+
+    def _end_step(self, logits: Tensor, loss: Tensor) -> tuple[Tensor, Tensor]:
+        """Count the step and its loss (on the device: no host sync); detached ``(logits, loss)``."""
         self.step_count += 1
         self._loss_sum += loss.detach().float()
         self._loss_batches += 1
@@ -244,12 +271,7 @@ class DADTrainer:
         if self.gradient_reducer is not None:
             self.gradient_reducer(grads)
         if self.on_nonfinite != "ignore" and not gradients_are_finite(grads):
-            self.skipped_updates += 1
-            if self.on_nonfinite == "raise":
-                raise FloatingPointError(
-                    "non-finite gradients for model.classifier; it was not updated. Lower lr, or pass "
-                    "DADTrainer(on_nonfinite='skip')"
-                )
+            self._skipped_update("model.classifier")
             return result.logits, result.loss.float()
         self.head_state.apply_(self._head_tensors(), grads, self.config, lr)
         return result.logits, result.loss.float()

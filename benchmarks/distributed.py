@@ -1,0 +1,284 @@
+"""Multi-GPU DAD throughput: ``single`` GPU vs ``data-parallel`` vs ``pipeline`` (torch.distributed).
+
+Model (``deep-16x4096``): a CIFAR-shaped input (3072) into 16 DAD layers of width 4096 and
+a 4096->10 classifier, bf16 compute, AdamW, Gram statistics on. Why this one: every layer
+is the same 4096x4096 GEMM pair (0.55 TFLOP per layer at B=16384, compute-bound on an
+H200), so both GPUs are busy with real work, 16 layers split into 2 pipeline stages of
+near-equal cost, and each layer's gradient (64 MiB fp32) is small next to its compute,
+which is what data parallelism needs.
+
+Records (``results/distributed.json``): ``{mode, gpus, topology, batch, img_per_s, ...}``;
+``batch`` is rows per optimizer step (data-parallel: the global batch, ``per_gpu_batch``
+rows on each GPU). Speed-ups compare with ``single`` at the per-GPU batch. Timing: warm-up,
+then the median of ``--repeats`` windows of ``--steps`` steps, each ended by a CUDA sync
+(pipeline: CUDA events on the last stage, steady state; ``img_per_s_end_to_end`` includes
+filling and draining the pipe once).
+
+    # 2 GPUs, one process each (NVLink multicast stays off):
+    NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src \\
+        python3 -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/distributed.py
+    python benchmarks/distributed.py --smoke   # CPU, gloo, world size 1, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import inspect
+import json
+import os
+import socket
+import statistics
+import subprocess
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import torch_dad as td
+from _common import RESULTS, SeedMLP, environment
+from torch_dad import parallel
+
+
+def gpu_link() -> str:
+    """How GPU 0 reaches GPU 1 (the ``nvidia-smi topo -m`` cell), or why unknown."""
+    try:
+        out = subprocess.run(["nvidia-smi", "topo", "-m"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError) as err:
+        return f"unknown ({type(err).__name__})"
+    for line in out.splitlines():
+        cells = line.split()
+        if cells and cells[0] == "GPU0" and len(cells) > 2:
+            return cells[2]
+    return "unknown"
+
+
+class Timer:
+    """Wall seconds between marks: CUDA events on GPU (no host sync mid-stream), perf_counter on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
+def data_pool(batch: int, d_in: int, device: torch.device, count: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(0)
+    return [
+        (torch.randn(batch, d_in, generator=gen).to(device), torch.randint(0, 10, (batch,), generator=gen).to(device))
+        for _ in range(count)
+    ]
+
+
+def timed_windows(step: Callable[[int], Any], device: torch.device, warmup: int, steps: int, repeats: int,
+                  group: Any = None) -> float:
+    """Median seconds of ``steps`` calls over ``repeats`` windows (slowest rank per window when distributed)."""
+    for i in range(warmup):
+        step(i)
+    samples = []
+    for _ in range(repeats):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        if group is not None:
+            dist.barrier(group=group)
+        start = time.perf_counter()
+        for i in range(steps):
+            step(i)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+        if group is not None:
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX, group=group)
+        samples.append(float(elapsed))
+    return statistics.median(samples)
+
+
+def layer_step_seconds(trainer: td.DADTrainer, x: torch.Tensor, y: torch.Tensor, repeats: int = 3) -> list[float]:
+    """Measured seconds of each DAD layer's ``local_step`` (the last one plus the classifier step and
+    Gram update): the costs the pipeline is balanced on."""
+    timer_rows = []
+    for _ in range(repeats + 1):
+        xx, yy, rate, compute = trainer._begin_step(x, y, None, None)
+        timer = Timer(trainer.device)
+        timer.mark()
+        h = xx
+        for layer in trainer.model.dad_layers:
+            h = layer.local_step(h, yy, trainer.config, rate, compute).output
+            timer.mark()
+        trainer._head_step(h, yy, rate, compute)
+        timer.mark()
+        timer_rows.append(timer.seconds())
+    rows = timer_rows[1:]  # the first pass is a warm-up
+    per = [statistics.median(r[i] for r in rows) for i in range(len(rows[0]))]
+    per[-2] += per[-1]
+    return per[:-1]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny CPU run (gloo, world size 1 unless torchrun)")
+    parser.add_argument("--batch", type=int, nargs="+", default=[8192, 16384, 32768], help="rows per GPU per step")
+    parser.add_argument("--budget-s", type=float, default=110.0,
+                        help="start no new batch size after this many seconds (the whole run must stay < 4 min)")
+    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--depth", type=int, default=16)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--out", type=Path, default=None, help="JSON path (default results/distributed.json)")
+    args = parser.parse_args()
+    if args.smoke:
+        args.batch, args.width, args.depth, args.steps, args.repeats = [32], 24, 3, 3, 2
+    d_in = 48 if args.smoke else 3072
+    widths = [d_in] + [args.width] * args.depth
+    topology = f"{'smoke' if args.smoke else 'cifar'}-{d_in}-{args.depth}x{args.width}"
+
+    if not args.smoke and not torch.cuda.is_available():
+        raise SystemExit("the full benchmark needs CUDA GPUs (one per process); on CPU use --smoke")
+    launched = "RANK" in os.environ
+    cuda = torch.cuda.is_available() and not args.smoke
+    if not launched:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    local_rank = int(os.environ["LOCAL_RANK"])
+    if cuda:
+        device = torch.device("cuda", local_rank)
+        torch.cuda.set_device(device)
+        # a crashed rank must not leave the others waiting for the lead's whole time slot
+        dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(seconds=120))
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
+    rank, world = dist.get_rank(), dist.get_world_size()
+    cpu_group = dist.new_group(backend="gloo")  # barriers that never touch a GPU
+    amp = torch.bfloat16 if cuda else None
+    warmup = 3 if cuda else 1
+    out = args.out or RESULTS / ("distributed.smoke.json" if args.smoke else "distributed.json")
+    env = {**environment(), "gpu_link": gpu_link() if cuda and world > 1 else "none"}
+    common = {"gpus": world if cuda else 0, "topology": topology, "amp_dtype": str(amp), **env}
+    records: list[dict[str, Any]] = []
+
+    # where DADTrainer has a `backend` (fused / CUDA-graph step), data parallelism and the
+    # pipeline still run the per-layer eager path, so `single` is measured both ways and the
+    # speed-ups compare like with like (eager single); the default backend is reported too
+    has_backend = "backend" in inspect.signature(td.DADTrainer.__init__).parameters
+    eager = {"backend": "eager"} if has_backend else {}
+
+    def build(trainer_cls: Any = td.DADTrainer, **kw: Any) -> Any:
+        torch.manual_seed(0)
+        return trainer_cls(SeedMLP(widths), device=device, lr=1e-3, amp_dtype=amp, **kw)
+
+    def save(record: dict[str, Any]) -> None:
+        record = {"backend": "eager", **record, **common}
+        if record["mode"] != "single":
+            for key, backend in (("speedup_vs_single", "eager"), ("speedup_vs_single_default", "default")):
+                single = next((r for r in records if r["mode"] == "single" and r["backend"] == backend
+                               and r["batch"] == record["per_gpu_batch"]), None)
+                if single:
+                    record[key] = record["img_per_s"] / single["img_per_s"]
+        records.append(record)
+        if rank == 0:
+            keys = ("mode", "variant", "batch", "img_per_s", "speedup_vs_single", "speedup_vs_single_default")
+            print(json.dumps({k: record[k] for k in keys if k in record}), flush=True)
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(records, indent=2) + "\n")  # after every mode: a crash keeps the rest
+
+    def measure(batch: int) -> None:
+        # ------------------------------------------------------------ single GPU (rank 0; others wait)
+        costs: list[float] = []
+        if rank == 0:
+            variants = [("eager", eager)] + ([("default", {})] if has_backend else [])
+            for backend, kw in variants:
+                for rows in sorted({batch, batch * world}):
+                    trainer = build(**kw)
+                    pool = data_pool(rows, d_in, device)
+                    seconds = timed_windows(lambda i, t=trainer, p=pool: t.step(*p[i % len(p)]), device, warmup,
+                                            args.steps, args.repeats)
+                    if rows == batch and backend == "eager":
+                        costs = layer_step_seconds(trainer, *pool[0])
+                    save({"mode": "single", "variant": f"DADTrainer.step ({backend} backend)", "backend": backend,
+                          "batch": rows, "per_gpu_batch": rows, "img_per_s": rows * args.steps / seconds,
+                          "step_ms": seconds / args.steps * 1e3})
+                    del trainer, pool
+                    if cuda:
+                        torch.cuda.empty_cache()
+        box = [records, costs]
+        dist.broadcast_object_list(box, src=0, group=cpu_group)
+        records[:], costs = box
+
+        # ------------------------------------------------------------ data parallel
+        for overlap in (True, False):
+            trainer = build(parallel.DataParallelTrainer, overlap=overlap, **eager)
+            pool = data_pool(batch, d_in, device)
+            seconds = timed_windows(lambda i, t=trainer, p=pool: t.step(*p[i % len(p)]), device, warmup,
+                                    args.steps, args.repeats, group=cpu_group)
+            save({"mode": "data-parallel", "variant": "overlapped all-reduce" if overlap else "blocking all-reduce",
+                  "batch": batch * world, "per_gpu_batch": batch,
+                  "img_per_s": batch * world * args.steps / seconds, "step_ms": seconds / args.steps * 1e3})
+            del trainer, pool
+            if cuda:
+                torch.cuda.empty_cache()
+
+        # ------------------------------------------------------------ pipeline
+        trainer = build(**eager)
+        balance = [b - a for a, b in parallel.partition_layers(costs, world)]
+        pipe = parallel.Pipeline(trainer, balance=balance)
+        pool = data_pool(batch, d_in, device) if pipe.is_first else []
+        total = warmup + args.steps * args.repeats
+        timer = Timer(device)
+
+        def on_batch(index: int, *_: Any) -> None:
+            if pipe.is_last and index >= warmup - 1 and (index - warmup + 1) % args.steps == 0:
+                timer.mark()
+
+        stream = (pool[i % len(pool)] for i in range(total)) if pipe.is_first else None
+        dist.barrier(group=cpu_group)
+        start = time.perf_counter()
+        pipe.run(stream, callback=on_batch)
+        if cuda:
+            torch.cuda.synchronize(device)
+        end_to_end = time.perf_counter() - start
+        box = [timer.seconds() if pipe.is_last else []]
+        dist.broadcast_object_list(box, src=world - 1, group=cpu_group)
+        seconds = statistics.median(box[0])
+        save({"mode": "pipeline", "variant": "decoupled layer stages", "batch": batch, "per_gpu_batch": batch,
+              "img_per_s": batch * args.steps / seconds, "img_per_s_end_to_end": batch * total / end_to_end,
+              "step_ms": seconds / args.steps * 1e3, "balance": balance,
+              "stage_ms_measured_single": [sum(costs[a:b]) * 1e3 for a, b in pipe.bounds]})
+        del trainer, pool
+        if cuda:
+            torch.cuda.empty_cache()
+
+    begin = time.perf_counter()
+    for batch in args.batch:
+        spent = torch.tensor([time.perf_counter() - begin], dtype=torch.float64)
+        dist.broadcast(spent, src=0, group=cpu_group)  # every rank takes the same decision
+        if float(spent) > args.budget_s:
+            if rank == 0:
+                print(f"skipping batch {batch}: {float(spent):.0f} s spent of a {args.budget_s:.0f} s budget")
+            break
+        measure(batch)
+    if rank == 0:
+        print("wrote", out)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

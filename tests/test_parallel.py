@@ -1,0 +1,396 @@
+"""torch_dad.parallel on CPU/gloo: 2 spawned processes against single-process DADTrainer.
+
+One spawn (module fixture) runs every distributed scenario and saves what each rank saw;
+the tests compare it with a single-process run computed here. Equality is what the math
+promises: data-parallel global batch 2B == single-process batch 2B, pipeline == sequential.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import torch_dad as td
+from torch_dad import data, parallel
+
+from .conftest import relative_error
+
+WORLD = 2
+D_IN, CLASSES = 21, 5
+DEVICE = "cpu"  # set per rank in _worker: "cpu" (gloo) or "cuda:<rank>" (nccl)
+TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
+# fp32: the 2-rank sum of two half-batch means differs from the full-batch mean by rounding
+# only; measured worst relative error after 10 AdamW steps is printed by the tests (~1e-7).
+TOL = 1e-6
+
+
+class Net(td.DADModel):
+    def __init__(self, widths=(D_IN, 37, 19, 13), classifier=True):
+        super().__init__()
+        acts = ["relu", "gelu", "tanh", "relu"]
+        self.layers = torch.nn.ModuleList(
+            td.DADLinear(a, b, num_classes=CLASSES, activation=acts[i % 4])
+            for i, (a, b) in enumerate(zip(widths[:-1], widths[1:]))
+        )
+        if classifier:
+            self.classifier = torch.nn.Linear(widths[-1], CLASSES)
+
+
+def make_data(n=107, seed=3):
+    (x, y), (xt, yt) = data.synthetic(num_train=n, num_test=49, num_features=D_IN, num_classes=CLASSES, seed=seed)
+    return x, y, xt, yt  # 107 = 4 * 24 + 11: the last global batch splits 5 / 6 over 2 ranks
+
+
+def full_state(trainer):
+    state = trainer.state_dict()
+    flat = {f"model.{k}": v for k, v in state["model"].items()}
+    flat.update({f"head.{k}": v for k, v in (state["head_state"] or {}).items()})
+    flat.update({f"stats.{k}": v for k, v in (state["head_statistics"] or {}).items()})
+    return {k: v.detach().cpu().clone() for k, v in flat.items()}
+
+
+def trainer_kwargs():
+    return {"lr": 3e-2, "weight_decay": 0.01}
+
+
+# ---------------------------------------------------------------------------- worker
+def _catch(fn):
+    try:
+        fn()
+    except (ValueError, TypeError) as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+def _data_parallel(rank, out, overlap, epochs):
+    # a different seed per rank: the trainer must copy rank 0's initial weights everywhere
+    torch.manual_seed(100 + rank)
+    trainer = parallel.DataParallelTrainer(Net(), DEVICE, overlap=overlap, **trainer_kwargs())
+    x, y, xt, yt = make_data()
+    records = trainer.fit((x, y), epochs=epochs, batch_size=24, progress=False, eval=(xt, yt))
+    out["records"] = records
+    out["local_state"] = full_state(trainer)  # head statistics still per rank here
+    out["solution"] = trainer.solve_head(lambda_reg=0.1)
+    out["solved"] = full_state(trainer)
+    out["evaluate"] = trainer.evaluate((xt, yt), batch_size=10)
+    before = full_state(trainer)
+    out["bad_batch"] = _catch(lambda: trainer.fit((x, y), batch_size=25, progress=False))
+    out["bad_seed"] = _catch(lambda: trainer.fit((x, y), batch_size=24, seed=None, progress=False))
+    out["bad_batch_unchanged"] = all(torch.equal(v, full_state(trainer)[k]) for k, v in before.items())
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8)
+    out["bad_loader"] = _catch(lambda: trainer.fit(loader, progress=False))
+    sampler = torch.utils.data.distributed.DistributedSampler(
+        torch.utils.data.TensorDataset(x, y), shuffle=True, seed=0
+    )
+    good = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8, sampler=sampler)
+    out["sampler_records"] = trainer.fit(good, epochs=2, progress=False)
+    out["sampler_epoch"] = sampler.epoch
+
+
+def _pipeline(rank, out, balance):
+    torch.manual_seed(200 + rank)
+    trainer = td.DADTrainer(Net(), DEVICE, **trainer_kwargs())
+    pipe = parallel.Pipeline(trainer, balance=balance)
+    out["bounds"] = pipe.bounds
+    x, y, xt, yt = make_data()
+    first = rank == 0
+    out["records"] = pipe.fit((x, y) if first else None, epochs=2, batch_size=16, progress=False,
+                              eval=(xt, yt) if first else None)
+    out["stage_state"] = {k: v.clone() for k, v in full_state(trainer).items()}
+    out["solution"] = pipe.solve_head(lambda_reg=0.1)
+    out["streamed_solution"] = pipe.solve_head(lambda_reg=0.1, data=(x, y) if first else None)
+    out["evaluate"] = pipe.evaluate((xt, yt) if first else None, batch_size=10)
+    pipe.synchronize()
+    out["synced"] = full_state(trainer)
+
+
+def _errors(rank, out):
+    torch.manual_seed(0)
+    out["too_many_stages"] = _catch(lambda: parallel.Pipeline(td.DADTrainer(Net(widths=(D_IN, 7)), DEVICE)))
+    widths = (D_IN, 37, 19, 13) if rank == 0 else (D_IN, 36, 19, 13)
+    out["mismatched_model"] = _catch(lambda: parallel.DataParallelTrainer(Net(widths=widths), DEVICE))
+    out["mismatched_lr"] = _catch(lambda: parallel.DataParallelTrainer(Net(), DEVICE, lr=1e-3 * (rank + 1)))
+    out["bad_balance"] = _catch(lambda: parallel.Pipeline(td.DADTrainer(Net(), DEVICE), balance=[2, 2]))
+    out["mismatched_balance"] = _catch(
+        lambda: parallel.Pipeline(td.DADTrainer(Net(), DEVICE), balance=[1, 2] if rank == 0 else [2, 1])
+    )
+
+
+def autograd_net():
+    from torch_dad.autograd import DADAutogradLinear
+
+    return torch.nn.Sequential(
+        torch.nn.Flatten(),
+        DADAutogradLinear(D_IN, 37, num_classes=CLASSES, activation="relu", update="grad"),
+        DADAutogradLinear(37, 19, num_classes=CLASSES, activation="gelu", update="grad"),
+        DADAutogradLinear(19, CLASSES, update="grad"),
+    )
+
+
+def autograd_steps(model, x, y, shard=slice(None), steps=3, batch=24):
+    """``update="grad"`` DAD layers + torch AdamW; ``model`` may be DDP-wrapped (then ``shard`` picks rows)."""
+    from torch_dad.autograd import label_context
+
+    plain = getattr(model, "module", model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for t in range(steps):
+        xb, yb = x[t * batch : (t + 1) * batch][shard], y[t * batch : (t + 1) * batch][shard]
+        with label_context(plain, yb):
+            loss = torch.nn.functional.cross_entropy(model(xb), yb)
+            loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+    return {k: v.detach().cpu().clone() for k, v in plain.state_dict().items()}
+
+
+def _ddp_autograd(rank, out):
+    torch.manual_seed(300 + rank)
+    model = autograd_net()
+    ids = [rank] if DEVICE != "cpu" else None
+    # DDP copies rank 0's weights; no find_unused_parameters
+    ddp = torch.nn.parallel.DistributedDataParallel(model.to(DEVICE), device_ids=ids)
+    x, y = (t.to(DEVICE) for t in make_data()[:2])
+    out["state"] = autograd_steps(ddp, x, y, shard=slice(rank * 12, (rank + 1) * 12))
+
+
+def _worker(rank, world, port, outdir, backend):
+    global DEVICE
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if backend == "nccl":
+        DEVICE = f"cuda:{rank}"
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device(DEVICE))
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    out: dict = {}
+    try:
+        for name, fn in [
+            ("dp_overlap", lambda o: _data_parallel(rank, o, True, 2)),
+            ("dp_blocking", lambda o: _data_parallel(rank, o, False, 1)),
+            ("pipe_auto", lambda o: _pipeline(rank, o, None)),
+            ("pipe_1_2", lambda o: _pipeline(rank, o, [1, 2])),
+            ("errors", lambda o: _errors(rank, o)),
+            ("ddp_autograd", lambda o: _ddp_autograd(rank, o)),
+        ]:
+            out[name] = {}
+            fn(out[name])
+    except Exception:  # noqa: BLE001 - reported to the parent test
+        out["crash"] = traceback.format_exc()
+    finally:
+        torch.save(out, os.path.join(outdir, f"rank{rank}.pt"))
+        dist.destroy_process_group()
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Ranks(list):
+    """What each rank saved, plus the device the single-process reference must use."""
+
+    device = "cpu"
+
+
+@pytest.fixture(
+    scope="module",
+    params=["gloo", pytest.param("nccl", marks=pytest.mark.skipif(not TWO_GPUS, reason="needs 2 CUDA GPUs"))],
+)
+def ranks(request, tmp_path_factory):
+    backend = request.param
+    outdir = tmp_path_factory.mktemp(f"parallel-{backend}")
+    mp.spawn(_worker, args=(WORLD, _free_port(), str(outdir), backend), nprocs=WORLD, join=True)
+    results = Ranks(torch.load(outdir / f"rank{r}.pt", weights_only=False, map_location="cpu") for r in range(WORLD))
+    results.device = "cuda:0" if backend == "nccl" else "cpu"
+    for r, res in enumerate(results):
+        assert "crash" not in res, f"rank {r} crashed:\n{res['crash']}"
+    return results
+
+
+# ---------------------------------------------------------------------------- single-process references
+@pytest.fixture(autouse=True)
+def _one_thread():
+    # the workers use one thread; a GEMM's fp32 summation order depends on the thread count
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def reference(epochs, batch_size, seed_rank0, device="cpu"):
+    torch.manual_seed(seed_rank0)
+    trainer = td.DADTrainer(Net(), device, **trainer_kwargs())
+    x, y, xt, yt = make_data()
+    records = trainer.fit((x, y), epochs=epochs, batch_size=batch_size, progress=False, eval=(xt, yt))
+    return trainer, records
+
+
+def assert_close_states(got, want, tol, skip=()):
+    assert got.keys() == want.keys()
+    worst = 0.0
+    for k in want:
+        if any(k.startswith(p) for p in skip):
+            continue
+        err = relative_error(got[k], want[k]) if want[k].norm() > 0 else float((got[k] - want[k]).abs().max())
+        assert err <= tol, f"{k}: relative error {err:.2e} > {tol:.0e}"
+        worst = max(worst, err)
+    return worst
+
+
+# ---------------------------------------------------------------------------- data parallel
+@pytest.mark.parametrize("name,epochs", [("dp_overlap", 2), ("dp_blocking", 1)])
+def test_data_parallel_global_batch_equals_single_process(ranks, name, epochs):
+    trainer, records = reference(epochs, 24, seed_rank0=100, device=ranks.device)
+    want = full_state(trainer)
+    r0, r1 = ranks[0][name], ranks[1][name]
+    # weights, local heads, optimizer moments: equal to single process, and bitwise equal across ranks
+    worst = assert_close_states(r0["local_state"], want, TOL, skip=("stats.",))
+    print(f"{name}: worst relative error vs single process {worst:.1e}")
+    for k, v in r0["local_state"].items():
+        if not k.startswith("stats."):
+            assert torch.equal(v, r1["local_state"][k]), k
+    # Gram statistics: each rank holds its shards' part (window-decayed); their sum is the single run's
+    for k in [k for k in want if k.startswith("stats.")]:
+        total = r0["local_state"][k] + r1["local_state"][k]
+        assert relative_error(total, want[k]) <= TOL, k
+    # records: global loss and the accuracy after each epoch
+    for got, ref in zip(r0["records"], records):
+        assert got["accuracy"] == ref["accuracy"]
+        assert abs(got["eval_loss"] - ref["eval_loss"]) <= 1e-5 * abs(ref["eval_loss"])
+    # solve_head sums statistics over ranks: the same closed-form head as single process
+    solution = trainer.solve_head(lambda_reg=0.1)
+    for r in (r0, r1):
+        assert relative_error(r["solution"].weight, solution.weight.cpu()) <= 1e-5
+        assert r["solution"].num_samples == solution.num_samples
+    assert_close_states(r0["solved"], full_state(trainer), 1e-5)
+    metrics = trainer.evaluate(make_data()[2:], batch_size=10)
+    for r in (r0, r1):
+        assert r["evaluate"]["samples"] == metrics["samples"]
+        assert r["evaluate"]["accuracy"] == metrics["accuracy"]
+        assert abs(r["evaluate"]["loss"] - metrics["loss"]) <= 1e-5 * metrics["loss"]
+
+
+def test_data_parallel_bad_configuration(ranks):
+    for res in ranks:
+        out = res["dp_overlap"]
+        assert out["bad_batch"].startswith("ValueError") and "multiple of the world size 2" in out["bad_batch"]
+        assert out["bad_seed"].startswith("ValueError") and "pass an int seed" in out["bad_seed"]
+        assert out["bad_batch_unchanged"]
+        assert "DistributedSampler" in out["bad_loader"]
+        # a DistributedSampler loader trains, and set_epoch ran once per epoch (epochs 0 and 1)
+        assert out["sampler_epoch"] == 1 and len(out["sampler_records"]) == 2
+        assert all(r["loss"] == r["loss"] for r in out["sampler_records"])
+
+
+# ---------------------------------------------------------------------------- pipeline
+@pytest.mark.parametrize("name,bounds", [("pipe_auto", None), ("pipe_1_2", [(0, 1), (1, 3)])])
+def test_pipeline_equals_sequential(ranks, name, bounds):
+    trainer, records = reference(2, 16, seed_rank0=200, device=ranks.device)
+    # CPU: same kernels, same inputs, same order, so bitwise equal; two GPUs: to rounding
+    same = torch.equal if ranks.device == "cpu" else (lambda a, b: relative_error(a, b) <= TOL)
+    r0, r1 = ranks[0][name], ranks[1][name]
+    if bounds is not None:
+        assert r0["bounds"] == bounds
+    start, stop = r0["bounds"][1]
+    want = full_state(trainer)
+    # each stage's own layers match the sequential run (the other stage's copy is stale)
+    for stage, res in enumerate((r0, r1)):
+        lo, hi = res["bounds"][stage]
+        mine = [k for k in want if k.startswith("model.layers.") and lo <= int(k.split(".")[2]) < hi]
+        assert mine
+        for k in mine:
+            assert same(res["stage_state"][k], want[k]), k
+    for k in want:
+        if k.startswith(("model.classifier", "head.", "stats.")):
+            assert same(r1["stage_state"][k], want[k]), k
+    for got, ref in zip(r0["records"], records):
+        assert got["accuracy"] == ref["accuracy"]
+        assert abs(got["loss"] - ref["loss"]) <= 1e-6 * ref["loss"]
+    assert r0["records"] == r1["records"]
+    # solve_head on the last stage from the training statistics, then from streamed features
+    solution = trainer.solve_head(lambda_reg=0.1)
+    assert r0["solution"] is None and relative_error(r1["solution"].weight, solution.weight.cpu()) <= 1e-5
+    streamed = trainer.solve_head(lambda_reg=0.1, loader=[make_data()[:2]])
+    assert r0["streamed_solution"] is None
+    assert same(r1["streamed_solution"].weight, streamed.weight.cpu())
+    metrics = trainer.evaluate(make_data()[2:], batch_size=10)
+    for r in (r0, r1):
+        assert r["evaluate"]["accuracy"] == metrics["accuracy"]
+        assert abs(r["evaluate"]["loss"] - metrics["loss"]) <= 1e-5 * metrics["loss"]
+    # after synchronize() every rank holds the whole sequentially trained model
+    final = full_state(trainer)
+    for r in (r0, r1):
+        assert_close_states(r["synced"], final, 1e-5)
+
+
+def test_pipeline_bad_configuration(ranks):
+    for res in ranks:
+        out = res["errors"]
+        assert out["too_many_stages"].startswith("ValueError")
+        assert "2 pipeline stages but the model has only 1 DADLinear" in out["too_many_stages"]
+        assert "balance=[2, 2]" in out["bad_balance"]
+        assert "ranks disagree" in out["mismatched_balance"] and "balance" in out["mismatched_balance"]
+
+
+def test_mismatched_ranks_raise_on_every_rank(ranks):
+    for res in ranks:
+        out = res["errors"]
+        assert out["mismatched_model"].startswith("ValueError: ranks disagree")
+        assert "layers.0.weight" in out["mismatched_model"] and "rank 1" in out["mismatched_model"]
+        assert "config" in out["mismatched_lr"]
+
+
+# ---------------------------------------------------------------------------- single-process checks
+def test_needs_an_initialised_process_group():
+    assert not dist.is_initialized()
+    with pytest.raises(ValueError, match="init_process_group"):
+        parallel.DataParallelTrainer(Net(), "cpu")
+    with pytest.raises(ValueError, match="init_process_group"):
+        parallel.Pipeline(td.DADTrainer(Net(), "cpu"))
+
+
+def test_partition_layers_is_optimal_and_contiguous():
+    gen = torch.Generator().manual_seed(0)
+    for n in range(1, 7):
+        for stages in range(1, n + 1):
+            costs = (torch.rand(n, generator=gen) * 10 + 0.1).tolist()
+            bounds = parallel.partition_layers(costs, stages)
+            assert bounds[0][0] == 0 and bounds[-1][1] == n
+            assert all(a < b for a, b in bounds) and all(b == c for (_, b), (c, _) in zip(bounds, bounds[1:]))
+            got = max(sum(costs[a:b]) for a, b in bounds)
+            best = min(
+                max(sum(costs[a:b]) for a, b in zip((0, *cuts), (*cuts, n)))
+                for cuts in itertools.combinations(range(1, n), stages - 1)
+            )
+            assert got == pytest.approx(best)
+    with pytest.raises(ValueError, match="3 pipeline stages but the model has only 2"):
+        parallel.partition_layers([1.0, 2.0], 3)
+    with pytest.raises(ValueError, match="num_stages"):
+        parallel.partition_layers([1.0], 0)
+
+
+# ---------------------------------------------------------------------------- DADAutogradLinear under DDP
+def test_autograd_update_grad_under_ddp_equals_single_process(ranks):
+    # DDP would raise "Expected to have finished reduction in the prior iteration" at step 2
+    # if any parameter (local heads included) missed its gradient; 3 steps ran on both ranks
+    torch.manual_seed(300)
+    model = autograd_net().to(ranks.device)
+    init = {k: v.cpu().clone() for k, v in model.state_dict().items()}
+    x, y = (t.to(ranks.device) for t in make_data()[:2])
+    want = autograd_steps(model, x, y)
+    # every layer and local head trained (not a vacuous comparison of untouched weights)
+    assert all(not torch.equal(init[k], want[k]) for k in want)
+    for res in ranks:
+        got = res["ddp_autograd"]["state"]
+        assert got.keys() == want.keys()
+        for k in want:
+            assert relative_error(got[k], want[k]) <= TOL, k
