@@ -160,6 +160,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (1: the shared 2-core box)")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -169,7 +170,7 @@ def main() -> None:
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
         env["load_average"] = os.getloadavg()[0]
-    shapes = SMOKE if args.smoke else WORKLOADS
+    shapes = {k: v for k, v in (SMOKE if args.smoke else WORKLOADS).items() if k in args.workloads}
     records = []
     for workload, shape in shapes.items():
         for dtype in dtypes:

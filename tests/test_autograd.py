@@ -15,6 +15,7 @@ from .conftest import relative_error
 
 F64 = torch.float64
 ACTS = ("relu", "gelu", "tanh", "identity")
+EARLY = [pytest.param(None, id="auto"), pytest.param(True, id="forward"), pytest.param(False, id="backward")]
 
 
 def _act(z, act):
@@ -104,10 +105,12 @@ def test_constructor_type_errors():
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(29,), (5, 13)])
 @pytest.mark.parametrize("smoothing", [0.0, 0.15])
-def test_head_grad_equals_autograd_of_linear_and_cross_entropy(bias, shape, smoothing):
+@pytest.mark.parametrize("early", EARLY)
+def test_head_grad_equals_autograd_of_linear_and_cross_entropy(bias, shape, smoothing, early):
     classes = 7
     layer = DADAutogradLinear(37, classes, bias=bias, num_classes=classes, update="grad", dtype=F64,
                               label_smoothing=smoothing)
+    layer.early_gradients = early
     ref = _ref_linear(layer)
     x = torch.randn(*shape, 37, dtype=F64)
     y = torch.randint(0, classes, shape)
@@ -144,9 +147,11 @@ def test_head_inplace_equals_torch_adamw():
 # ---------------------------------------------------------------- hidden role vs the oracle
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("bias", [True, False])
-def test_hidden_grad_equals_functional_oracle(act, bias):
+@pytest.mark.parametrize("early", EARLY)
+def test_hidden_grad_equals_functional_oracle(act, bias, early):
     layer = DADAutogradLinear(19, 27, bias=bias, num_classes=5, activation=act, update="grad", dtype=F64,
                               role="hidden")
+    layer.early_gradients = early
     x = torch.randn(3, 11, 19, dtype=F64)
     y = torch.randint(0, 5, (3, 11))
     y[0, :4] = -100
@@ -197,13 +202,30 @@ def test_seed_hidden_layer_matches_dadlinear_local_step():
         assert relative_error(got.detach(), want.detach()) < 1e-10
 
 
+def test_auto_early_gradients_keep_no_logits_for_a_wide_head():
+    """A vocab-sized head saves its gradient (V x D), not x and the logits (N x V)."""
+    head = DADAutogradLinear(16, 500)
+    x, y = torch.randn(3, 40, 16), torch.randint(0, 500, (3, 40))
+    with label_context(head, y):
+        out = head(x)
+    shapes = {tuple(t.shape) for t in out.grad_fn.saved_tensors if t is not None}
+    assert shapes == {(500, 16), (500,)}
+    hidden = DADAutogradLinear(784, 512, num_classes=10)  # the seed's layer at batch 64 keeps activations
+    with label_context(hidden, torch.randint(0, 10, (64,))):
+        out = hidden(torch.randn(64, 784))
+    shapes = {tuple(t.shape) for t in out.grad_fn.saved_tensors if t is not None}
+    assert shapes == {(64, 784), (64, 512)}
+
+
 # ---------------------------------------------------------------- backprop_gradients
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("update", ["inplace", "grad"])
-def test_backprop_gradients_equal_autograd_with_pre_update_weights(act, update):
+@pytest.mark.parametrize("early", EARLY)
+def test_backprop_gradients_equal_autograd_with_pre_update_weights(act, update, early):
     role = "head" if act == "identity" else "hidden"
     layer = DADAutogradLinear(17, 9, num_classes=9 if role == "head" else 4, activation=None if role == "head" else act,
                               backprop_gradients=True, update=update, lr=0.1, dtype=F64, role=role)
+    layer.early_gradients = early
     ref = _ref_linear(layer)
     x = torch.randn(2, 15, 17, dtype=F64)
     y = torch.randint(0, layer.num_classes, (2, 15))
@@ -223,6 +245,13 @@ def test_backprop_gradients_equal_autograd_with_pre_update_weights(act, update):
     assert relative_error(x_dad.grad, x_ref.grad) < 1e-10
     if update == "inplace":  # the update did happen, after dL/dx was taken
         assert relative_error(layer.weight.detach(), before) > 1e-4
+    else:  # and it is the oracle's local gradient
+        if role == "head":
+            want = F.head_loss_and_gradients(x.reshape(-1, 17), ref.weight.detach(), ref.bias.detach(), y.reshape(-1))
+        else:
+            want = F.local_loss_and_gradients(x.reshape(-1, 17), ref.weight.detach(), ref.bias.detach(),
+                                              layer.head_weight.detach(), layer.head_bias.detach(), y.reshape(-1), act)
+        assert relative_error(layer.weight.grad, want.grad_weight) < 1e-10
 
 
 def test_default_stops_the_backward_chain():
@@ -236,10 +265,12 @@ def test_default_stops_the_backward_chain():
 
 # ---------------------------------------------------------------- gradient accumulation
 @pytest.mark.parametrize("role", ["head", "hidden"])
-def test_gradient_accumulation_sums_local_gradients(role):
+@pytest.mark.parametrize("early", EARLY)
+def test_gradient_accumulation_sums_local_gradients(role, early):
     kw = {"num_classes": 5} if role == "hidden" else {}
     out_features = 11 if role == "hidden" else 5
     layer = DADAutogradLinear(14, out_features, update="grad", dtype=F64, **kw)
+    layer.early_gradients = early
     batches = [(torch.randn(n, 14, dtype=F64), torch.randint(0, 5, (n,))) for n in (6, 9, 4)]
     singles = []
     for x, y in batches:  # one by one, from zero
@@ -394,19 +425,21 @@ def test_from_linear_keeps_pretrained_weights():
 
 
 # ---------------------------------------------------------------- hazards
-def _block(layer_kwargs, seed=0):
+def _block(layer_kwargs, seed=0, early=None):
     torch.manual_seed(seed)
     backbone = torch.nn.Linear(12, 10, dtype=F64)
     layer = DADAutogradLinear(10, 6, num_classes=3, backprop_gradients=True, dtype=F64, **layer_kwargs)
+    layer.early_gradients = early
     return backbone, layer
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_checkpoint_gives_the_same_update_and_input_gradients(reentrant):
+@pytest.mark.parametrize("early", EARLY)
+def test_checkpoint_gives_the_same_update_and_input_gradients(reentrant, early):
     x, y = torch.randn(7, 12, dtype=F64), torch.randint(0, 3, (7,))
     results = []
     for use_checkpoint in (False, True):
-        backbone, layer = _block({})
+        backbone, layer = _block({}, early=early)
         head = torch.nn.Linear(6, 3, dtype=F64)
         block = torch.nn.Sequential(backbone, torch.nn.Tanh(), layer)
 
@@ -421,9 +454,10 @@ def test_checkpoint_gives_the_same_update_and_input_gradients(reentrant):
         assert relative_error(ckpt, plain) < 1e-12
 
 
-def test_second_backward_through_one_graph():
+@pytest.mark.parametrize("early", EARLY)
+def test_second_backward_through_one_graph(early):
     # update="inplace": a second backward would re-apply a stale update -> clear error, state kept
-    _, layer = _block({})
+    _, layer = _block({}, early=early)
     x, y = torch.randn(7, 10, dtype=F64), torch.randint(0, 3, (7,))
     with label_context(layer, y):
         loss = layer(x).pow(2).sum()
@@ -438,7 +472,7 @@ def test_second_backward_through_one_graph():
     with pytest.raises(RuntimeError, match="update='grad'"):
         loss.backward()
     # update="grad": exactly what autograd does for nn.Linear, the gradients add up
-    _, layer = _block({"update": "grad"})
+    _, layer = _block({"update": "grad"}, early=early)
     with label_context(layer, y):
         loss = layer(x).pow(2).sum()
     loss.backward(retain_graph=True)
