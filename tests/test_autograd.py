@@ -557,3 +557,32 @@ def test_autocast_head_gradients_match_the_oracle(dtype):
     low = F.head_loss_and_gradients(x.reshape(-1, 48).to(dtype), w.to(dtype), b.to(dtype), y.reshape(-1))
     allowed = 2 * relative_error(low.grad_weight, ref.grad_weight) + {torch.bfloat16: 1e-2, torch.float16: 1e-3}[dtype]
     assert relative_error(layer.weight.grad, ref.grad_weight) <= allowed
+
+
+# ---------------------------------------------------------------- CUDA (runs only where a GPU exists)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("amp", [None, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("early", EARLY)
+def test_cuda_head_matches_oracle_and_torch_adamw(amp, early):
+    dev, dtype = torch.device("cuda"), amp or torch.float32
+    grad_layer = DADAutogradLinear(96, 1001, update="grad", device=dev)
+    layer = DADAutogradLinear(96, 1001, lr=1e-3, device=dev)
+    layer.load_state_dict(grad_layer.state_dict())
+    grad_layer.early_gradients = layer.early_gradients = early
+    x, y = torch.randn(4, 37, 96, device=dev), torch.randint(0, 1001, (4, 37), device=dev)
+    y[:, -3:] = -100
+    w0, b0 = grad_layer.weight.detach().double(), grad_layer.bias.detach().double()
+    oracle = F.head_loss_and_gradients(x.reshape(-1, 96).double(), w0, b0, y.reshape(-1))
+    low = F.head_loss_and_gradients(x.reshape(-1, 96).to(dtype), w0.to(dtype), b0.to(dtype), y.reshape(-1))
+    for dad in (grad_layer, layer):
+        with torch.autocast("cuda", dtype=dtype, enabled=amp is not None):
+            with label_context(dad, y):
+                Fn.cross_entropy(dad(x).float().reshape(-1, 1001), y.reshape(-1)).backward()
+    margin = {None: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}[amp]
+    allowed = 2 * relative_error(low.grad_weight, oracle.grad_weight) + margin
+    assert relative_error(grad_layer.weight.grad, oracle.grad_weight) <= allowed
+    # the in-place layer took torch's fused AdamW step on that same gradient
+    opt = torch.optim.AdamW(grad_layer.parameters(), lr=1e-3, fused=True)
+    opt.step()
+    assert relative_error(layer.weight.detach(), grad_layer.weight.detach()) < 1e-6
+    assert relative_error(layer.bias.detach(), grad_layer.bias.detach()) < 1e-6
