@@ -7,7 +7,12 @@ head weights and the same batch:
 * ``linear+adamw``: ``nn.Linear`` + ``torch.optim.AdamW`` (defaults: foreach);
 * ``linear+adamw-fused``: ``nn.Linear`` + ``AdamW(fused=True)``, the tuned baseline;
 * ``dad-inplace``: ``DADAutogradLinear`` (head role), its own fused AdamW in backward;
-* ``dad-grad``: ``DADAutogradLinear(update="grad")`` + ``AdamW(fused=True)``.
+* ``dad-grad``: ``DADAutogradLinear(update="grad")`` + ``AdamW(fused=True)``;
+* ``dad-inplace-late``: ``dad-inplace`` with ``early_gradients=False`` (keeps x and the logits
+  for backward instead of forming the gradient in forward).
+
+The logits go out of scope before ``backward`` (as in HF ``Trainer.compute_loss``), so what a
+head keeps for its backward shows in the peak.
 
 Workloads: ``seqcls``, a frozen 2-layer transformer encoder (d=128) mean-pooled into a
 2-class head (the HF head-tuning case; the backbone forward dominates); ``lmhead``, frozen
@@ -40,7 +45,7 @@ import torch.nn.functional as F
 import torch_dad as td
 from _common import environment, median_time, write_records
 
-SYSTEMS = ("linear+adamw", "linear+adamw-fused", "dad-inplace", "dad-grad")
+SYSTEMS = ("linear+adamw", "linear+adamw-fused", "dad-inplace", "dad-grad", "dad-inplace-late")
 WORKLOADS: dict[str, dict[str, int]] = {
     "seqcls": {"batch": 32, "seq": 64, "dim": 128, "classes": 2, "layers": 2},
     "lmhead": {"batch": 4, "seq": 256, "dim": 256, "classes": 8192},
@@ -108,20 +113,25 @@ def make_step(system: str, features: Any, inputs: torch.Tensor, labels: torch.Te
     linear = torch.nn.Linear(dim, classes, device=device)
     head: torch.nn.Module = linear
     fused = system != "linear+adamw"
+    inplace = system in ("dad-inplace", "dad-inplace-late")
     if system.startswith("dad"):
-        update = "inplace" if system == "dad-inplace" else "grad"
-        head = td.DADAutogradLinear.from_linear(linear, classes, update=update)
-    opt = None if system == "dad-inplace" else torch.optim.AdamW(head.parameters(), lr=1e-3, fused=fused)
+        dad = td.DADAutogradLinear.from_linear(linear, classes, update="inplace" if inplace else "grad")
+        dad.early_gradients = False if system == "dad-inplace-late" else None
+        head = dad
+    opt = None if inplace else torch.optim.AdamW(head.parameters(), lr=1e-3, fused=fused)
     losses: list[torch.Tensor] = []
+
+    def compute_loss() -> torch.Tensor:
+        with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+            logits = head(features(inputs))
+            return F.cross_entropy(logits.float().reshape(-1, classes), labels.reshape(-1))
 
     def step() -> None:
         if opt is not None:
             opt.zero_grad(set_to_none=True)
         if isinstance(head, td.DADAutogradLinear):
             head.set_y_context(labels)
-        with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
-            logits = head(features(inputs))
-            loss = F.cross_entropy(logits.float().reshape(-1, classes), labels.reshape(-1))
+        loss = compute_loss()
         loss.backward()
         if opt is not None:
             opt.step()
