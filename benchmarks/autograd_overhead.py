@@ -66,7 +66,9 @@ def cpu_step_peak(step: Any) -> int:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type().name == "CPU"]
+    events = [
+        e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type().name == "CPU"
+    ]
     current = peak = 0
     for event in sorted(events, key=lambda e: e.start_ns()):
         current += event.nbytes()
@@ -106,8 +108,16 @@ def build(workload: str, shape: dict[str, int], device: torch.device) -> tuple[A
     return (lambda x: x), inputs, labels
 
 
-def make_step(system: str, features: Any, inputs: torch.Tensor, labels: torch.Tensor, classes: int,
-              dim: int, device: torch.device, amp: torch.dtype | None) -> tuple[Any, Any, int]:
+def make_step(
+    system: str,
+    features: Any,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    classes: int,
+    dim: int,
+    device: torch.device,
+    amp: torch.dtype | None,
+) -> tuple[Any, Any, int]:
     """``(step, last_loss, static_bytes)`` for one system; every head starts from the same init."""
     torch.manual_seed(1)
     linear = torch.nn.Linear(dim, classes, device=device)
@@ -146,8 +156,9 @@ def make_step(system: str, features: Any, inputs: torch.Tensor, labels: torch.Te
     return step, (lambda: float(losses[0])), static_bytes
 
 
-def measure(workload: str, shape: dict[str, int], dtype: str, device: torch.device, smoke: bool,
-            repeats: int) -> list[dict[str, Any]]:
+def measure(
+    workload: str, shape: dict[str, int], dtype: str, device: torch.device, smoke: bool, repeats: int
+) -> list[dict[str, Any]]:
     """Time and measure every system on one workload; one record per system."""
     amp = {"fp32": None, "bf16": torch.bfloat16}[dtype]
     features, inputs, labels = build(workload, shape, device)
@@ -161,10 +172,19 @@ def measure(workload: str, shape: dict[str, int], dtype: str, device: torch.devi
     records = []
     for system, (step, last_loss, static_bytes) in steps.items():
         peak = cuda_step_peak(step) if device.type == "cuda" else cpu_step_peak(step)
-        records.append({"workload": workload, **shape, "dtype": dtype, "system": system,
-                        "step_ms": statistics.median(times[system]) * 1e3, "peak_step_bytes": peak,
-                        "static_bytes": static_bytes(), "final_loss": last_loss(),
-                        "steps": rounds * (warmup + repeats) + 1})
+        records.append(
+            {
+                "workload": workload,
+                **shape,
+                "dtype": dtype,
+                "system": system,
+                "step_ms": statistics.median(times[system]) * 1e3,
+                "peak_step_bytes": peak,
+                "static_bytes": static_bytes(),
+                "final_loss": last_loss(),
+                "steps": rounds * (warmup + repeats) + 1,
+            }
+        )
     return records
 
 
@@ -194,9 +214,11 @@ def main() -> None:
             for r in rows:
                 r["time_vs_fused_adamw"] = r["step_ms"] / base["step_ms"]
                 r["peak_vs_fused_adamw"] = r["peak_step_bytes"] / max(base["peak_step_bytes"], 1)
-                print(f"{workload:7s} {dtype} {r['system']:20s} {r['step_ms']:9.3f} ms/step (x{r['time_vs_fused_adamw']:.2f})"
-                      f"  step peak {r['peak_step_bytes'] / 2**20:8.2f} MiB (x{r['peak_vs_fused_adamw']:.2f})"
-                      f"  static {r['static_bytes'] / 2**20:7.2f} MiB  loss {r['final_loss']:.4f}")
+                print(
+                    f"{workload:7s} {dtype} {r['system']:20s} {r['step_ms']:9.3f} ms/step (x{r['time_vs_fused_adamw']:.2f})"
+                    f"  step peak {r['peak_step_bytes'] / 2**20:8.2f} MiB (x{r['peak_vs_fused_adamw']:.2f})"
+                    f"  static {r['static_bytes'] / 2**20:7.2f} MiB  loss {r['final_loss']:.4f}"
+                )
             records += rows
     name = "autograd_overhead" if device.type == "cpu" else f"autograd_overhead_{device.type}"
     print("wrote", write_records(name, records, args.smoke))

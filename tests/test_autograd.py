@@ -108,8 +108,9 @@ def test_constructor_type_errors():
 @pytest.mark.parametrize("early", EARLY)
 def test_head_grad_equals_autograd_of_linear_and_cross_entropy(bias, shape, smoothing, early):
     classes = 7
-    layer = DADAutogradLinear(37, classes, bias=bias, num_classes=classes, update="grad", dtype=F64,
-                              label_smoothing=smoothing)
+    layer = DADAutogradLinear(
+        37, classes, bias=bias, num_classes=classes, update="grad", dtype=F64, label_smoothing=smoothing
+    )
     layer.early_gradients = early
     ref = _ref_linear(layer)
     x = torch.randn(*shape, 37, dtype=F64)
@@ -149,23 +150,30 @@ def test_head_inplace_equals_torch_adamw():
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("early", EARLY)
 def test_hidden_grad_equals_functional_oracle(act, bias, early):
-    layer = DADAutogradLinear(19, 27, bias=bias, num_classes=5, activation=act, update="grad", dtype=F64,
-                              role="hidden")
+    layer = DADAutogradLinear(19, 27, bias=bias, num_classes=5, activation=act, update="grad", dtype=F64, role="hidden")
     layer.early_gradients = early
     x = torch.randn(3, 11, 19, dtype=F64)
     y = torch.randint(0, 5, (3, 11))
     y[0, :4] = -100
     keep = y.reshape(-1) != -100
     ref = F.local_loss_and_gradients(
-        x.reshape(-1, 19)[keep], layer.weight.detach(), layer.bias.detach() if bias else None,
-        layer.head_weight.detach(), layer.head_bias.detach(), y.reshape(-1)[keep], act,
+        x.reshape(-1, 19)[keep],
+        layer.weight.detach(),
+        layer.bias.detach() if bias else None,
+        layer.head_weight.detach(),
+        layer.head_bias.detach(),
+        y.reshape(-1)[keep],
+        act,
     )
     with label_context(layer, y):
         out = layer(x)
     assert relative_error(out.detach().reshape(-1, 27)[keep], ref.output) < 1e-12
     out.sum().backward()
-    pairs = [(layer.weight.grad, ref.grad_weight), (layer.head_weight.grad, ref.grad_head_weight),
-             (layer.head_bias.grad, ref.grad_head_bias)]
+    pairs = [
+        (layer.weight.grad, ref.grad_weight),
+        (layer.head_weight.grad, ref.grad_head_weight),
+        (layer.head_bias.grad, ref.grad_head_bias),
+    ]
     if bias:
         pairs.append((layer.bias.grad, ref.grad_bias))
     for got, want in pairs:
@@ -223,8 +231,17 @@ def test_auto_early_gradients_keep_no_logits_for_a_wide_head():
 @pytest.mark.parametrize("early", EARLY)
 def test_backprop_gradients_equal_autograd_with_pre_update_weights(act, update, early):
     role = "head" if act == "identity" else "hidden"
-    layer = DADAutogradLinear(17, 9, num_classes=9 if role == "head" else 4, activation=None if role == "head" else act,
-                              backprop_gradients=True, update=update, lr=0.1, dtype=F64, role=role)
+    layer = DADAutogradLinear(
+        17,
+        9,
+        num_classes=9 if role == "head" else 4,
+        activation=None if role == "head" else act,
+        backprop_gradients=True,
+        update=update,
+        lr=0.1,
+        dtype=F64,
+        role=role,
+    )
     layer.early_gradients = early
     ref = _ref_linear(layer)
     x = torch.randn(2, 15, 17, dtype=F64)
@@ -249,8 +266,15 @@ def test_backprop_gradients_equal_autograd_with_pre_update_weights(act, update, 
         if role == "head":
             want = F.head_loss_and_gradients(x.reshape(-1, 17), ref.weight.detach(), ref.bias.detach(), y.reshape(-1))
         else:
-            want = F.local_loss_and_gradients(x.reshape(-1, 17), ref.weight.detach(), ref.bias.detach(),
-                                              layer.head_weight.detach(), layer.head_bias.detach(), y.reshape(-1), act)
+            want = F.local_loss_and_gradients(
+                x.reshape(-1, 17),
+                ref.weight.detach(),
+                ref.bias.detach(),
+                layer.head_weight.detach(),
+                layer.head_bias.detach(),
+                y.reshape(-1),
+                act,
+            )
         assert relative_error(layer.weight.grad, want.grad_weight) < 1e-10
 
 
@@ -347,8 +371,9 @@ def test_ignore_index_is_configurable_and_all_ignored_is_a_no_op_gradient():
 
 
 def test_label_context_sets_every_module_and_restores():
-    model = torch.nn.Sequential(DADAutogradLinear(6, 8, num_classes=3), torch.nn.ReLU(),
-                                torch.nn.Sequential(DADAutogradLinear(8, 3)))
+    model = torch.nn.Sequential(
+        DADAutogradLinear(6, 8, num_classes=3), torch.nn.ReLU(), torch.nn.Sequential(DADAutogradLinear(8, 3))
+    )
     old = torch.tensor([1, 1])
     model[0].set_y_context(old)
     y = torch.randint(0, 3, (4,))

@@ -394,7 +394,9 @@ class DADAutogradLinear(nn.Module):
             if self.optim_state is not None:
                 local += [f"optim_state.{k}" for k in self.optim_state.state_dict()]
             self._kept_keys = {prefix + n for n in local if prefix + n not in state_dict}
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
     @staticmethod
     def _keep_local(module: nn.Module, incompatible: Any) -> None:
@@ -487,9 +489,7 @@ class DADAutogradLinear(nn.Module):
                 "forward in `with torch_dad.label_context(model, labels):`; use model.eval() or torch.no_grad() "
                 "for inference"
             )
-        return DADAutogradFunction.apply(
-            inputs, self.weight, self.bias, self.head_weight, self.head_bias, self, labels
-        )
+        return DADAutogradFunction.apply(inputs, self.weight, self.bias, self.head_weight, self.head_bias, self, labels)
 
     # ------------------------------------------------------------------ local update
     def _trains(self) -> bool:
@@ -507,7 +507,9 @@ class DADAutogradLinear(nn.Module):
     def _versions(self) -> tuple[int, ...]:
         return tuple(t._version for t in self._trained_tensors())
 
-    def _local_gradients(self, inputs: Tensor, output: Tensor, pre_activation: Tensor | None, labels: Tensor) -> list[Tensor]:
+    def _local_gradients(
+        self, inputs: Tensor, output: Tensor, pre_activation: Tensor | None, labels: Tensor
+    ) -> list[Tensor]:
         """Closed-form local gradients, in the order of :meth:`_trained_tensors`, before any update.
 
         ``inputs`` (N, in), ``output = act(z)`` (N, out), ``pre_activation = z`` (gelu only, else
