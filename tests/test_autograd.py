@@ -119,6 +119,7 @@ def test_head_grad_equals_autograd_of_linear_and_cross_entropy(bias, shape, smoo
     Fn.cross_entropy(ref(x).reshape(-1, classes), y.reshape(-1), label_smoothing=smoothing).backward()
     layer.set_y_context(y)
     out = layer(x)
+    assert relative_error(out.detach(), ref(x).detach()) < 1e-14  # raw logits: no activation on a head
     # the user's loss is the same CE; its upstream gradient is not what the layer learns from
     (Fn.cross_entropy(out.reshape(-1, classes), y.reshape(-1), label_smoothing=smoothing) * 1000).backward()
     assert relative_error(layer.weight.grad, ref.weight.grad) < 1e-10
