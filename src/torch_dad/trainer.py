@@ -58,6 +58,10 @@ class DADTrainer:
         check_values: check label ranges and finiteness of inputs in ``step``. These checks
             read the tensors, which is free on CPU but a host sync on CUDA, so ``"auto"``
             checks on CPU only. Shapes and dtypes are always checked.
+        backend: how :meth:`step` runs (see :mod:`torch_dad.engine`): ``"eager"`` (reference
+            PyTorch), ``"fused"`` (Triton kernels on CUDA, their twins on CPU),
+            ``"cuda-graph"`` (the fused step captured per input shape) or ``"auto"``
+            (``"cuda-graph"`` on CUDA where supported, else ``"eager"``).
     """
 
     def __init__(
@@ -75,6 +79,7 @@ class DADTrainer:
         accumulate_head_statistics: bool = True,
         head_statistics_window: float | None = 10_000,
         check_values: bool | str = "auto",
+        backend: str = "auto",
     ) -> None:
         if not isinstance(model, DADModel):
             raise TypeError(
@@ -82,6 +87,8 @@ class DADTrainer:
                 f"got {type(model).__name__}"
             )
         layers = model._require_layers()
+        if backend not in ("auto", "eager", "fused", "cuda-graph"):
+            raise ValueError(f"backend={backend!r} must be one of 'auto', 'eager', 'fused', 'cuda-graph'")
         check_optimizer(optimizer)
         self.device = _resolve_device(device, model)
         self._check_amp(amp_dtype, "amp_dtype")
@@ -123,8 +130,17 @@ class DADTrainer:
         self._loss_sum = torch.zeros((), device=self.device)
         self._loss_batches = 0
         self.history: list[dict[str, float]] = []
+        self._engine = self._make_engine(backend)
+        self.backend = backend
 
     # ------------------------------------------------------------------ helpers
+    def _make_engine(self, backend: str) -> Any:
+        if backend == "eager" or (backend == "auto" and self.device.type != "cuda"):
+            return None  # the CPU never imports the engine (nor triton)
+        from .engine import resolve_backend
+
+        return resolve_backend(self, backend)
+
     def _check_amp(self, amp_dtype: torch.dtype | None, name: str) -> None:
         if amp_dtype is None or amp_dtype == torch.float32:
             return
@@ -181,6 +197,11 @@ class DADTrainer:
             compute = None
         x, y = self._prepare(inputs, labels)
         rate = self.config.lr if lr is None else float(lr)
+        if self._engine is not None and self.gradient_reducer is None:
+            logits, loss = self._engine(x, y, rate, compute)
+            self.step_count += 1
+            self._loss_batches += 1
+            return logits, loss
         h = x
         last = None
         for layer in self.model.dad_layers:
@@ -404,6 +425,8 @@ class DADTrainer:
         self.config = OptimizerConfig(**config)
         self.step_count = int(state["step_count"])
         self.history = list(state.get("history", []))
+        if self._engine is not None:
+            self._engine.refresh_shadows()
 
 
 def _progress(iterable: Iterable[Any], enabled: bool, desc: str) -> Any:
