@@ -27,7 +27,7 @@ the fp32 summation order of the atomically added gradients.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import Tensor
@@ -151,9 +151,9 @@ class FusedStep:
         head = t.model.head
         low = compute is not None and compute != torch.float32
         shadows = self._shadow_list(compute) if low and compute is not None else None
-        steps = [layer.optim_state.step for layer in layers]
+        steps = [_tensor(layer.optim_state.step) for layer in layers]
         if t.head_state is not None:
-            steps.append(t.head_state.step)
+            steps.append(_tensor(t.head_state.step))
         torch._foreach_add_(steps, 1.0)
         lr = self._lr if x.is_cuda else self._lr_value
         small_p: list[Tensor] = []
@@ -172,7 +172,9 @@ class FusedStep:
             else:
                 w, b = layer.weight.detach(), (layer.bias.detach() if layer.bias is not None else None)
             h = _forward(a, w, b, layer.activation)
-            err = local_error(h, layer.head_weight, layer.head_bias, y, layer.activation)
+            head_w, head_b = _tensor(layer.head_weight), _tensor(layer.head_bias)
+            step_t = _tensor(layer.optim_state.step)
+            err = local_error(h, head_w, head_b, y, layer.activation)
             params, exp_avg, exp_avg_sq = self._layer_tensors(layer)
             nb = 2 if layer.bias is not None else 1
             assert err.d_z is not None and err.grad_bias is not None
@@ -185,14 +187,14 @@ class FusedStep:
             with ctx:
                 grad_w = _mm_fp32(err.d_z.T, a)
                 grads = [grad_w, err.grad_bias][:nb]
-                shadow = [w, b][:nb] if shadows is not None else [None] * nb
+                shadow: list[Tensor | None] = [w, b][:nb] if shadows is not None else [None] * nb
                 adamw_with_shadow_(
                     [p.data for p in params[:nb]],
                     grads,
                     exp_avg[:nb],
                     exp_avg_sq[:nb],
                     shadow,
-                    layer.optim_state.step,
+                    step_t,
                     self._lr,
                     betas=config.betas,
                     eps=config.eps,
@@ -200,11 +202,11 @@ class FusedStep:
                 )
                 if overlap:
                     keep.append(grad_w)
-            small_p += [layer.head_weight, layer.head_bias]
+            small_p += [head_w, head_b]
             small_g += [err.grad_head_weight, err.grad_head_bias]
             small_m += exp_avg[nb:]
             small_v += exp_avg_sq[nb:]
-            small_s += [layer.optim_state.step] * 2
+            small_s += [step_t] * 2
             result = (err.logits, err.loss)
             # drop this layer's B x width temporaries before the next forward allocates: at
             # 16 x 4096, B=16384 that keeps the peak at ~3.5 such tensors instead of ~4.5
@@ -226,7 +228,7 @@ class FusedStep:
             small_g += [err.grad_head_weight, err.grad_head_bias][: len(hp)]
             small_m += t.head_state.moments("exp_avg")
             small_v += t.head_state.moments("exp_avg_sq")
-            small_s += [t.head_state.step] * len(hp)
+            small_s += [_tensor(t.head_state.step)] * len(hp)
             logits, loss = err.logits, err.loss
         torch._fused_adamw_(
             small_p,
@@ -294,6 +296,11 @@ class FusedStep:
         entry = (graph, static_x, static_y, out_logits, out_loss)
         self._graphs[key] = entry
         return entry
+
+
+def _tensor(value: object) -> Tensor:
+    """A module attribute that is a registered buffer, typed as the tensor it is."""
+    return cast(Tensor, value)
 
 
 class _Null:
