@@ -70,10 +70,15 @@ def make_data(n_in: int, classes: int, batch: int, pool: int, device: torch.devi
 
 
 def dad_system(n_in: int, widths: Sequence[int], classes: int, device: torch.device, backend: str,
-               amp: torch.dtype | None) -> tuple[td.DADTrainer, Callable[[torch.Tensor, torch.Tensor], Any]]:
-    """A seed MLP (DAD hidden layers + classifier) and its ``DADTrainer.step``."""
+               amp: torch.dtype | None, head_statistics: bool = True
+               ) -> tuple[td.DADTrainer, Callable[[torch.Tensor, torch.Tensor], Any]]:
+    """A seed MLP (DAD hidden layers + classifier) and its ``DADTrainer.step``.
+
+    ``head_statistics=False`` skips the classifier's Gram statistics (``H^T H``: a d x d x B GEMM
+    that backprop never does, as large as a layer's GEMM when d = 4096)."""
     model = SeedMLP([n_in, *widths], num_classes=classes)
-    trainer = td.DADTrainer(model, device=device, lr=1e-3, amp_dtype=amp, backend=backend)
+    trainer = td.DADTrainer(model, device=device, lr=1e-3, amp_dtype=amp, backend=backend,
+                            accumulate_head_statistics=head_statistics)
     return trainer, trainer.step
 
 

@@ -27,9 +27,9 @@ def main() -> None:
     dims = [n_in, *widths, classes]
     macs = sum(a * b for a, b in zip(dims[:-1], dims[1:]))
     out["backprop_gflop_per_step"] = 2 * batch * (3 * macs - n_in * widths[0]) / 1e9
-    for system in ("dad", "backprop-graphed"):
-        if system == "dad":
-            _, fn = dad_system(n_in, widths, classes, dev, "auto", torch.bfloat16)
+    for system in ("dad", "dad-no-head-stats", "backprop-graphed"):
+        if system.startswith("dad"):
+            _, fn = dad_system(n_in, widths, classes, dev, "auto", torch.bfloat16, head_statistics=system == "dad")
         else:
             fn = backprop_graphed(n_in, widths, classes, dev, torch.bfloat16, batch)
 

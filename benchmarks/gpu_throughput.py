@@ -3,7 +3,9 @@
 Systems, measured in one run on the same synthetic data (fp32 inputs resident on the GPU,
 rotated over 8 batches), bf16 compute, fp32 master weights, AdamW:
 
-- ``dad``: ``DADTrainer(backend="auto")``, i.e. the fused step captured in a CUDA graph;
+- ``dad``: ``DADTrainer(backend="auto")``, i.e. the fused step captured in a CUDA graph, with
+  the default ``accumulate_head_statistics=True`` (the classifier's Gram statistics);
+- ``dad-no-head-stats``: the same without the Gram statistics, i.e. the training step alone;
 - ``backprop-graphed``: forward, backward and fused AdamW (``capturable=True``) in one CUDA graph;
 - ``backprop-eager``: the same, op by op;
 - ``wheel-2026.5.24``: the published wheel's compiled ``DADTrainer.step`` (``--wheel PATH``).
@@ -94,13 +96,14 @@ def main() -> None:
                 j = i % pool
                 return x[j * batch : (j + 1) * batch], y[j * batch : (j + 1) * batch]
 
-            systems = ["dad", "backprop-eager"] + (["backprop-graphed"] if cuda else [])
+            systems = ["dad", "dad-no-head-stats", "backprop-eager"] + (["backprop-graphed"] if cuda else [])
             for system in systems:
                 if cuda:
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats()
-                if system == "dad":
-                    _, fn = dad_system(n_in, widths, classes, device, "auto" if cuda else "fused", amp)
+                if system.startswith("dad"):
+                    _, fn = dad_system(n_in, widths, classes, device, "auto" if cuda else "fused", amp,
+                                       head_statistics=system == "dad")
                 elif system == "backprop-eager":
                     fn = backprop_eager(n_in, widths, classes, device, amp)
                 else:

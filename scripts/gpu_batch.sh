@@ -20,7 +20,7 @@ for s in $stages; do
     throughput) (cd benchmarks && timeout 200 python3 gpu_throughput.py --out "$OUT/gpu_throughput.json") >>"$log" 2>&1 ;;
     memory) (cd benchmarks && timeout 120 python3 gpu_memory.py --out "$OUT/gpu_memory.json") >>"$log" 2>&1 ;;
     scaling) (cd benchmarks && timeout 120 python3 gpu_scaling.py --out "$OUT/gpu_scaling.json" && cp results/gpu_scaling.png "$OUT/") >>"$log" 2>&1 ;;
-    profile) (cd benchmarks && timeout 60 python3 _gpu_profile.py mnist-medium-3 1024 > "$OUT/profile.json") >>"$log" 2>&1 ;;
+    profile) (cd benchmarks && timeout 60 python3 _gpu_profile.py ${PROFILE:-mnist-medium-3 1024} > "$OUT/profile.json") >>"$log" 2>&1 ;;
     wheel) (cd benchmarks && timeout 200 python3 -c "
 import json, sys
 sys.argv = ['x']
