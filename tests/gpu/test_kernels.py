@@ -124,7 +124,7 @@ def test_adamw_kernel_matches_fused_adamw(sizes, shadow):  # type: ignore[no-unt
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, LOW])
-@pytest.mark.parametrize("dims", [(1, 3, 2), (90, 37, 7), (513, 130, 10), (700, 301, 100)])
+@pytest.mark.parametrize("dims", [(1, 3, 2), (90, 37, 7), (513, 130, 10)])
 def test_gram_update_matches_accumulator(dims, dtype):  # type: ignore[no-untyped-def]
     from torch_dad.kernels.gram import gram_update_
 

@@ -68,28 +68,12 @@ def gram_update_(acc: GramAccumulator, features: Tensor, target: Tensor, *, back
     _augment_kernel[(-(-batch // block_r), -(-padded // block_c))](
         features, target, aug, batch, d, padded, features.stride(0), BR=block_r, BC=block_c
     )
-    decay = math.exp(-batch / acc.window) if acc.window is not None else 1.0
-    if _SYRK:
-        # A^T A is symmetric: one kernel computes the upper-triangle tiles only and folds each
-        # tile straight into the float64 buffers (mirroring the Gram block), so neither the
-        # lower half's FLOPs nor the fp32 G round trip are paid. Measured before it, on the H200 at
-        # d=4096, B=1024: Gram GEMM 60 us + separate fold 154 us of a 603 us step.
-        bm, bk = 64, 64
-        tiles = -(-width // bm)
-        _syrk_fold_kernel[(-(-(d + 1) // bm), tiles)](
-            aug, acc.gram, acc.sum_features, acc.count, acc.cross, acc.sum_targets,
-            batch, d, c, width, padded, decay, BM=bm, BK=bk, num_warps=4, num_stages=3,
-        )
-        return
     g = _mm_fp32(aug.T, aug)
+    decay = math.exp(-batch / acc.window) if acc.window is not None else 1.0
     block = 64
     _fold_kernel[(-(-(d + 1) // block), -(-width // block))](
         g, acc.gram, acc.sum_features, acc.count, acc.cross, acc.sum_targets, d, c, width, padded, decay, BLOCK=block
     )
-
-
-# the one-kernel symmetric path; False selects GEMM + fold (kept as the measured baseline)
-_SYRK = True
 
 
 if triton is not None:
@@ -139,53 +123,3 @@ if triton is not None:
         m = valid & (ii == D) & (jj > D)
         ptr = sumt_ptr + (jj - D - 1) + ii * 0
         tl.store(ptr, decay * tl.load(ptr, mask=m, other=0.0) + g, mask=m)
-
-    @triton.jit
-    def _fold_tile(acc, ii, jj, gram_ptr, sumf_ptr, count_ptr, cross_ptr, sumt_ptr, D, C, W, decay):
-        """``buf = decay * buf + G`` for the upper-triangle elements (ii <= jj) of one tile of G."""
-        g = acc.to(tl.float64)
-        valid = (ii <= jj) & (ii <= D) & (jj < W)
-        # gram[i, j] and its mirror gram[j, i]
-        m = valid & (jj < D)
-        ptr = gram_ptr + ii * D + jj
-        new = decay * tl.load(ptr, mask=m, other=0.0) + g
-        tl.store(ptr, new, mask=m)
-        tl.store(gram_ptr + jj * D + ii, new, mask=m & (ii != jj))
-        # sum_features[i] = G[i, D] (the ones column)
-        m = valid & (ii < D) & (jj == D)
-        ptr = sumf_ptr + ii + jj * 0
-        tl.store(ptr, decay * tl.load(ptr, mask=m, other=0.0) + g, mask=m)
-        # count = G[D, D]
-        m = valid & (ii == D) & (jj == D)
-        ptr = count_ptr + ii * 0 + jj * 0
-        tl.store(ptr, decay * tl.load(ptr, mask=m, other=0.0) + g, mask=m)
-        # cross[i, c] = G[i, D + 1 + c]
-        m = valid & (ii < D) & (jj > D)
-        ptr = cross_ptr + ii * C + (jj - D - 1)
-        tl.store(ptr, decay * tl.load(ptr, mask=m, other=0.0) + g, mask=m)
-        # sum_targets[c] = G[D, D + 1 + c]
-        m = valid & (ii == D) & (jj > D)
-        ptr = sumt_ptr + (jj - D - 1) + ii * 0
-        tl.store(ptr, decay * tl.load(ptr, mask=m, other=0.0) + g, mask=m)
-
-    @triton.jit
-    def _syrk_fold_kernel(
-        a_ptr, gram_ptr, sumf_ptr, count_ptr, cross_ptr, sumt_ptr, B, D, C, W, WP, decay,
-        BM: tl.constexpr, BK: tl.constexpr,
-    ):
-        pid_i = tl.program_id(0)
-        pid_j = tl.program_id(1)
-        if pid_i <= pid_j:
-            i = pid_i * BM + tl.arange(0, BM)
-            j = pid_j * BM + tl.arange(0, BM)
-            acc = tl.zeros((BM, BM), dtype=tl.float32)
-            for m0 in range(0, B, BK):
-                rows = m0 + tl.arange(0, BK)
-                rmask = rows < B
-                ai = tl.load(a_ptr + rows[:, None] * WP + i[None, :], mask=rmask[:, None] & (i[None, :] < WP), other=0.0)
-                aj = tl.load(a_ptr + rows[:, None] * WP + j[None, :], mask=rmask[:, None] & (j[None, :] < WP), other=0.0)
-                if a_ptr.dtype.element_ty == tl.float32:
-                    acc = tl.dot(tl.trans(ai), aj, acc, input_precision="ieee")
-                else:
-                    acc = tl.dot(tl.trans(ai), aj, acc)
-            _fold_tile(acc, i[:, None], j[None, :], gram_ptr, sumf_ptr, count_ptr, cross_ptr, sumt_ptr, D, C, W, decay)
