@@ -64,6 +64,10 @@ class DADTrainer:
             ``skipped_updates``), or ``"ignore"``. Checked whenever value checks are on
             (see ``check_values``); on CUDA without them, :meth:`fit` still raises when
             the running loss it reads every ``log_every`` steps is not finite.
+        backend: how :meth:`step` runs (see :mod:`torch_dad.engine`): ``"eager"`` (reference
+            PyTorch), ``"fused"`` (Triton kernels on CUDA, their twins on CPU),
+            ``"cuda-graph"`` (the fused step captured per input shape) or ``"auto"``
+            (``"cuda-graph"`` on CUDA where supported, else ``"eager"``).
     """
 
     def __init__(
@@ -82,6 +86,7 @@ class DADTrainer:
         head_statistics_window: float | None = 10_000,
         check_values: bool | str = "auto",
         on_nonfinite: str = "raise",
+        backend: str = "auto",
     ) -> None:
         if not isinstance(model, DADModel):
             raise TypeError(
@@ -89,6 +94,8 @@ class DADTrainer:
                 f"got {type(model).__name__}"
             )
         layers = model._require_layers()
+        if backend not in ("auto", "eager", "fused", "cuda-graph"):
+            raise ValueError(f"backend={backend!r} must be one of 'auto', 'eager', 'fused', 'cuda-graph'")
         check_optimizer(optimizer)
         self.device = _resolve_device(device, model)
         self._check_amp(amp_dtype, "amp_dtype")
@@ -138,8 +145,17 @@ class DADTrainer:
         self._loss_sum = torch.zeros((), device=self.device)
         self._loss_batches = 0
         self.history: list[dict[str, float]] = []
+        self._engine = self._make_engine(backend)
+        self.backend = backend
 
     # ------------------------------------------------------------------ helpers
+    def _make_engine(self, backend: str) -> Any:
+        if backend == "eager" or (backend == "auto" and self.device.type != "cuda"):
+            return None  # the CPU never imports the engine (nor triton)
+        from .engine import resolve_backend
+
+        return resolve_backend(self, backend)
+
     def _check_amp(self, amp_dtype: torch.dtype | None, name: str) -> None:
         if amp_dtype is None or amp_dtype == torch.float32:
             return
@@ -189,6 +205,13 @@ class DADTrainer:
         Invalid input raises before anything is modified.
         """
         x, y, rate, compute = self._begin_step(inputs, labels, lr, amp_dtype)
+        # the fused/graphed engine checks nothing per layer: value checks and the non-finite
+        # guard (opted into with check_values=True on CUDA) take the eager path
+        if self._engine is not None and self.gradient_reducer is None and self.on_nonfinite == "ignore":
+            logits, loss = self._engine(x, y, rate, compute)
+            self.step_count += 1
+            self._loss_batches += 1
+            return logits, loss
         h = x
         last = None
         for layer, workspace in zip(self.model.dad_layers, self._workspaces):
@@ -473,6 +496,8 @@ class DADTrainer:
         self.config = OptimizerConfig(**config)
         self.step_count = int(state["step_count"])
         self.history = list(state.get("history", []))
+        if self._engine is not None:
+            self._engine.refresh_shadows()
 
 
 def _progress(iterable: Iterable[Any], enabled: bool, desc: str) -> Any:

@@ -1,0 +1,131 @@
+"""Shared pieces of the GPU benchmarks: topologies, the tuned backprop baseline, CUDA-event timing."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+import torch_dad as td
+from _common import SeedMLP, backprop_mlp
+
+# name: (input width, hidden widths, classes); the issue's four topologies
+TOPOLOGIES: dict[str, tuple[int, list[int], int]] = {
+    "mnist-medium-3": (784, [1024, 512, 256], 10),
+    "fmnist-wide-2": (784, [4096, 4096], 10),
+    "cifar10-medium-3": (3072, [1024, 512, 256], 10),
+    "deep-8x1024": (3072, [1024] * 8, 10),
+}
+
+
+def flop_ratio(n_in: int, widths: Sequence[int], classes: int) -> float:
+    """Backprop/DAD FLOPs per sample: backprop 3 GEMMs per layer minus dL/dx of the first; DAD 2
+    per layer plus the local heads' forward, d_logits W_loc and g_W_loc (3 thin GEMMs each)."""
+    dims = [n_in, *widths, classes]
+    macs = [a * b for a, b in zip(dims[:-1], dims[1:])]
+    backprop = 3 * sum(macs) - macs[0]
+    dad = 2 * sum(macs) + 3 * sum(w * classes for w in widths)
+    return backprop / dad
+
+
+def cuda_sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_steps(step: Callable[[int], Any], steps: int, repeats: int, warmup: int) -> float:
+    """Median seconds per step: CUDA events around ``steps`` calls, ``repeats`` times, after warm-up."""
+    for i in range(warmup):
+        step(i)
+    cuda_sync()
+    samples = []
+    for _ in range(repeats):
+        if torch.cuda.is_available():
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for i in range(steps):
+                step(i)
+            end.record()
+            end.synchronize()
+            samples.append(start.elapsed_time(end) / 1e3 / steps)
+        else:
+            import time
+
+            t0 = time.perf_counter()
+            for i in range(steps):
+                step(i)
+            samples.append((time.perf_counter() - t0) / steps)
+    return statistics.median(samples)
+
+
+def make_data(n_in: int, classes: int, batch: int, pool: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """``pool`` batches of random fp32 inputs and labels resident on ``device`` (rotated, never zeros)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(pool * batch, n_in, generator=g).to(device)
+    y = torch.randint(0, classes, (pool * batch,), generator=g).to(device)
+    return x, y
+
+
+def dad_system(n_in: int, widths: Sequence[int], classes: int, device: torch.device, backend: str,
+               amp: torch.dtype | None, head_statistics: bool = True
+               ) -> tuple[td.DADTrainer, Callable[[torch.Tensor, torch.Tensor], Any]]:
+    """A seed MLP (DAD hidden layers + classifier) and its ``DADTrainer.step``.
+
+    ``head_statistics=False`` skips the classifier's Gram statistics (``H^T H``: a d x d x B GEMM
+    that backprop never does, as large as a layer's GEMM when d = 4096)."""
+    model = SeedMLP([n_in, *widths], num_classes=classes)
+    trainer = td.DADTrainer(model, device=device, lr=1e-3, amp_dtype=amp, backend=backend,
+                            accumulate_head_statistics=head_statistics)
+    return trainer, trainer.step
+
+
+def backprop_eager(n_in: int, widths: Sequence[int], classes: int, device: torch.device,
+                   amp: torch.dtype | None) -> Callable[[torch.Tensor, torch.Tensor], Any]:
+    """The same MLP trained by backprop, autocast, fused AdamW, op by op."""
+    model = backprop_mlp([n_in, *widths], classes).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=device.type == "cuda")
+
+    def step(xb: torch.Tensor, yb: torch.Tensor) -> None:
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+            loss = F.cross_entropy(model(xb), yb)
+        loss.backward()
+        opt.step()
+
+    return step
+
+
+def backprop_graphed(n_in: int, widths: Sequence[int], classes: int, device: torch.device,
+                     amp: torch.dtype | None, batch: int) -> Callable[[torch.Tensor, torch.Tensor], Any]:
+    """Tuned backprop: forward, backward and fused AdamW (capturable) in one CUDA graph."""
+    model = backprop_mlp([n_in, *widths], classes).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
+    static_x = torch.randn(batch, n_in, device=device)
+    static_y = torch.randint(0, classes, (batch,), device=device)
+
+    def body() -> None:
+        opt.zero_grad(set_to_none=False)
+        with torch.autocast("cuda", dtype=amp or torch.float32, enabled=amp is not None):
+            loss = F.cross_entropy(model(static_x), static_y)
+        loss.backward()
+        opt.step()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+
+    def step(xb: torch.Tensor, yb: torch.Tensor) -> None:
+        static_x.copy_(xb)
+        static_y.copy_(yb)
+        graph.replay()
+
+    return step

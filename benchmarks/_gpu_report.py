@@ -1,0 +1,56 @@
+"""Markdown tables from results/gpu_*.json (for docs/benchmarks-gpu.md): python _gpu_report.py"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+RESULTS = Path(__file__).resolve().parent / "results"
+
+
+def throughput() -> None:
+    rows = json.loads((RESULTS / "gpu_throughput.json").read_text())
+    ips = {(r["topology"], r["batch"], r["system"]): r["img_per_s"] for r in rows}
+    ratio = {r["topology"]: r["flop_ratio"] for r in rows}
+    systems = ["dad", "dad-no-head-stats", "backprop-graphed", "backprop-eager", "wheel-2026.5.24"]
+    print("| topology | B | " + " | ".join(systems) + " | dad / bp-graphed | no-stats / bp-graphed | target | dad / wheel |")
+    print("|---" * (len(systems) + 6) + "|")
+    for topo, b in sorted({(r["topology"], r["batch"]) for r in rows}, key=lambda k: (k[1], list(ratio).index(k[0]))):
+        cells = [f"{ips[(topo, b, s)]:,.0f}" if (topo, b, s) in ips else "–" for s in systems]
+        ref = ips.get((topo, b, "backprop-graphed"))
+        wheel = ips.get((topo, b, "wheel-2026.5.24"))
+        target = 1.3 if b == 1024 else 0.9 * ratio[topo]
+        dad = ips.get((topo, b, "dad"), float("nan"))
+        nost = ips.get((topo, b, "dad-no-head-stats"), float("nan"))
+        print(f"| {topo} | {b} | " + " | ".join(cells)
+              + f" | {dad / ref:.2f} | {nost / ref:.2f} | {target:.2f} | "
+              + (f"{dad / wheel:.1f}" if wheel else "–") + " |")
+
+
+def memory() -> None:
+    rows = json.loads((RESULTS / "gpu_memory.json").read_text())
+    print("| system | depth x width | B | static MiB | above-static MiB | graph pool MiB |")
+    print("|---|---|---|---|---|---|")
+    for r in rows:
+        pool = r.get("pool_mib")
+        print(f"| {r['system']} | {r['depth']} x {r['width']} | {r['batch']} | {r['static_mib']:,.0f} | "
+              f"{r['above_static_mib']:,.0f} | {'' if pool is None else f'{pool:,.0f}'} |")
+
+
+def scaling() -> None:
+    rows = json.loads((RESULTS / "gpu_scaling.json").read_text())
+    by = {(r["system"], r["depth"]): r for r in rows}
+    print("| depth | dad img/s | backprop-graphed img/s | ratio | dad peak MiB | backprop peak MiB |")
+    print("|---|---|---|---|---|---|")
+    for d in sorted({r["depth"] for r in rows}):
+        a, b = by[("dad", d)], by[("backprop-graphed", d)]
+        print(f"| {d} | {a['img_per_s']:,.0f} | {b['img_per_s']:,.0f} | {a['img_per_s'] / b['img_per_s']:.2f} | "
+              f"{a['peak_mib']:,.0f} | {b['peak_mib']:,.0f} |")
+
+
+if __name__ == "__main__":
+    throughput()
+    print()
+    memory()
+    print()
+    scaling()

@@ -1,0 +1,104 @@
+"""Peak GPU memory of one training step above the static footprint: DAD vs backprop.
+
+Deep MLP ``depth x width`` (16 x 4096 at B=16384, bf16; repeated at depths 4 and 32), fp32
+inputs, AdamW. "static" is ``memory_allocated()`` just before the measured step (parameters,
+optimizer state, Gram statistics, data); "above static" is ``max_memory_allocated()`` during
+the step minus that. Both systems run op by op (``DADTrainer(backend="fused")`` and autocast
+backprop): inside a CUDA graph replay the allocator is not called, so peaks would not show.
+Also records ``dad-graph-pool``: the memory a captured DAD step holds as its private pool.
+Writes ``results/gpu_memory.json``. ``--smoke``: CPU, tiny, no memory numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+import torch.nn.functional as F
+
+import torch_dad as td
+from _common import SeedMLP, backprop_mlp, environment, write_records
+
+MIB = 2**20
+
+
+def dad_peak(depth: int, width: int, batch: int, device: torch.device, backend: str, amp: torch.dtype | None) -> dict:
+    model = SeedMLP([width] * (depth + 1), num_classes=10)
+    trainer = td.DADTrainer(model, device=device, amp_dtype=amp, backend=backend)
+    x = torch.randn(batch, width, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+    reserved0 = torch.cuda.memory_reserved() if device.type == "cuda" else 0
+    for _ in range(2 if backend != "cuda-graph" else 3):  # materialise state (and capture the graph)
+        trainer.step(x, y)
+    return _measure(lambda: trainer.step(x, y), device, extra={"pool_mib": (torch.cuda.memory_reserved() - reserved0) / MIB
+                                                               if device.type == "cuda" else float("nan")})
+
+
+def backprop_peak(depth: int, width: int, batch: int, device: torch.device, amp: torch.dtype | None) -> dict:
+    model = backprop_mlp([width] * (depth + 1), 10).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=device.type == "cuda")
+    x = torch.randn(batch, width, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+
+    def step() -> None:
+        with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+            loss = F.cross_entropy(model(x), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    for _ in range(2):
+        step()
+    return _measure(step, device)
+
+
+def _measure(step, device: torch.device, extra: dict | None = None) -> dict:  # type: ignore[no-untyped-def]
+    if device.type != "cuda":
+        step()
+        return {"static_mib": float("nan"), "peak_mib": float("nan"), "above_static_mib": float("nan"), **(extra or {})}
+    torch.cuda.synchronize()
+    static = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated()
+    return {"static_mib": static / MIB, "peak_mib": peak / MIB, "above_static_mib": (peak - static) / MIB, **(extra or {})}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    cuda = torch.cuda.is_available() and not args.smoke
+    device = torch.device("cuda" if cuda else "cpu")
+    env = environment()
+    configs = [(4, 4096, 16384), (16, 4096, 16384), (32, 4096, 16384)] if not args.smoke else [(2, 32, 16)]
+    amp = torch.bfloat16 if cuda else None
+    records = []
+    for depth, width, batch in configs:
+        systems = [("dad", "fused"), ("backprop", None)] + ([("dad-graph-pool", "cuda-graph")] if cuda else [])
+        for system, backend in systems:
+            if cuda:
+                torch.cuda.empty_cache()
+            if backend is None:
+                row = backprop_peak(depth, width, batch, device, amp)
+            else:
+                row = dad_peak(depth, width, batch, device, backend, amp)
+            records.append({"system": system, "depth": depth, "width": width, "batch": batch, **row, **env})
+            print(json.dumps(records[-1]), flush=True)
+            if cuda:
+                torch.cuda.empty_cache()
+    path = write_records("gpu_memory", records, args.smoke)
+    if args.out:
+        with open(args.out, "w") as fh:
+            fh.write(json.dumps(records, indent=2) + "\n")
+    print(f"-> {path}")
+    for r in records:
+        print(f"{r['system']:15} {r['depth']:>3}x{r['width']} B={r['batch']:<6} static {r['static_mib']:>9.0f} "
+              f"above-static {r['above_static_mib']:>8.0f} MiB")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Throughput and peak memory against depth: ``dad`` vs ``backprop-graphed``.
+
+MLPs of 2, 4, 8, 16, 32 hidden layers of 1024, B=4096, bf16, AdamW, fp32 inputs on the GPU;
+CUDA events, 20 warm-up steps, median of 5 repeats of 30 steps. Writes
+``results/gpu_scaling.json`` and, with matplotlib, ``results/gpu_scaling.png``
+(``--plot-only`` redraws the PNG from the JSON). ``--smoke``: CPU, tiny.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import torch
+
+from _common import RESULTS, environment, write_records
+from _gpu_common import backprop_graphed, cuda_sync, dad_system, make_data, time_steps
+
+
+def plot(records: list[dict], path: Path) -> bool:
+    """Two panels: img/s and peak MiB against depth, one line per system. ``False`` without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(10, 4))
+    for system in sorted({r["system"] for r in records}):
+        rows = sorted((r for r in records if r["system"] == system), key=lambda r: r["depth"])
+        depths = [r["depth"] for r in rows]
+        axes[0].plot(depths, [r["img_per_s"] for r in rows], marker="o", label=system)
+        axes[1].plot(depths, [r["peak_mib"] for r in rows], marker="o", label=system)
+    for ax, label in zip(axes, ("img/s", "peak MiB (whole process)")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("hidden layers of 1024")
+        ax.set_ylabel(label)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    r0 = records[0]
+    fig.suptitle(f"B={r0['batch']}, bf16, {r0['device']}, torch {r0['torch']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--plot-only", action="store_true")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    if args.plot_only:
+        records = json.loads((RESULTS / "gpu_scaling.json").read_text())
+        print("plot:", plot(records, RESULTS / "gpu_scaling.png"))
+        return
+    cuda = torch.cuda.is_available() and not args.smoke
+    device = torch.device("cuda" if cuda else "cpu")
+    env = environment()
+    depths, width, batch = ([2, 4, 8, 16, 32], 1024, 4096) if cuda else ([1, 2], 32, 16)
+    amp = torch.bfloat16 if cuda else None
+    steps, repeats, warmup = (30, 5, 20) if cuda else (2, 1, 1)
+    records = []
+    for depth in depths:
+        x, y = make_data(width, 10, batch, 4, device)
+        for system in ["dad"] + (["backprop-graphed"] if cuda else []):
+            if cuda:
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats()
+            if system == "dad":
+                _, fn = dad_system(width, [width] * depth, 10, device, "auto" if cuda else "fused", amp)
+            else:
+                fn = backprop_graphed(width, [width] * depth, 10, device, amp, batch)
+
+            def step(i: int, fn=fn, x=x, y=y, batch=batch) -> None:  # type: ignore[no-untyped-def]
+                j = i % 4
+                fn(x[j * batch : (j + 1) * batch], y[j * batch : (j + 1) * batch])
+
+            sec = time_steps(step, steps, repeats, warmup)
+            cuda_sync()
+            records.append({"system": system, "depth": depth, "width": width, "batch": batch, "img_per_s": batch / sec,
+                            "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else float("nan"), **env})
+            print(json.dumps(records[-1]), flush=True)
+            del fn
+    path = write_records("gpu_scaling", records, args.smoke)
+    if args.out:
+        Path(args.out).write_text(json.dumps(records, indent=2) + "\n")
+    if not args.smoke:
+        print("plot:", plot(records, RESULTS / "gpu_scaling.png"))
+    print(f"-> {path}")
+
+
+if __name__ == "__main__":
+    main()

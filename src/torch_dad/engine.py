@@ -1,0 +1,330 @@
+"""The fused (and CUDA-graph-captured) ``DADTrainer.step``: same math, far fewer launches.
+
+Selected by ``DADTrainer(..., backend=...)``:
+
+- ``"eager"``: the reference path in :mod:`torch_dad.layers` (pure PyTorch, any setting);
+- ``"fused"``: this module's step, run op by op. On CUDA its local error, AdamW and Gram
+  updates are Triton kernels (:mod:`torch_dad.kernels`); on CPU their PyTorch twins run;
+- ``"cuda-graph"``: the fused step captured whole into one CUDA graph per input shape;
+- ``"auto"``: ``"cuda-graph"`` on CUDA when the fused step supports the model and triton is
+  installed, else ``"eager"``.
+
+Per DAD layer the fused step launches: the forward ``addmm`` with bias and ReLU fused by
+cuBLASLt, two local-error kernels, the ``d_z^T a`` GEMM with fp32 output, and one AdamW kernel
+that updates weight and bias and rewrites their bf16 copies (the copies the next forward reads,
+so no per-step casts). The heads' small AdamW is one ``torch._fused_adamw_`` launch for all layers.
+The measured reason: on an H200 at B=1024 an MLP step is bound by launches, not FLOPs
+(see ``docs/benchmarks-gpu.md``). Under ``"cuda-graph"`` the weight GEMM and AdamW of layer
+``i`` run on a side stream, overlapping the forward of layer ``i + 1``: DAD allows it because
+layer ``i + 1`` never waits for a gradient from above.
+
+Semantics match the eager step: outputs and losses come from the pre-update weights, every
+layer's optimizer state and step counter advance as in :mod:`torch_dad.optim`, the classifier
+is trained as an output head and its Gram statistics accumulate. What differs is rounding
+(fp32 accumulation of the local head products) and, where rows are split across programs,
+the fp32 summation order of the atomically added gradients.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, cast
+
+import torch
+from torch import Tensor
+
+from .kernels import triton_available
+from .kernels.adamw import adamw_with_shadow_
+from .kernels.gram import gram_update_
+from .kernels.gram import mm_fp32 as _mm_fp32
+from .kernels.local_error import FUSED_ACTIVATIONS, local_error
+
+if TYPE_CHECKING:
+    from .layers import DADLinear
+    from .trainer import DADTrainer
+
+__all__ = ["BACKENDS", "FusedStep", "unsupported_reason"]
+
+BACKENDS: tuple[str, ...] = ("auto", "eager", "fused", "cuda-graph")
+
+
+def unsupported_reason(trainer: DADTrainer) -> str | None:
+    """Why the fused step cannot run this trainer's model, or ``None`` if it can."""
+    if trainer.config.name != "adamw":
+        return f"optimizer={trainer.config.name!r} (the fused step implements adamw)"
+    for layer in trainer.model.dad_layers:
+        if layer.activation not in FUSED_ACTIVATIONS:
+            return f"activation={layer.activation!r} (fused: {', '.join(FUSED_ACTIVATIONS)})"
+        if layer.label_smoothing:
+            return "label_smoothing > 0"
+        if layer.weight.dtype != torch.float32:
+            return f"master weights in {layer.weight.dtype} (fused: float32)"
+    if trainer.gradient_reducer is not None:
+        return "a gradient_reducer is set (distributed training uses the eager step)"
+    return None
+
+
+def _forward(a: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> Tensor:
+    """``act(a @ weight.T + bias)``; ReLU rides in the cuBLASLt epilogue (one launch)."""
+    if bias is not None and activation == "relu":
+        return torch._addmm_activation(bias, a, weight.T)
+    z = torch.addmm(bias, a, weight.T) if bias is not None else a @ weight.T
+    if activation == "relu":
+        return z.relu_()
+    if activation == "tanh":
+        return z.tanh_()
+    return z
+
+
+class FusedStep:
+    """The fused step for one trainer; :meth:`__call__` runs it, eagerly or as a CUDA graph."""
+
+    def __init__(self, trainer: DADTrainer, graphed: bool) -> None:
+        self.trainer = trainer
+        self.graphed = graphed
+        self.device = trainer.device
+        self._shadows: dict[torch.dtype, list[tuple[Tensor, Tensor | None]]] = {}
+        self._lr = torch.full((), trainer.config.lr, device=self.device, dtype=torch.float32)
+        self._lr_value = trainer.config.lr
+        self._graphs: dict[tuple[Any, ...], tuple[Any, Tensor, Tensor, Tensor, Tensor]] = {}
+        self._seen: set[tuple[Any, ...]] = set()
+        self._side: torch.cuda.Stream | None = None
+        self._pool: Any = None
+        self._tracked: list[Tensor] | None = None
+
+    # ------------------------------------------------------------------ state
+    def _layer_tensors(self, layer: DADLinear) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+        params = layer._trained_tensors()
+        return params, layer.optim_state.moments("exp_avg"), layer.optim_state.moments("exp_avg_sq")
+
+    def _shadow_list(self, dtype: torch.dtype) -> list[tuple[Tensor, Tensor | None]]:
+        """bf16/fp16 copies of every layer's (weight, bias), refreshed by the AdamW kernel."""
+        layers = self.trainer.model.dad_layers
+        cached = self._shadows.get(dtype)
+        if cached is None or len(cached) != len(layers):
+            cached = []
+            for layer in layers:
+                w = layer.weight.detach().to(dtype)
+                b = layer.bias.detach().to(dtype) if layer.bias is not None else None
+                cached.append((w, b))
+            self._shadows[dtype] = cached
+        return cached
+
+    def refresh_shadows(self) -> None:
+        """Re-copy the low-precision weights from the fp32 masters (after an outside edit)."""
+        for dtype, pairs in self._shadows.items():
+            for layer, (w, b) in zip(self.trainer.model.dad_layers, pairs):
+                w.copy_(layer.weight.detach())
+                if b is not None and layer.bias is not None:
+                    b.copy_(layer.bias.detach())
+            del dtype
+
+    def _signature(self) -> tuple[int, ...]:
+        """Storage addresses a captured graph baked in: a change forces a re-capture.
+
+        The tensor list is gathered once (walking the modules costs ~30 us a step); a tensor
+        whose ``.data`` is replaced is caught by its address, a replaced Parameter object is
+        not: call :meth:`reset` after swapping modules or parameters.
+        """
+        if self._tracked is None:
+            t = self.trainer
+            tracked = list(t.model.parameters()) + list(t.model.buffers())
+            if t.head_state is not None:
+                tracked += list(t.head_state.buffers())
+            if t.head_statistics is not None:
+                tracked += list(t.head_statistics.buffers())
+            tracked.append(t._loss_sum)
+            self._tracked = tracked
+        return tuple(p.data_ptr() for p in self._tracked)
+
+    def reset(self) -> None:
+        """Drop captured graphs and low-precision copies (rebuilt from the masters next step)."""
+        self._graphs.clear()
+        self._seen.clear()
+        self._shadows.clear()
+        self._tracked = None
+
+    # ------------------------------------------------------------------ the step
+    def _body(self, x: Tensor, y: Tensor, compute: torch.dtype | None, overlap: bool) -> tuple[Tensor, Tensor]:
+        t = self.trainer
+        config = t.config
+        layers = t.model.dad_layers
+        head = t.model.head
+        low = compute is not None and compute != torch.float32
+        shadows = self._shadow_list(compute) if low and compute is not None else None
+        steps = [_tensor(layer.optim_state.step) for layer in layers]
+        if t.head_state is not None:
+            steps.append(_tensor(t.head_state.step))
+        torch._foreach_add_(steps, 1.0)
+        lr = self._lr if x.is_cuda else self._lr_value
+        small_p: list[Tensor] = []
+        small_g: list[Tensor] = []
+        small_m: list[Tensor] = []
+        small_v: list[Tensor] = []
+        small_s: list[Tensor] = []
+        keep: list[Tensor] = []
+        main = torch.cuda.current_stream() if overlap else None
+        side = self._side
+        a = x if compute is None or x.dtype == compute else x.to(compute)
+        result = None
+        for i, layer in enumerate(layers):
+            if shadows is not None:
+                w, b = shadows[i]
+            else:
+                w, b = layer.weight.detach(), (layer.bias.detach() if layer.bias is not None else None)
+            h = _forward(a, w, b, layer.activation)
+            head_w, head_b = _tensor(layer.head_weight), _tensor(layer.head_bias)
+            step_t = _tensor(layer.optim_state.step)
+            err = local_error(h, head_w, head_b, y, layer.activation)
+            params, exp_avg, exp_avg_sq = self._layer_tensors(layer)
+            nb = 2 if layer.bias is not None else 1
+            assert err.d_z is not None and err.grad_bias is not None
+            if overlap and side is not None and main is not None:
+                side.wait_stream(main)
+                ctx: Any = torch.cuda.stream(side)
+                keep += [a, err.d_z, err.grad_bias]
+            else:
+                ctx = _Null()
+            with ctx:
+                grad_w = _mm_fp32(err.d_z.T, a)
+                grads = [grad_w, err.grad_bias][:nb]
+                shadow: list[Tensor | None] = [w, b][:nb] if shadows is not None else [None] * nb
+                adamw_with_shadow_(
+                    [p.data for p in params[:nb]],
+                    grads,
+                    exp_avg[:nb],
+                    exp_avg_sq[:nb],
+                    shadow,
+                    step_t,
+                    self._lr,
+                    betas=config.betas,
+                    eps=config.eps,
+                    weight_decay=config.weight_decay,
+                )
+                if overlap:
+                    keep.append(grad_w)
+            small_p += [head_w, head_b]
+            small_g += [err.grad_head_weight, err.grad_head_bias]
+            small_m += exp_avg[nb:]
+            small_v += exp_avg_sq[nb:]
+            small_s += [step_t] * 2
+            result = (err.logits, err.loss)
+            # drop this layer's B x width temporaries before the next forward allocates: at
+            # 16 x 4096, B=16384 that keeps the peak at ~3.5 such tensors instead of ~4.5
+            del err, grad_w, grads
+            a = h
+            del h
+        assert result is not None
+        logits, loss = result
+        if head is not None:
+            assert t.head_state is not None and t.head_statistics is not None
+            if t.accumulate_head_statistics:
+                gram_update_(t.head_statistics, a, y)
+            hb = head.bias.detach() if head.bias is not None else torch.zeros(
+                head.out_features, device=a.device, dtype=torch.float32
+            )
+            err = local_error(a, head.weight.detach(), hb, y, with_dz=False)
+            hp = [head.weight.data] + ([head.bias.data] if head.bias is not None else [])
+            small_p += hp
+            small_g += [err.grad_head_weight, err.grad_head_bias][: len(hp)]
+            small_m += t.head_state.moments("exp_avg")
+            small_v += t.head_state.moments("exp_avg_sq")
+            small_s += [_tensor(t.head_state.step)] * len(hp)
+            logits, loss = err.logits, err.loss
+        torch._fused_adamw_(
+            small_p,
+            small_g,
+            small_m,
+            small_v,
+            [],
+            small_s,
+            amsgrad=False,
+            lr=lr,
+            beta1=config.betas[0],
+            beta2=config.betas[1],
+            weight_decay=config.weight_decay,
+            eps=config.eps,
+            maximize=False,
+        )
+        t._loss_sum += loss
+        if overlap and side is not None and main is not None:
+            main.wait_stream(side)
+        del keep
+        return logits, loss
+
+    def __call__(self, x: Tensor, y: Tensor, lr: float, compute: torch.dtype | None) -> tuple[Tensor, Tensor]:
+        """One step on validated ``x`` (B, in) and int64 ``y``; returns fresh ``(logits, loss)``."""
+        if lr != self._lr_value:
+            self._lr_value = lr
+            self._lr.fill_(lr)
+        if not self.graphed:
+            logits, loss = self._body(x, y, compute, overlap=False)
+            return logits, loss
+        key = (tuple(x.shape), x.dtype, compute, self.trainer.accumulate_head_statistics, self._signature())
+        entry = self._graphs.get(key)
+        if entry is None:
+            if key not in self._seen:
+                # first sight of a shape: run eagerly (compiles the Triton kernels, warms cuBLAS);
+                # a shape seen twice is captured, so a ragged last batch costs no capture
+                self._seen.add(key)
+                logits, loss = self._body(x, y, compute, overlap=False)
+                return logits, loss
+            entry = self._capture(key, x, y, compute)
+        graph, static_x, static_y, out_logits, out_loss = entry
+        static_x.copy_(x)
+        static_y.copy_(y)
+        graph.replay()
+        return out_logits.clone(), out_loss.clone()
+
+    def _capture(
+        self, key: tuple[Any, ...], x: Tensor, y: Tensor, compute: torch.dtype | None
+    ) -> tuple[Any, Tensor, Tensor, Tensor, Tensor]:
+        if len(self._graphs) >= 8:
+            self._graphs.clear()
+        if self._side is None:
+            self._side = torch.cuda.Stream(device=self.device)
+        if self._pool is None:
+            self._pool = torch.cuda.graph_pool_handle()
+        # the input buffer holds the compute dtype: its copy_ is also the cast
+        static_x = torch.empty(x.shape, device=self.device, dtype=compute or x.dtype)
+        static_y = torch.empty_like(y)
+        static_x.copy_(x)
+        static_y.copy_(y)
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            out_logits, out_loss = self._body(static_x, static_y, compute, overlap=True)
+        entry = (graph, static_x, static_y, out_logits, out_loss)
+        self._graphs[key] = entry
+        return entry
+
+
+def _tensor(value: object) -> Tensor:
+    """A module attribute that is a registered buffer, typed as the tensor it is."""
+    return cast(Tensor, value)
+
+
+class _Null:
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *args: object) -> None:
+        return None
+
+
+def resolve_backend(trainer: DADTrainer, backend: str) -> FusedStep | None:
+    """The engine ``backend`` asks for, ``None`` for eager; raises if it cannot run."""
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} must be one of {', '.join(BACKENDS)}")
+    if backend == "eager":
+        return None
+    reason = unsupported_reason(trainer)
+    cuda = trainer.device.type == "cuda"
+    if backend == "auto":
+        if reason is not None or not cuda or not triton_available():
+            return None
+        return FusedStep(trainer, graphed=True)
+    if reason is not None:
+        raise ValueError(f"backend={backend!r} cannot run this model: {reason}; use backend='eager'")
+    if backend == "cuda-graph" and not cuda:
+        raise ValueError(f"backend='cuda-graph' needs a CUDA device, got {trainer.device}; use 'fused' or 'eager'")
+    return FusedStep(trainer, graphed=backend == "cuda-graph")

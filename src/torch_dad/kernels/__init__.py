@@ -1,0 +1,47 @@
+"""Triton kernels for the GPU fast path (CUDA only), each beside its pure-PyTorch twin.
+
+Nothing here imports triton at module import time: ``import torch_dad`` stays torch+numpy.
+Each public op takes ``backend="auto" | "triton" | "torch"``: ``auto`` runs the Triton kernel
+for CUDA tensors when triton is importable, and the PyTorch twin (the CPU path) otherwise.
+Setting ``TRITON_INTERPRET=1`` before the first call also runs the kernels on CPU tensors
+(slowly), which the kernel tests use where no GPU exists.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+__all__ = ["triton_available", "use_triton"]
+
+
+@functools.lru_cache(maxsize=1)
+def triton_available() -> bool:
+    """``True`` if ``import triton`` works (imported on first call only)."""
+    try:
+        import triton  # noqa: F401
+        import triton.language  # noqa: F401
+    except Exception:
+        return False
+    return True
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def use_triton(tensor: torch.Tensor, backend: str) -> bool:
+    """Decide between the Triton kernel and its PyTorch twin for ``tensor``'s device."""
+    if backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"backend={backend!r} must be 'auto', 'triton' or 'torch'")
+    if backend == "torch":
+        return False
+    runnable = triton_available() and (tensor.is_cuda or _interpreting())
+    if backend == "triton" and not runnable:
+        raise ValueError(
+            "backend='triton' needs triton and a CUDA tensor (or TRITON_INTERPRET=1); "
+            "install torch-dad[gpu] or pass backend='torch'"
+        )
+    return runnable

@@ -1,0 +1,131 @@
+"""AdamW on a layer's weight and bias in one launch, also refreshing their low-precision copies.
+
+Per element, exactly :func:`torch_dad.optim.adamw_` (``torch._fused_adamw_``) in float32::
+
+    p *= 1 - lr * wd;  m = m + (1 - b1) (g - m);  v = b2 v + (1 - b2) g^2
+    p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps);  shadow = p.to(shadow.dtype)
+
+``lr`` and the step ``t`` are read from device tensors, so a CUDA graph that captured the
+launch follows a new learning rate without re-capture. The bf16 ``shadow`` is what the next
+forward multiplies with: writing it here replaces a separate cast kernel per weight per step.
+The step is *not* incremented here (the caller increments all layers' steps in one launch).
+"""
+
+from __future__ import annotations
+
+import math
+
+from torch import Tensor
+
+from ..optim import adamw_
+from . import use_triton
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the CPU path needs no triton
+    triton = None
+
+__all__ = ["adamw_with_shadow_"]
+
+
+def adamw_with_shadow_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    shadows: list[Tensor | None],
+    step: Tensor,
+    lr: Tensor,
+    *,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+    backend: str = "auto",
+) -> None:
+    """AdamW step (already-incremented ``step``) on 1 or 2 fp32 tensors, then ``shadow.copy_(p)``."""
+    if not 1 <= len(params) <= 2 or not len(params) == len(grads) == len(exp_avgs) == len(exp_avg_sqs) == len(shadows):
+        raise ValueError("adamw_with_shadow_ takes 1 or 2 tensors and one grad/moment/shadow entry per tensor")
+    if use_triton(params[0], backend):
+        _adamw_triton(params, grads, exp_avgs, exp_avg_sqs, shadows, step, lr, betas, eps, weight_decay)
+        return
+    # the twin: the reference update with the step counter rewound, since adamw_ increments it
+    step.sub_(1)
+    adamw_(params, grads, exp_avgs, exp_avg_sqs, step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    for p, s in zip(params, shadows):
+        if s is not None:
+            s.copy_(p)
+
+
+if triton is not None:
+
+    @triton.jit
+    def _segment(p_ptr, g_ptr, m_ptr, v_ptr, s_ptr, offs, n, lr, b1, b2, eps, wd, bc1, bc2_sqrt, HAS_SHADOW: tl.constexpr):
+        mask = offs < n
+        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+        p = p * (1.0 - lr * wd)
+        m = m + (1.0 - b1) * (g - m)
+        v = b2 * v + (1.0 - b2) * g * g
+        denom = tl.sqrt(v) / bc2_sqrt + eps
+        p = p - (lr / bc1) * m / denom
+        tl.store(p_ptr + offs, p, mask=mask)
+        tl.store(m_ptr + offs, m, mask=mask)
+        tl.store(v_ptr + offs, v, mask=mask)
+        if HAS_SHADOW:
+            tl.store(s_ptr + offs, p.to(s_ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def adamw_kernel(
+        p1, g1, m1, v1, s1, n1, p2, g2, m2, v2, s2, n2, step_ptr, lr_ptr,
+        b1, b2, log_b1, log_b2, eps, wd, blocks1,
+        BLOCK: tl.constexpr, SHADOW1: tl.constexpr, SHADOW2: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        # bias corrections in float64: 1 - 0.999^t in fp32 loses ~1e-4 relative at small t
+        t = tl.load(step_ptr).to(tl.float64)
+        bc1 = (1.0 - tl.exp(t * log_b1)).to(tl.float32)
+        bc2_sqrt = tl.sqrt((1.0 - tl.exp(t * log_b2)).to(tl.float32))
+        lr = tl.load(lr_ptr).to(tl.float32)
+        if pid < blocks1:
+            offs = pid * BLOCK + tl.arange(0, BLOCK)
+            _segment(p1, g1, m1, v1, s1, offs, n1, lr, b1, b2, eps, wd, bc1, bc2_sqrt, SHADOW1)
+        else:
+            offs = (pid - blocks1) * BLOCK + tl.arange(0, BLOCK)
+            _segment(p2, g2, m2, v2, s2, offs, n2, lr, b1, b2, eps, wd, bc1, bc2_sqrt, SHADOW2)
+
+
+
+def _adamw_triton(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    shadows: list[Tensor | None],
+    step: Tensor,
+    lr: Tensor,
+    betas: tuple[float, float],
+    eps: float,
+    weight_decay: float,
+) -> None:
+    for t in (*params, *grads, *exp_avgs, *exp_avg_sqs):
+        if not t.is_contiguous():
+            raise ValueError("adamw_with_shadow_ needs contiguous tensors")
+    block = 1024
+    segs = []
+    for i in range(2):
+        j = min(i, len(params) - 1)
+        n = params[j].numel() if i < len(params) else 0
+        s = shadows[j]
+        segs.append((params[j], grads[j], exp_avgs[j], exp_avg_sqs[j], s if s is not None else params[j], n, s is not None))
+    blocks1 = -(-segs[0][5] // block)
+    blocks2 = -(-segs[1][5] // block)
+    b1, b2 = betas
+    adamw_kernel[(blocks1 + blocks2,)](
+        *segs[0][:6], *segs[1][:6], step, lr,
+        b1, b2, math.log(b1) if b1 > 0 else -1e30, math.log(b2) if b2 > 0 else -1e30, eps, weight_decay, blocks1,
+        BLOCK=block, SHADOW1=segs[0][6], SHADOW2=segs[1][6] and segs[1][5] > 0,
+    )
+

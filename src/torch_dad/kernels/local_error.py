@@ -1,0 +1,286 @@
+"""Fused local error of a DAD layer: logits, softmax - onehot, ``d_z`` and the small gradients.
+
+For a layer output ``h`` (M, N) with local head ``W_loc`` (C, N), ``b_loc`` (C,) this computes,
+as :func:`torch_dad.functional.local_loss_and_gradients` does after its forward::
+
+    logits   = h @ W_loc.T + b_loc                    (fp32 accumulation)
+    d_logits = (softmax(logits) - onehot(y)) / M      loss = mean CE(logits, y)
+    g_W_loc  = d_logits.T @ h                         g_b_loc = d_logits.sum(0)
+    d_z      = (d_logits @ W_loc) * act'(h)           g_b     = d_z.sum(0)
+
+``act'`` is read off ``h`` (relu: ``h > 0``; tanh: ``1 - h^2``; identity: 1), so the forward
+need not keep ``z``. With ``with_dz=False`` the layer is an output head (the classifier):
+``d_z`` and ``g_b`` are skipped and ``g_W_loc, g_b_loc`` are its weight and bias gradients.
+
+The Triton version is two launches instead of the ~12 PyTorch ops of the twin:
+1. a row kernel: each program owns ``BM`` rows, streams ``h`` once for the logits, does the
+   softmax in registers, writes logits, ``d_logits`` and the per-row loss, and zeroes the
+   gradient accumulators;
+2. a column kernel: programs own ``BN`` columns of ``h`` and a slice of the rows; they stream
+   ``h`` again, write ``d_z`` and accumulate ``g_W_loc``, ``g_b`` (and ``g_b_loc``, loss).
+   When the rows are split over several programs (to fill the GPU at small widths) the partial
+   sums are added atomically, so the fp32 summation order, and the last bits, may vary.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .. import functional as F
+from . import use_triton
+
+__all__ = ["LocalError", "local_error", "FUSED_ACTIVATIONS"]
+
+#: activations whose derivative can be read off the output ``h``
+FUSED_ACTIVATIONS: tuple[str, ...] = ("relu", "tanh", "identity")
+_ACT_CODE = {"relu": 0, "tanh": 1, "identity": 2}
+# the column kernel keeps a (CP, BN) fp32 accumulator; 256 classes is where it stops fitting
+_MAX_TRITON_CLASSES = 256
+
+
+@dataclass
+class LocalError:
+    """Outputs of :func:`local_error` (gradients in float32)."""
+
+    logits: Tensor
+    loss: Tensor
+    grad_head_weight: Tensor
+    grad_head_bias: Tensor
+    d_z: Tensor | None
+    grad_bias: Tensor | None
+
+
+def _check(h: Tensor, head_weight: Tensor, head_bias: Tensor, target: Tensor, activation: str) -> None:
+    if activation not in FUSED_ACTIVATIONS:
+        raise ValueError(
+            f"activation={activation!r} has no fused local error (its derivative needs z); "
+            f"use one of {FUSED_ACTIVATIONS} or the eager backend"
+        )
+    if h.dim() != 2 or head_weight.dim() != 2 or head_weight.shape[1] != h.shape[1]:
+        raise ValueError(
+            f"h {tuple(h.shape)} and head_weight {tuple(head_weight.shape)} must be (M, N) and (C, N)"
+        )
+    if head_bias.shape != (head_weight.shape[0],):
+        raise ValueError(f"head_bias must have shape ({head_weight.shape[0]},), got {tuple(head_bias.shape)}")
+    if target.shape != (h.shape[0],):
+        raise ValueError(f"target must have shape ({h.shape[0]},), got {tuple(target.shape)}")
+
+
+def local_error(
+    h: Tensor,
+    head_weight: Tensor,
+    head_bias: Tensor,
+    target: Tensor,
+    activation: str = "relu",
+    *,
+    with_dz: bool = True,
+    backend: str = "auto",
+) -> LocalError:
+    """The local error of a DAD layer from its output ``h`` (see the module docstring).
+
+    ``h`` is in the compute dtype (bf16/fp16/fp32); ``head_weight``/``head_bias`` are the fp32
+    masters (cast to ``h.dtype`` for the products, as the eager path does); ``target`` holds
+    class ids in ``[0, C)``. ``d_z`` comes back in ``h.dtype``, everything else in float32.
+    """
+    _check(h, head_weight, head_bias, target, activation)
+    if use_triton(h, backend) and head_weight.shape[0] <= _MAX_TRITON_CLASSES:
+        return _local_error_triton(h, head_weight, head_bias, target, activation, with_dz)
+    return _local_error_torch(h, head_weight, head_bias, target, activation, with_dz)
+
+
+def _derivative_from_output(h: Tensor, activation: str) -> Tensor:
+    if activation == "relu":
+        return (h > 0).to(h.dtype)
+    if activation == "tanh":
+        return 1.0 - h * h
+    return torch.ones_like(h)
+
+
+def _local_error_torch(
+    h: Tensor, head_weight: Tensor, head_bias: Tensor, target: Tensor, activation: str, with_dz: bool
+) -> LocalError:
+    """PyTorch twin: products of ``h.dtype`` operands accumulated in fp32, as the kernel does."""
+    w = head_weight.to(h.dtype).float()
+    hf = h.float()
+    logits = torch.addmm(head_bias.float(), hf, w.T)
+    loss, d_logits = F.cross_entropy_error(logits, target)
+    dl = d_logits.to(h.dtype).float()
+    d_z = grad_bias = None
+    if with_dz:
+        dz = (dl @ w) * _derivative_from_output(hf, activation)
+        grad_bias = dz.sum(0)
+        d_z = dz.to(h.dtype)
+    return LocalError(logits, loss, dl.T @ hf, d_logits.sum(0), d_z, grad_bias)
+
+
+# ---------------------------------------------------------------------------------- Triton
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+@functools.lru_cache(maxsize=1)
+def _kernels() -> Any:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rows_kernel(
+        h_ptr, w_ptr, b_ptr, y_ptr, logits_ptr, dl_ptr, rowloss_ptr, zero_ptr,
+        M, N, C, stride_h, inv_count, zero_numel, zero_chunk,
+        BM: tl.constexpr, BN: tl.constexpr, CP: tl.constexpr, IEEE: tl.constexpr, ZBLOCK: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        # zero this program's share of the gradient accumulators the column kernel adds into
+        zstart = pid * zero_chunk
+        for z0 in range(0, zero_chunk, ZBLOCK):
+            zo = zstart + z0 + tl.arange(0, ZBLOCK)
+            tl.store(zero_ptr + zo, tl.zeros((ZBLOCK,), tl.float32), mask=(zo < zero_numel) & (z0 + tl.arange(0, ZBLOCK) < zero_chunk))
+        rows = pid * BM + tl.arange(0, BM)
+        rmask = rows < M
+        cls = tl.arange(0, CP)
+        cmask = cls < C
+        acc = tl.zeros((BM, CP), dtype=tl.float32)
+        for n0 in range(0, N, BN):
+            cols = n0 + tl.arange(0, BN)
+            nmask = cols < N
+            h = tl.load(h_ptr + rows[:, None] * stride_h + cols[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
+            w = tl.load(w_ptr + cls[:, None] * N + cols[None, :], mask=cmask[:, None] & nmask[None, :], other=0.0)
+            w = w.to(h.dtype)
+            if IEEE:
+                acc = tl.dot(h, tl.trans(w), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(h, tl.trans(w), acc)
+        bias = tl.load(b_ptr + cls, mask=cmask, other=0.0).to(tl.float32)
+        logits = acc + bias[None, :]
+        tl.store(logits_ptr + rows[:, None] * C + cls[None, :], logits, mask=rmask[:, None] & cmask[None, :])
+        masked = tl.where(cmask[None, :], logits, float("-inf"))
+        row_max = tl.max(masked, axis=1)
+        e = tl.exp(masked - row_max[:, None])
+        denom = tl.sum(e, axis=1)
+        y = tl.load(y_ptr + rows, mask=rmask, other=0)
+        onehot = cls[None, :] == y[:, None]
+        d_logits = (e / denom[:, None] - tl.where(onehot, 1.0, 0.0)) * inv_count
+        d_logits = tl.where(rmask[:, None] & cmask[None, :], d_logits, 0.0)
+        tl.store(dl_ptr + rows[:, None] * CP + cls[None, :], d_logits, mask=rmask[:, None])
+        logit_y = tl.sum(tl.where(onehot, logits, 0.0), axis=1)
+        row_loss = (row_max + tl.log(denom) - logit_y) * inv_count
+        tl.store(rowloss_ptr + rows, row_loss, mask=rmask)
+
+    @triton.jit
+    def cols_kernel(
+        h_ptr, dl_ptr, w_ptr, rowloss_ptr, dz_ptr, gw_ptr, gb_ptr, gbloc_ptr, loss_ptr,
+        M, N, C, stride_h, rows_per_split,
+        BM: tl.constexpr, BN: tl.constexpr, CP: tl.constexpr, ACT: tl.constexpr,
+        WRITE_DZ: tl.constexpr, IEEE: tl.constexpr,
+    ):
+        pid_n = tl.program_id(0)
+        pid_m = tl.program_id(1)
+        cols = pid_n * BN + tl.arange(0, BN)
+        nmask = cols < N
+        cls = tl.arange(0, CP)
+        cmask = cls < C
+        w = tl.load(w_ptr + cls[:, None] * N + cols[None, :], mask=cmask[:, None] & nmask[None, :], other=0.0)
+        acc_gw = tl.zeros((CP, BN), dtype=tl.float32)
+        acc_gb = tl.zeros((BN,), dtype=tl.float32)
+        acc_gbloc = tl.zeros((CP,), dtype=tl.float32)
+        acc_loss = tl.zeros((BM,), dtype=tl.float32)
+        m_start = pid_m * rows_per_split
+        for m0 in range(m_start, m_start + rows_per_split, BM):
+            rows = m0 + tl.arange(0, BM)
+            rmask = rows < M
+            h = tl.load(h_ptr + rows[:, None] * stride_h + cols[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
+            dl = tl.load(dl_ptr + rows[:, None] * CP + cls[None, :], mask=rmask[:, None], other=0.0)
+            dlc = dl.to(h.dtype)
+            if IEEE:
+                acc_gw = tl.dot(tl.trans(dlc), h, acc_gw, input_precision="ieee")
+            else:
+                acc_gw = tl.dot(tl.trans(dlc), h, acc_gw)
+            if WRITE_DZ:
+                wc = w.to(h.dtype)
+                if IEEE:
+                    dz = tl.dot(dlc, wc, input_precision="ieee")
+                else:
+                    dz = tl.dot(dlc, wc)
+                hf = h.to(tl.float32)
+                if ACT == 0:
+                    dz = tl.where(hf > 0, dz, 0.0)
+                elif ACT == 1:
+                    dz = dz * (1.0 - hf * hf)
+                dzc = dz.to(dz_ptr.dtype.element_ty)
+                tl.store(dz_ptr + rows[:, None] * N + cols[None, :], dzc, mask=rmask[:, None] & nmask[None, :])
+                acc_gb += tl.sum(dz, axis=0)
+            if pid_n == 0:
+                acc_gbloc += tl.sum(dl, axis=0)
+                acc_loss += tl.load(rowloss_ptr + rows, mask=rmask, other=0.0)
+        tl.atomic_add(gw_ptr + cls[:, None] * N + cols[None, :], acc_gw, mask=cmask[:, None] & nmask[None, :])
+        if WRITE_DZ:
+            tl.atomic_add(gb_ptr + cols, acc_gb, mask=nmask)
+        if pid_n == 0:
+            tl.atomic_add(gbloc_ptr + cls, acc_gbloc, mask=cmask)
+            tl.atomic_add(loss_ptr, tl.sum(acc_loss, axis=0))
+
+    return rows_kernel, cols_kernel
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 8
+
+
+def _local_error_triton(
+    h: Tensor, head_weight: Tensor, head_bias: Tensor, target: Tensor, activation: str, with_dz: bool
+) -> LocalError:
+    rows_kernel, cols_kernel = _kernels()
+    h = h if h.stride(1) == 1 else h.contiguous()
+    head_weight = head_weight.contiguous()
+    M, N = h.shape
+    C = head_weight.shape[0]
+    CP = max(16, _next_pow2(C))
+    dev = h.device
+    ieee = h.dtype == torch.float32
+    # one flat fp32 block for every accumulator: the row kernel zeroes it in the same launch
+    flat = torch.empty(C * N + N + C + 1, device=dev, dtype=torch.float32)
+    gw = flat[: C * N].view(C, N)
+    gb = flat[C * N : C * N + N]
+    gbloc = flat[C * N + N : C * N + N + C]
+    loss = flat[-1]
+    logits = torch.empty(M, C, device=dev, dtype=torch.float32)
+    dl = torch.empty(M, CP, device=dev, dtype=torch.float32)
+    rowloss = torch.empty(M, device=dev, dtype=torch.float32)
+    bm_rows = 16 if CP > 64 else 32
+    grid_rows = triton_cdiv(M, bm_rows)
+    zero_chunk = triton_cdiv(flat.numel(), grid_rows)
+    rows_kernel[(grid_rows,)](
+        h, head_weight, head_bias, target, logits, dl, rowloss, flat,
+        M, N, C, h.stride(0), 1.0 / M, flat.numel(), zero_chunk,
+        BM=bm_rows, BN=64 if CP > 64 else 128, CP=CP, IEEE=ieee, ZBLOCK=256,
+    )
+    dz = torch.empty(M, N, device=dev, dtype=h.dtype) if with_dz else h
+    BN = 64 if N >= 2048 else 32
+    BM = 64 if CP <= 64 else 32
+    col_blocks = triton_cdiv(N, BN)
+    m_blocks = triton_cdiv(M, BM)
+    # split the rows so that about two programs per SM run: at N=256, B=1024 a single
+    # split would leave 8 programs on 132 SMs
+    split = max(1, min(m_blocks, (2 * _num_sms(dev)) // col_blocks))
+    rows_per_split = triton_cdiv(m_blocks, split) * BM
+    split = triton_cdiv(M, rows_per_split)
+    cols_kernel[(col_blocks, split)](
+        h, dl, head_weight, rowloss, dz, gw, gb, gbloc, loss,
+        M, N, C, h.stride(0), rows_per_split,
+        BM=BM, BN=BN, CP=CP, ACT=_ACT_CODE[activation], WRITE_DZ=with_dz, IEEE=ieee,
+    )
+    if with_dz:
+        return LocalError(logits, loss, gw, gbloc, dz, gb)
+    return LocalError(logits, loss, gw, gbloc, None, None)
+
+
+def triton_cdiv(a: int, b: int) -> int:
+    """``ceil(a / b)`` for positive ints."""
+    return -(-a // b)

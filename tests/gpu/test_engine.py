@@ -1,0 +1,97 @@
+"""The fused / graphed ``DADTrainer.step`` against the eager reference step (GPU, or interpreter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_dad as td
+from tests.conftest import relative_error
+from tests.gpu.conftest import DEVICE, requires_cuda, requires_kernels
+
+pytestmark = requires_kernels
+
+
+class Net(td.DADModel):
+    def __init__(self, widths, activation="relu", classifier=True):  # type: ignore[no-untyped-def]
+        super().__init__()
+        self.layers = torch.nn.ModuleList(
+            td.DADLinear(a, b, num_classes=7, activation=activation) for a, b in zip(widths[:-1], widths[1:])
+        )
+        if classifier:
+            self.classifier = torch.nn.Linear(widths[-1], 7)
+
+
+def _pair(backend, amp, activation="relu", classifier=True):  # type: ignore[no-untyped-def]
+    torch.manual_seed(3)
+    ref = Net([45, 33, 19, 21], activation, classifier)
+    new = Net([45, 33, 19, 21], activation, classifier)
+    new.load_state_dict(ref.state_dict())
+    return (td.DADTrainer(ref, device=DEVICE, amp_dtype=amp, backend="eager"),
+            td.DADTrainer(new, device=DEVICE, amp_dtype=amp, backend=backend))
+
+
+BACKENDS = ["fused"] + (["cuda-graph"] if DEVICE == "cuda" else [])
+AMPS = [None] + ([torch.bfloat16] if DEVICE == "cuda" else [])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("amp", AMPS)
+@pytest.mark.parametrize("activation,classifier", [("relu", True), ("tanh", False), ("identity", True)])
+def test_fused_step_matches_eager(backend, amp, activation, classifier):  # type: ignore[no-untyped-def]
+    eager, fused = _pair(backend, amp, activation, classifier)
+    tol = 1e-4 if amp is None else 3e-2
+    for i in range(5):
+        batch = 61 if i < 4 else 17  # a ragged last batch runs uncaptured
+        x = torch.randn(batch, 45, device=DEVICE)
+        y = torch.randint(0, 7, (batch,), device=DEVICE)
+        lr = 1e-3 if i < 3 else 5e-4  # a new lr must not need a re-capture
+        l1, s1 = eager.step(x, y, lr=lr)
+        l2, s2 = fused.step(x, y, lr=lr)
+        assert l2.dtype == torch.float32 and l2.shape == l1.shape
+        assert relative_error(l2, l1) <= tol, i
+        assert abs(float(s2) - float(s1)) <= tol * max(1.0, abs(float(s1)))
+    assert fused.step_count == eager.step_count == 5
+    assert abs(fused.running_loss - eager.running_loss) <= tol * 2
+    a, b = eager.state_dict(), fused.state_dict()
+    for key, want in a["model"].items():
+        if want.is_floating_point() and float(want.norm()) > 0:
+            assert relative_error(b["model"][key], want) <= 5 * tol, key
+    if classifier:
+        for key, want in a["head_statistics"].items():
+            if float(want.norm()) > 0:
+                assert relative_error(b["head_statistics"][key], want) <= 5 * tol, key
+    if backend == "cuda-graph":
+        assert len(fused._engine._graphs) == 1  # one shape captured; lr change reused it
+
+
+@requires_cuda
+def test_graph_follows_outside_weight_edits_and_reload():  # type: ignore[no-untyped-def]
+    eager, fused = _pair("cuda-graph", torch.bfloat16)
+    x = torch.randn(64, 45, device=DEVICE)
+    y = torch.randint(0, 7, (64,), device=DEVICE)
+    for _ in range(3):
+        eager.step(x, y)
+        fused.step(x, y)
+    state = eager.state_dict()
+    fused.load_state_dict(state)  # in-place copies: the graph stays valid, bf16 copies refresh
+    l1, _ = eager.step(x, y)
+    l2, _ = fused.step(x, y)
+    assert relative_error(l2, l1) <= 3e-2
+
+
+@requires_cuda
+def test_bad_input_leaves_graphed_trainer_unchanged():  # type: ignore[no-untyped-def]
+    _, fused = _pair("cuda-graph", torch.bfloat16)
+    x = torch.randn(64, 45, device=DEVICE)
+    y = torch.randint(0, 7, (64,), device=DEVICE)
+    fused.step(x, y)
+    fused.step(x, y)
+    before = {k: v.clone() for k, v in fused.model.state_dict().items()}
+    with pytest.raises(ValueError, match="labels"):
+        fused.step(x, y[:-1])
+    with pytest.raises(ValueError, match="expected"):
+        fused.step(x[:, :-1], y)
+    for k, v in fused.model.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    assert fused.step_count == 2

@@ -1,0 +1,140 @@
+"""Each Triton kernel against its float64 reference (``torch_dad.functional`` / ``optim``).
+
+Tolerance per dtype: the reference's own error when run in that dtype plus a margin
+(fp32 1e-5, bf16/fp16 1e-2), relative in the 2-norm. Shapes are odd, inputs fresh random.
+Runs on CUDA; on CPU only with ``TRITON_INTERPRET=1`` (where bf16 is swapped for fp16,
+which triton's interpreter handles: it has no bf16 arithmetic).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.conftest import relative_error
+from tests.gpu.conftest import DEVICE, requires_kernels
+from torch_dad import functional as F
+from torch_dad.optim import adamw_
+from torch_dad.ridge import GramAccumulator
+
+pytestmark = requires_kernels
+
+LOW = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+MARGIN = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+SHAPES = [(1, 17, 2), (77, 53, 10), (130, 300, 7), (1000, 257, 10), (33, 1025, 100)]
+
+
+def _reference(a, w, b, hw, hb, y, act):  # type: ignore[no-untyped-def]
+    return F.local_loss_and_gradients(a, w, b, hw, hb, y, act)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, LOW])
+@pytest.mark.parametrize("activation", ["relu", "tanh", "identity"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_local_error_matches_functional(shape, activation, dtype):  # type: ignore[no-untyped-def]
+    from torch_dad.kernels.local_error import local_error
+
+    if DEVICE == "cpu" and shape[0] * shape[1] > 100_000:
+        pytest.skip("too slow for the interpreter")
+    m, n, c = shape
+    k = 29
+    dev = DEVICE
+    a = torch.randn(m, k, device=dev, dtype=torch.float64)
+    w = torch.randn(n, k, device=dev, dtype=torch.float64) / k**0.5
+    b = torch.randn(n, device=dev, dtype=torch.float64) * 0.1
+    hw = (torch.randn(c, n, device=dev) / n**0.5).float()
+    hb = (torch.randn(c, device=dev) * 0.1).float()
+    y = torch.randint(0, c, (m,), device=dev)
+    ref = _reference(a, w, b, hw.double(), hb.double(), y, activation)
+    # the reference's own error in this dtype: the same math on inputs rounded to it
+    low = _reference(a.to(dtype), w.to(dtype), b.to(dtype), hw.to(dtype), hb.to(dtype), y, activation)
+    h = ref.output.to(dtype)
+    got = local_error(h, hw, hb, y, activation, backend="triton")
+    assert got.d_z is not None and got.grad_bias is not None and got.d_z.dtype == dtype
+    pairs = {
+        "logits": (got.logits, ref.logits, low.logits),
+        "grad_head_weight": (got.grad_head_weight, ref.grad_head_weight, low.grad_head_weight),
+        "grad_head_bias": (got.grad_head_bias, ref.grad_head_bias, low.grad_head_bias),
+        "grad_weight": (got.d_z.double().T @ a, ref.grad_weight, low.grad_weight),
+        "grad_bias": (got.grad_bias, ref.grad_bias, low.grad_bias),
+        "loss": (got.loss.reshape(1), ref.loss.reshape(1), low.loss.reshape(1)),
+    }
+    for name, (value, want, own) in pairs.items():
+        assert torch.isfinite(value).all(), name
+        tol = MARGIN[dtype] + 2 * relative_error(own, want)
+        assert relative_error(value, want) <= tol, (name, relative_error(value, want), tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, LOW])
+def test_local_error_output_head_mode(dtype):  # type: ignore[no-untyped-def]
+    from torch_dad.kernels.local_error import local_error
+
+    m, n, c = 211, 75, 10
+    h = torch.randn(m, n, device=DEVICE, dtype=torch.float64)
+    w = torch.randn(c, n, device=DEVICE, dtype=torch.float64) * 0.1
+    b = torch.randn(c, device=DEVICE, dtype=torch.float64) * 0.1
+    y = torch.randint(0, c, (m,), device=DEVICE)
+    ref = F.head_loss_and_gradients(h, w, b, y)
+    got = local_error(h.to(dtype), w.float(), b.float(), y, with_dz=False, backend="triton")
+    assert got.d_z is None and got.grad_bias is None
+    tol = MARGIN[dtype] + (1e-2 if dtype != torch.float32 else 0.0)
+    assert relative_error(got.logits, ref.logits) <= tol
+    assert relative_error(got.grad_head_weight, ref.grad_weight) <= tol
+    assert relative_error(got.grad_head_bias, ref.grad_bias) <= tol
+    assert abs(float(got.loss) - float(ref.loss)) <= tol * float(ref.loss)
+
+
+def test_local_error_rejects_bad_input():  # type: ignore[no-untyped-def]
+    from torch_dad.kernels.local_error import local_error
+
+    h = torch.randn(8, 5, device=DEVICE)
+    with pytest.raises(ValueError, match="activation"):
+        local_error(h, torch.randn(3, 5, device=DEVICE), torch.zeros(3, device=DEVICE), torch.zeros(8, dtype=torch.long, device=DEVICE), "gelu")
+    with pytest.raises(ValueError, match="head_weight"):
+        local_error(h, torch.randn(3, 4, device=DEVICE), torch.zeros(3, device=DEVICE), torch.zeros(8, dtype=torch.long, device=DEVICE))
+    with pytest.raises(ValueError, match="target"):
+        local_error(h, torch.randn(3, 5, device=DEVICE), torch.zeros(3, device=DEVICE), torch.zeros(7, dtype=torch.long, device=DEVICE))
+
+
+@pytest.mark.parametrize("sizes", [[(1,)], [(37, 53), (37,)], [(1000, 4097 // 1000 + 1), (4097,)]])
+@pytest.mark.parametrize("shadow", [None, LOW])
+def test_adamw_kernel_matches_fused_adamw(sizes, shadow):  # type: ignore[no-untyped-def]
+    from torch_dad.kernels.adamw import adamw_with_shadow_
+
+    def fresh():  # type: ignore[no-untyped-def]
+        g = torch.Generator(device="cpu").manual_seed(7)
+        mk = lambda s, scale=1.0: (torch.randn(s, generator=g) * scale).to(DEVICE)  # noqa: E731
+        return ([mk(s) for s in sizes], [mk(s) for s in sizes], [mk(s, 0.1) for s in sizes],
+                [mk(s, 0.1).abs() for s in sizes])
+
+    p, g, m, v = fresh()
+    rp, rg, rm, rv = fresh()
+    step = torch.tensor(4.0, device=DEVICE)
+    rstep = torch.tensor(3.0, device=DEVICE)  # the reference increments it to 4
+    lr = torch.tensor(3e-3, device=DEVICE)
+    shadows = [torch.empty(s, device=DEVICE, dtype=shadow) if shadow else None for s in sizes]
+    adamw_with_shadow_(p, g, m, v, shadows, step, lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.05, backend="triton")
+    adamw_(rp, rg, rm, rv, rstep, lr=3e-3, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.05)
+    for got, want in zip(p + m + v, rp + rm + rv):
+        assert relative_error(got, want) <= 1e-6
+    assert float(step) == 4.0
+    for s, q in zip(shadows, p):
+        if s is not None:
+            assert torch.equal(s, q.to(shadow))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, LOW])
+@pytest.mark.parametrize("dims", [(1, 3, 2), (90, 37, 7), (513, 130, 10)])
+def test_gram_update_matches_accumulator(dims, dtype):  # type: ignore[no-untyped-def]
+    from torch_dad.kernels.gram import gram_update_
+
+    b, d, c = dims
+    ref = GramAccumulator(d, c, device=DEVICE, window=700.0)
+    got = GramAccumulator(d, c, device=DEVICE, window=700.0)
+    for _ in range(3):
+        h = torch.randn(b, d, device=DEVICE).to(dtype)
+        y = torch.randint(0, c, (b,), device=DEVICE)
+        ref.update(h, y)
+        gram_update_(got, h, y, backend="triton")
+    for (name, want), (_, value) in zip(ref.named_buffers(), got.named_buffers()):
+        assert relative_error(value, want) <= 1e-6, name

@@ -1,0 +1,65 @@
+"""``DADTrainer(backend=...)`` on CPU: validation, the fused step's PyTorch twins vs eager, lean import."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import torch_dad as td
+from tests.conftest import relative_error
+
+
+class Net(td.DADModel):
+    def __init__(self, activation: str = "relu") -> None:
+        super().__init__()
+        self.a = td.DADLinear(23, 19, num_classes=5, activation=activation)
+        self.b = td.DADLinear(19, 13, num_classes=5, activation=activation)
+        self.classifier = torch.nn.Linear(13, 5)
+
+
+def test_unknown_backend_raises_naming_it():
+    with pytest.raises(ValueError, match="backend='gpu'"):
+        td.DADTrainer(Net(), backend="gpu")
+
+
+def test_cuda_graph_on_cpu_and_unsupported_models_raise():
+    with pytest.raises(ValueError, match="cuda-graph.*CUDA"):
+        td.DADTrainer(Net(), device="cpu", backend="cuda-graph")
+    with pytest.raises(ValueError, match="optimizer='sgd'"):
+        td.DADTrainer(Net(), backend="fused", optimizer="sgd")
+    with pytest.raises(ValueError, match="activation='gelu'"):
+        td.DADTrainer(Net("gelu"), backend="fused")
+
+
+def test_auto_on_cpu_is_eager():
+    assert td.DADTrainer(Net(), backend="auto")._engine is None
+
+
+@pytest.mark.parametrize("amp,tol", [(None, 1e-5), (torch.bfloat16, 3e-2)])
+def test_fused_cpu_step_matches_eager(amp, tol):
+    torch.manual_seed(0)
+    ref, new = Net(), Net()
+    new.load_state_dict(ref.state_dict())
+    eager = td.DADTrainer(ref, backend="eager", amp_dtype=amp)
+    fused = td.DADTrainer(new, backend="fused", amp_dtype=amp)
+    for _ in range(4):
+        x, y = torch.randn(37, 23), torch.randint(0, 5, (37,))
+        l1, s1 = eager.step(x, y)
+        l2, s2 = fused.step(x, y)
+        assert relative_error(l2, l1) <= tol
+        assert abs(float(s1) - float(s2)) <= tol
+    for key, want in eager.state_dict()["model"].items():
+        if want.is_floating_point() and float(want.norm()) > 0:
+            assert relative_error(fused.state_dict()["model"][key], want) <= 5 * tol, key
+    with pytest.raises(ValueError, match="labels"):
+        fused.step(torch.randn(4, 23), torch.tensor([0, 1, 2, 9]))
+    assert fused.step_count == 4
+
+
+def test_import_does_not_import_triton_or_engine():
+    code = "import sys, torch_dad; print('triton' in sys.modules, 'torch_dad.engine' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "False"]
