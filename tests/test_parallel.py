@@ -57,7 +57,8 @@ def full_state(trainer):
 
 
 def trainer_kwargs():
-    return {"lr": 3e-2, "weight_decay": 0.01}
+    # solve_head() from streamed statistics on both sides (what the parallel trainers use)
+    return {"lr": 3e-2, "weight_decay": 0.01, "head_sample_size": 0}
 
 
 # ---------------------------------------------------------------------------- worker

@@ -27,6 +27,7 @@ def full_state(trainer):
     flat = {f"model.{k}": v for k, v in state["model"].items()}
     flat.update({f"head.{k}": v for k, v in (state["head_state"] or {}).items()})
     flat.update({f"stats.{k}": v for k, v in (state["head_statistics"] or {}).items()})
+    flat.update({f"sample.{k}": v for k, v in (state["head_sample"] or {}).items()})
     return {k: v.clone() for k, v in flat.items()}
 
 
@@ -209,3 +210,24 @@ def test_huge_lr_is_detected_and_never_leaves_nan_weights():
         skipping.step(x, y)
     assert skipping.skipped_updates > 0
     assert all(torch.isfinite(t).all() for t in skipping.model.state_dict().values())
+
+
+def test_input_sample_is_uniform_and_solve_uses_fresh_features():
+    trainer = td.DADTrainer(Net(d=3, classes=4, classifier=True), head_sample_size=64)
+    # feed the row index as the single feature: the kept rows must span the whole stream
+    for start in range(0, 2048, 32):
+        rows = torch.arange(start, start + 32, dtype=torch.float32)
+        trainer.step(torch.stack([rows, rows.sin(), rows.cos()], 1) / 2048, rows.long() % 4)
+    sample = trainer.head_sample
+    assert sample.size == 64
+    kept = sample.inputs[:64, 0] * 2048
+    assert len(set(kept.tolist())) == 64
+    assert float(kept.min()) < 512 and float(kept.max()) > 1536  # not just the last rows
+    # the solve equals a ridge solve on the sample's features computed now
+    with torch.no_grad():
+        feats = trainer.model.features(sample.inputs[:64])
+    labels = sample.labels[:64].clone()
+    trainer.solve_head(lambda_reg=0.5)
+    w, b = F.ridge_solve(feats, torch.nn.functional.one_hot(labels, 4).double(), 0.5)
+    assert relative_error(trainer.model.classifier.weight.detach(), w) < 1e-4
+    assert trainer.head_sample.size == 0  # reset after a solve

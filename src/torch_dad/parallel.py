@@ -178,6 +178,9 @@ class DataParallelTrainer(DADTrainer):
     def __init__(self, model: DADModel, device: torch.device | str | None = None, *args: Any,
                  process_group: Any = None, overlap: bool = True, **kwargs: Any) -> None:
         rank, world = _group_info(process_group)
+        # solve_head() from the streamed Gram statistics, all-reduced: exact across world sizes
+        # (a per-rank input sample would make the solve depend on the sharding)
+        kwargs.setdefault("head_sample_size", 0)
         super().__init__(model, device, *args, **kwargs)
         _check_same_on_all_ranks(self, process_group, {"mode": "data-parallel", "overlap": bool(overlap)})
         self.process_group = process_group
@@ -429,6 +432,8 @@ class Pipeline:
         if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise ValueError(f"max_in_flight={max_in_flight!r} must be a positive int")
         layers = trainer.model._require_layers()
+        # the last stage never sees raw inputs: solve_head() uses its streamed Gram statistics
+        trainer.head_sample = None
         if trainer.gradient_reducer is not None:
             raise ValueError("trainer.gradient_reducer is set; a Pipeline stage updates from its own batch only")
         # agree first, so a rank with another model cannot fail alone and leave the others waiting

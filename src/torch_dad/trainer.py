@@ -12,7 +12,7 @@ from torch import Tensor, nn
 from . import functional as F
 from .layers import DADLinear, DADModel, LocalStepResult, check_inputs, check_labels, gradients_are_finite
 from .optim import LocalOptimizerState, OptimizerConfig, check_optimizer
-from .ridge import GramAccumulator, RidgeSolution
+from .ridge import GramAccumulator, InputReservoir, RidgeSolution
 
 __all__ = ["DADTrainer"]
 
@@ -55,6 +55,13 @@ class DADTrainer:
             Measured on MNIST, seed model, 3 epochs: window 10k gives 97.22% after
             ``solve_head()``, 30k 97.07%, no forgetting 96.90% (local head: 96.93%).
             ``None`` keeps every sample since the last solve/reset.
+        head_sample_size: ``step`` also keeps a uniform random sample of this many input rows
+            (:class:`~torch_dad.ridge.InputReservoir`, no host sync) since the last solve/reset;
+            ``solve_head()`` without a loader recomputes their features with the current
+            weights and solves from those (streamed statistics mix in stale features: on real
+            MNIST, 3 epochs, 2 seeds, 98.03%/97.84% against 97.20%/97.11% for the streamed
+            statistics and 96.61%/97.06% for the last local head). ``0`` solves from the
+            streamed Gram statistics instead.
         check_values: check label ranges and finiteness of inputs in ``step``. These checks
             read the tensors, which is free on CPU but a host sync on CUDA, so ``"auto"``
             checks on CPU only. Shapes and dtypes are always checked.
@@ -84,6 +91,7 @@ class DADTrainer:
         amp_dtype: torch.dtype | None = None,
         accumulate_head_statistics: bool = True,
         head_statistics_window: float | None = 10_000,
+        head_sample_size: int = 4096,
         check_values: bool | str = "auto",
         on_nonfinite: str = "raise",
         backend: str = "auto",
@@ -122,6 +130,7 @@ class DADTrainer:
         head = model.head
         self.head_state: LocalOptimizerState | None = None
         self.head_statistics: GramAccumulator | None = None
+        self.head_sample: InputReservoir | None = None
         if head is not None:
             if head.in_features != layers[-1].out_features:
                 raise ValueError(
@@ -133,6 +142,12 @@ class DADTrainer:
             self.head_statistics = GramAccumulator(
                 head.in_features, head.out_features, device=self.device, window=head_statistics_window
             )
+            if isinstance(head_sample_size, bool) or not isinstance(head_sample_size, int) or head_sample_size < 0:
+                raise ValueError(f"head_sample_size={head_sample_size!r} must be an int >= 0 (0 disables the sample)")
+            if head_sample_size:
+                self.head_sample = InputReservoir(
+                    head_sample_size, layers[0].in_features, device=self.device, dtype=layers[0].weight.dtype
+                )
         # Hooks for torch.distributed: called on each layer's local gradients before the
         # in-place update, and on the Gram statistics before a solve (see torch_dad.parallel).
         self.gradient_reducer: Callable[[list[Tensor]], None] | None = None
@@ -236,6 +251,8 @@ class DADTrainer:
         if compute == torch.float32:
             compute = None
         x, y = self._prepare(inputs, labels)
+        if self.head_sample is not None:
+            self.head_sample.add(x, y)
         return x, y, self.config.lr if lr is None else float(lr), compute
 
     def _layer_step(
@@ -311,9 +328,11 @@ class DADTrainer:
 
     # ------------------------------------------------------------------ closed-form head
     def reset_head_statistics(self) -> None:
-        """Forget the Gram statistics accumulated by :meth:`step`."""
+        """Forget the Gram statistics and the input sample accumulated by :meth:`step`."""
         if self.head_statistics is not None:
             self.head_statistics.reset()
+        if self.head_sample is not None:
+            self.head_sample.reset()
 
     def _require_head(self) -> nn.Linear:
         head = self.model.head
@@ -333,8 +352,10 @@ class DADTrainer:
         """Solve ``model.classifier`` in closed form by ridge regression onto one-hot labels.
 
         With ``loader``, one no-grad pass computes the final features with the current
-        weights. Without, it uses the statistics ``step()`` accumulated since the last
-        solve or reset (these are then reset). ``lambda_reg="auto"`` picks lambda by GCV.
+        weights. Without, it uses what ``step()`` accumulated since the last solve or reset
+        (then reset): the features of the input sample recomputed with the current weights
+        (``head_sample_size > 0``, the default), else the streamed Gram statistics.
+        ``lambda_reg="auto"`` picks lambda by GCV.
         """
         head = self._require_head()
         assert self.head_statistics is not None and self.head_state is not None
@@ -345,6 +366,15 @@ class DADTrainer:
             try:
                 for inputs, labels in loader:
                     x, y = self._prepare(inputs, labels)
+                    stats.update(self.model.features(x), y)
+            finally:
+                self.model.train(was_training)
+        elif self.head_sample is not None and self.head_sample.size > 0:
+            stats = GramAccumulator(head.in_features, head.out_features, device=self.device)
+            was_training = self.model.training
+            self.model.eval()
+            try:
+                for x, y in self.head_sample.batches():
                     stats.update(self.model.features(x), y)
             finally:
                 self.model.train(was_training)
@@ -362,7 +392,7 @@ class DADTrainer:
         for buffer in self.head_state.buffers():
             buffer.zero_()
         if loader is None:
-            stats.reset()
+            self.reset_head_statistics()
         return solution
 
     # ------------------------------------------------------------------ loops
@@ -474,6 +504,7 @@ class DADTrainer:
             "model": self.model.state_dict(),
             "head_state": self.head_state.state_dict() if self.head_state is not None else None,
             "head_statistics": self.head_statistics.state_dict() if self.head_statistics is not None else None,
+            "head_sample": self.head_sample.state_dict() if self.head_sample is not None else None,
             "step_count": self.step_count,
             "config": dict(vars(self.config)),
             "history": list(self.history),
@@ -491,6 +522,14 @@ class DADTrainer:
             self.head_state.load_state_dict(state["head_state"])
             assert self.head_statistics is not None
             self.head_statistics.load_state_dict(state["head_statistics"])
+            sample = state.get("head_sample")
+            if self.head_sample is not None and sample is not None:
+                self.head_sample.load_state_dict(sample)
+            elif (self.head_sample is None) != (sample is None):
+                raise ValueError(
+                    "checkpoint and trainer disagree on head_sample_size (one keeps an input sample, the "
+                    "other does not); build the trainer with the head_sample_size used when saving"
+                )
         config = dict(state["config"])
         config["betas"] = tuple(config["betas"])
         self.config = OptimizerConfig(**config)
