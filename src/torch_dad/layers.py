@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -87,6 +88,11 @@ class DADLinear(nn.Module):
     drawn from ``projection_seed``; ``head_weight``/``head_bias`` are then ``None``).
     """
 
+    # buffers; declared for type checkers (the head is None under "drtp", the projection otherwise)
+    head_weight: Tensor
+    head_bias: Tensor
+    target_projection: Tensor
+
     def __init__(
         self,
         in_features: int,
@@ -128,7 +134,7 @@ class DADLinear(nn.Module):
         F.check_local_loss(local_loss)
         if local_loss == self.local_loss:
             return
-        kw = {"device": self.weight.device, "dtype": self.weight.dtype}
+        kw: dict[str, Any] = {"device": self.weight.device, "dtype": self.weight.dtype}
         if local_loss == "drtp":
             self.register_buffer("head_weight", None)
             self.register_buffer("head_bias", None)
@@ -165,7 +171,7 @@ class DADLinear(nn.Module):
         nn.init.uniform_(self.head_bias, -1.0 / math.sqrt(self.out_features), 1.0 / math.sqrt(self.out_features))
 
     def _trained_tensors(self) -> list[Tensor]:
-        tensors = [self.weight]
+        tensors: list[Tensor] = [self.weight]
         if self.bias is not None:
             tensors.append(self.bias)
         if self.local_loss == "drtp":
