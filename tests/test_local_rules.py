@@ -15,9 +15,11 @@ from .conftest import relative_error
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 1e-2}
 
 
-def _autograd_rule_loss(rule, x, w, b, hw, hb, proj, y, act, beta, smoothing):
+def _autograd_rule_loss(rule, x, w, b, hw, hb, proj, y, act, beta, smoothing, normalize=None):
     """Each rule's own local loss written with plain torch ops, for autograd."""
     z = x @ w.T + (b if b is not None else 0)
+    if normalize == "layernorm":
+        z = torch.nn.functional.layer_norm(z, (z.shape[1],), eps=1e-5)
     h = {"relu": torch.relu, "gelu": torch.nn.functional.gelu, "tanh": torch.tanh, "identity": lambda t: t}[act](z)
     valid = y != F.IGNORE_INDEX
     hv, yv = h[valid], y[valid]
@@ -40,7 +42,8 @@ def _autograd_rule_loss(rule, x, w, b, hw, hb, proj, y, act, beta, smoothing):
 @pytest.mark.parametrize("rule", list(F.LOCAL_LOSSES))
 @pytest.mark.parametrize("act", list(F.ACTIVATIONS))
 @pytest.mark.parametrize("bias", [True, False])
-def test_rule_gradients_match_autograd_float64(rule, act, bias):
+@pytest.mark.parametrize("normalize", [None, "layernorm"])
+def test_rule_gradients_match_autograd_float64(rule, act, bias, normalize):
     n, d_in, d_out, classes = 23, 17, 29, 6
     x = torch.randn(n, d_in, dtype=torch.float64)
     y = torch.randint(0, classes, (n,))
@@ -51,12 +54,12 @@ def test_rule_gradients_match_autograd_float64(rule, act, bias):
     hb = torch.randn(classes, dtype=torch.float64).requires_grad_(True)
     proj = F.target_projection(d_out, classes, seed=3, dtype=torch.float64)
     beta, smoothing = (0.7, 0.1) if rule == "predsim" else (F.PREDSIM_BETA, 0.0)
-    loss = _autograd_rule_loss(rule, x, w, b, hw, hb, proj, y, act, beta, smoothing)
+    loss = _autograd_rule_loss(rule, x, w, b, hw, hb, proj, y, act, beta, smoothing, normalize)
     wanted = [w] + ([b] if bias else []) + ([hw, hb] if rule != "drtp" else [])
     auto = torch.autograd.grad(loss, wanted)
     got = F.local_loss_and_gradients(
         x, w.detach(), b.detach() if bias else None, hw.detach(), hb.detach(), y, act,
-        local_loss=rule, projection=proj, beta=beta, label_smoothing=smoothing,
+        local_loss=rule, projection=proj, beta=beta, label_smoothing=smoothing, normalize=normalize,
     )
     mine = [got.grad_weight] + ([got.grad_bias] if bias else [])
     mine += [got.grad_head_weight, got.grad_head_bias] if rule != "drtp" else []
@@ -78,18 +81,20 @@ def test_similarity_matrix_is_correlation():
     assert torch.allclose(s_y[0, 1], torch.tensor(-0.5, dtype=torch.float64))  # -1/(C-1)
 
 
-@pytest.mark.parametrize("rule", ["predsim", "drtp"])
+@pytest.mark.parametrize("rule, normalize", [("predsim", None), ("drtp", None), ("ce", "layernorm"),
+                                             ("predsim", "layernorm"), ("drtp", "layernorm")])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
-def test_layer_fast_path_matches_functional(rule, dtype):
-    layer = td.DADLinear(31, 43, num_classes=5, local_loss=rule, dtype=torch.float64, projection_seed=7)
+def test_layer_fast_path_matches_functional(rule, normalize, dtype):
+    layer = td.DADLinear(31, 43, num_classes=5, local_loss=rule, dtype=torch.float64, projection_seed=7,
+                         normalize=normalize)
     x, y = torch.randn(19, 31, dtype=torch.float64), torch.randint(0, 5, (19,))
     hw = layer.head_weight if rule != "drtp" else None
     hb = layer.head_bias if rule != "drtp" else None
-    kw = {"local_loss": rule, "projection": layer.target_projection}
+    kw = {"local_loss": rule, "projection": layer.target_projection, "normalize": normalize}
     ref = F.local_loss_and_gradients(x, layer.weight.detach(), layer.bias.detach(), hw, hb, y, "relu", **kw)
     low = F.local_loss_and_gradients(
         *(t.to(dtype) if t is not None else None for t in (x, layer.weight.detach(), layer.bias.detach(), hw, hb)),
-        y, "relu", local_loss=rule,
+        y, "relu", local_loss=rule, normalize=normalize,
         projection=layer.target_projection.to(dtype) if rule == "drtp" else None,
     )
     result, grads = layer.local_gradients(x, y, compute_dtype=None if dtype == torch.float64 else dtype)
@@ -99,6 +104,8 @@ def test_layer_fast_path_matches_functional(rule, dtype):
         allowed = 2 * relative_error(getattr(low, name), getattr(ref, name)) + TOL[dtype]
         assert relative_error(got, getattr(ref, name)) <= allowed, name
     assert relative_error(result.output, ref.output) <= 2 * relative_error(low.output, ref.output) + TOL[dtype]
+    # forward() (inference) is the same layer function as the training step's output
+    assert relative_error(layer(x), ref.output) < 1e-12
 
 
 def test_drtp_is_head_free_and_projection_is_a_seeded_buffer():
@@ -136,6 +143,7 @@ def test_set_local_loss_switches_buffers_and_state():
     ({"local_loss": "sim"}, "local_loss"),
     ({"predsim_beta": 1.5}, "predsim_beta"),
     ({"projection_seed": -1}, "projection_seed"),
+    ({"normalize": "batchnorm"}, "normalize"),
 ])
 def test_layer_rejects_bad_rule_options(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -44,6 +44,9 @@ __all__ = [
     "target_projection",
     "LocalRuleError",
     "local_rule_error",
+    "NORMALIZATIONS",
+    "layer_norm_forward",
+    "layer_norm_backward",
 ]
 
 ACTIVATIONS: tuple[str, ...] = ("relu", "gelu", "tanh", "identity")
@@ -51,6 +54,8 @@ IGNORE_INDEX = -100
 LOCAL_LOSSES: tuple[str, ...] = ("ce", "predsim", "drtp")  # see local_rule_error
 PREDSIM_BETA = 0.99  # Nokland & Eidnes (2019)'s weight of the similarity term
 SIMILARITY_EPS = 1e-8
+NORMALIZATIONS: tuple[str, ...] = ("layernorm",)  # DADLinear(normalize=...), see layer_norm_forward
+LAYER_NORM_EPS = 1e-5
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
@@ -158,6 +163,7 @@ def local_loss_and_gradients(
     local_loss: str = "ce",
     projection: Tensor | None = None,
     beta: float = PREDSIM_BETA,
+    normalize: str | None = None,
 ) -> LocalGradients:
     """Local loss of a hidden DAD layer and its closed-form gradients.
 
@@ -166,17 +172,21 @@ def local_loss_and_gradients(
     ``inputs`` is (N, in_features) and ``target`` (N,) integer class ids.
     ``local_loss`` picks another rule from :data:`LOCAL_LOSSES` (see :func:`local_rule_error`);
     for the head-free ``"drtp"`` (``projection`` required) the head arguments may be ``None``
-    and the head gradients and logits are ``None``.
+    and the head gradients and logits are ``None``. ``normalize="layernorm"`` computes
+    ``h = act(LN(z))`` with a parameter-free LayerNorm (see :func:`layer_norm_forward`).
     """
     z = inputs @ weight.T
     if bias is not None:
         z = z + bias
-    h = activation_forward(z, activation)
+    z_act, inv_std = (z, None) if normalize is None else layer_norm_forward(z)
+    h = activation_forward(z_act, activation)
     rule = local_rule_error(
         local_loss, h, target, head_weight, head_bias, projection=projection, beta=beta,
         label_smoothing=label_smoothing, ignore_index=ignore_index,
     )
-    d_z = rule.grad_output * activation_derivative(z, h, activation)
+    d_z = rule.grad_output * activation_derivative(z_act, h, activation)
+    if inv_std is not None:
+        d_z = layer_norm_backward(d_z, z_act, inv_std)
     return LocalGradients(
         loss=rule.loss,
         pre_activation=z,
@@ -352,3 +362,16 @@ def local_rule_error(
     else:
         d_h = d_logits @ head_weight
     return LocalRuleError(loss, d_h, logits, d_logits.T @ h, d_logits.sum(0))
+
+
+def layer_norm_forward(z: Tensor, eps: float = LAYER_NORM_EPS) -> tuple[Tensor, Tensor]:
+    """Parameter-free LayerNorm over features: ``(z - mean) * inv_std`` and ``inv_std = 1/sqrt(var + eps)``."""
+    mean = z.mean(1, keepdim=True)
+    centred = z - mean
+    inv_std = (centred.pow(2).mean(1, keepdim=True) + eps).rsqrt()
+    return centred * inv_std, inv_std
+
+
+def layer_norm_backward(grad: Tensor, normed: Tensor, inv_std: Tensor) -> Tensor:
+    """``dL/dz`` from ``dL/dz_hat``: ``inv_std * (g - mean(g) - z_hat * mean(g * z_hat))`` per row."""
+    return inv_std * (grad - grad.mean(1, keepdim=True) - normed * (grad * normed).mean(1, keepdim=True))

@@ -86,6 +86,8 @@ class DADLinear(nn.Module):
     + similarity matching, weight ``predsim_beta``) or ``"drtp"`` (head-free: regress ``h`` onto
     a fixed random projection of the one-hot target, kept in the ``target_projection`` buffer,
     drawn from ``projection_seed``; ``head_weight``/``head_bias`` are then ``None``).
+    ``normalize="layernorm"`` makes the layer ``act(LN(x @ weight.T + bias))`` with a
+    parameter-free LayerNorm, in training and inference alike.
     """
 
     # buffers; declared for type checkers (the head is None under "drtp", the projection otherwise)
@@ -107,6 +109,7 @@ class DADLinear(nn.Module):
         local_loss: str = "ce",
         predsim_beta: float = F.PREDSIM_BETA,
         projection_seed: int = 0,
+        normalize: str | None = None,
     ) -> None:
         super().__init__()
         self.in_features = _check_positive_int("in_features", in_features)
@@ -121,6 +124,9 @@ class DADLinear(nn.Module):
         F.check_local_loss(local_loss)
         _check_rule_options(predsim_beta, projection_seed)
         self.predsim_beta = float(predsim_beta)
+        if normalize is not None and normalize not in F.NORMALIZATIONS:
+            raise ValueError(f"normalize={normalize!r} must be None or one of {', '.join(F.NORMALIZATIONS)}")
+        self.normalize = normalize
         self.projection_seed = projection_seed
         kw = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **kw))
@@ -182,12 +188,15 @@ class DADLinear(nn.Module):
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
             f"num_classes={self.num_classes}, bias={self.bias is not None}, activation={self.activation!r}, "
-            f"local_loss={self.local_loss!r}"
+            f"local_loss={self.local_loss!r}" + (f", normalize={self.normalize!r}" if self.normalize else "")
         )
 
     def forward(self, inputs: Tensor) -> Tensor:
         """``act(inputs @ weight.T + bias)``."""
-        return F.activation_forward(nn.functional.linear(inputs, self.weight, self.bias), self.activation)
+        z = nn.functional.linear(inputs, self.weight, self.bias)
+        if self.normalize is not None:
+            z = F.layer_norm_forward(z)[0]
+        return F.activation_forward(z, self.activation)
 
     def local_head(self, hidden: Tensor) -> Tensor:
         """Local logits ``hidden @ head_weight.T + head_bias``.
@@ -219,12 +228,16 @@ class DADLinear(nn.Module):
             z = torch.addmm(self.bias.to(dtype), a, w.T)
         else:
             z = a @ w.T
+        inv_std = None
+        if self.normalize is not None:
+            z, inv_std = F.layer_norm_forward(z)
         if self.activation == "relu":
-            h = z.relu_()  # z is not needed again: relu' is read off h
+            # z is not needed again (relu' is read off h) unless LayerNorm's backward needs it
+            h = z.relu_() if inv_std is None else z.relu()
         else:
             h = F.activation_forward(z, self.activation)
         if self.local_loss != "ce":
-            return self._rule_gradients(a, z, h, target)
+            return self._rule_gradients(a, z, h, target, inv_std)
         w_head = self.head_weight.to(dtype)
         b_head = self.head_bias.to(dtype)
         logits = torch.addmm(b_head, h, w_head.T)
@@ -240,6 +253,8 @@ class DADLinear(nn.Module):
             d_z = torch.ops.aten.threshold_backward(d_z, h, 0)
         else:
             d_z = d_z.mul_(F.activation_derivative(z, h, self.activation))
+        if inv_std is not None:
+            d_z = F.layer_norm_backward(d_z, z, inv_std)
         grads = [d_z.T @ a]
         if self.bias is not None:
             grads.append(d_z.sum(0))
@@ -248,7 +263,9 @@ class DADLinear(nn.Module):
         grads = [g if g.dtype == master else g.to(master) for g in grads]
         return LocalStepResult(h, loss, logits), grads
 
-    def _rule_gradients(self, a: Tensor, z: Tensor, h: Tensor, target: Tensor) -> tuple[LocalStepResult, list[Tensor]]:
+    def _rule_gradients(
+        self, a: Tensor, z: Tensor, h: Tensor, target: Tensor, inv_std: Tensor | None
+    ) -> tuple[LocalStepResult, list[Tensor]]:
         # "predsim"/"drtp": the rule's error is computed by the functional oracle in at least
         # float32 (the B x B similarity matrix loses too much in bf16), the GEMMs in `dtype`
         dtype = h.dtype
@@ -264,6 +281,8 @@ class DADLinear(nn.Module):
             d_z = torch.ops.aten.threshold_backward(d_h, h, 0)
         else:
             d_z = d_h * F.activation_derivative(z, h, self.activation)
+        if inv_std is not None:
+            d_z = F.layer_norm_backward(d_z, z, inv_std)
         grads = [d_z.T @ a]
         if self.bias is not None:
             grads.append(d_z.sum(0))
