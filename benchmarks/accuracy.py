@@ -337,7 +337,7 @@ def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return sorted(best.values(), key=lambda e: (e["dataset"], e["epochs"], -e["test_acc_mean"]))
 
 
-def plot(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
+def plot(records: list[dict[str, Any]], out: Path) -> list[Path]:
     """Test accuracy against epoch and against training wall time, one panel per dataset."""
     try:
         import matplotlib
@@ -353,7 +353,7 @@ def plot(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
         return []
     longest = {ds: max(k[1] for k in summary if k[0] == ds) for ds in datasets}
     paths = []
-    for axis, name in (("epoch", "accuracy_vs_epoch.png"), ("train_s", "accuracy_vs_time.png")):
+    for axis, name in (("epoch", f"{out.stem}_vs_epoch.png"), ("train_s", f"{out.stem}_vs_time.png")):
         fig, axes = plt.subplots(1, len(datasets), figsize=(6 * len(datasets), 4.5), squeeze=False)
         for ax, ds in zip(axes[0], datasets):
             for (d, ep, system), s in sorted(summary.items()):
@@ -374,10 +374,9 @@ def plot(records: list[dict[str, Any]], out_dir: Path) -> list[Path]:
                 ax.set_xscale("log")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
-            low = min(ax.get_ylim()[1] - 6, ax.get_ylim()[1])
-            ax.set_ylim(bottom=max(ax.get_ylim()[0], low))
+            ax.set_ylim(bottom=max(ax.get_ylim()[0], ax.get_ylim()[1] - 8))  # the last 8pp hold the story
         fig.tight_layout()
-        path = out_dir / name
+        path = out.parent / name
         fig.savefig(path, dpi=110)
         plt.close(fig)
         paths.append(path)
@@ -420,7 +419,7 @@ def main() -> None:
         records = [r for r in json.loads(out.read_text()) if r.get("kind") != "summary"]
         records += summarise(records)
         out.write_text(json.dumps(records, indent=1) + "\n")
-        print("\n".join(str(p) for p in plot(records, out.parent)))
+        print("\n".join(str(p) for p in plot(records, out)))
         return
     if args.smoke:
         args.datasets, args.epochs, args.seeds, args.lrs = ["synthetic"], [3], [0], [3e-3]
@@ -527,7 +526,7 @@ def main() -> None:
         print(f"SUMMARY {s['dataset']:8} ep={s['epochs']:>2} {s['system']:16} lr={s['lr']:<7g} "
               f"{100 * s['test_acc_mean']:6.2f} +- {100 * s['test_acc_std']:.2f}% (n={s['seeds']})")
     if not args.smoke:
-        plot(records, out.parent)
+        plot(records, out)
     print(f"wrote {out} in {time.perf_counter() - started:.0f} s")
 
 

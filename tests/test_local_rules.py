@@ -230,3 +230,27 @@ def test_dropout_only_in_training_steps():
     # the first layer sees the same input either way; the second sees dropped features
     assert torch.equal(a.l1.weight, b.l1.weight)
     assert not torch.equal(a.l2.weight, b.l2.weight)
+
+
+def test_mnist_npz_override(tmp_path, monkeypatch):
+    from torch_dad import data
+
+    rng = torch.Generator().manual_seed(0)
+    arrays = {
+        "x_train": torch.randint(0, 256, (7, 28, 28), generator=rng, dtype=torch.uint8).numpy(),
+        "y_train": torch.randint(0, 10, (7,), generator=rng, dtype=torch.uint8).numpy(),
+        "x_test": torch.randint(0, 256, (3, 28, 28), generator=rng, dtype=torch.uint8).numpy(),
+        "y_test": torch.randint(0, 10, (3,), generator=rng, dtype=torch.uint8).numpy(),
+    }
+    import numpy as np
+
+    path = tmp_path / "mnist.npz"
+    np.savez(path, **arrays)
+    (xtr, ytr), (xte, yte) = data.mnist(normalize=False, path=path)
+    assert torch.equal(xtr, torch.from_numpy(arrays["x_train"]).reshape(7, -1).float() / 255)
+    assert ytr.dtype == torch.int64 and torch.equal(yte, torch.from_numpy(arrays["y_test"]).long())
+    monkeypatch.setenv("TORCH_DAD_MNIST", str(path))
+    (xn, _), _ = data.mnist()
+    assert abs(float(xn.mean())) < 1e-5  # standardised with the training set's statistics
+    with pytest.raises(FileNotFoundError, match="npz"):
+        data.mnist(path=tmp_path / "missing.npz")
