@@ -176,7 +176,20 @@ def train_backprop(job: dict[str, Any], data: tuple[torch.Tensor, ...], device: 
         elapsed += time.perf_counter() - start
         model.eval()
         curve.append({"epoch": epoch + 1, "test_acc": _accuracy(model, xte, yte), "train_s": elapsed})
-    return {"test_acc": curve[-1]["test_acc"], "train_s": elapsed, "curve": curve}
+    record = {"test_acc": curve[-1]["test_acc"], "train_s": elapsed, "curve": curve}
+    # the same closed-form head DAD gets from solve_head("auto"), on backprop's last hidden features,
+    # so a gain from the ridge head is not credited to DAD's local learning
+    from torch_dad.ridge import GramAccumulator
+
+    features = model[:-1]
+    stats = GramAccumulator(job["widths"][-1], 10, device=device)
+    with torch.no_grad():
+        for i in range(0, xtr.shape[0], 4096):
+            stats.update(features(xtr[i : i + 4096]), ytr[i : i + 4096])
+        solution = stats.solve("auto")
+        weight, bias = solution.weight.float(), solution.bias.float()
+        record["test_acc_solve_head"] = _accuracy(lambda x: features(x) @ weight.T + bias, xte, yte)
+    return record
 
 
 def train_wheel_group(jobs: list[dict[str, Any]], cache: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
