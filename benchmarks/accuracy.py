@@ -248,7 +248,11 @@ def _graphable_step(
             raise RuntimeError("needs the GPU engine: DADTrainer(backend='cuda-graph') (torch_dad.engine)")
         model: torch.nn.Module = SeedMLP(widths)
         trainer = td.DADTrainer(model, device=device, lr=lr, weight_decay=WEIGHT_DECAY, backend="cuda-graph")
-        return model, lambda: trainer.step(x, y) and None
+
+        def dad_step() -> None:
+            trainer.step(x, y)
+
+        return model, dad_step
     model = backprop_mlp(widths).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY, fused=True, capturable=True)
 
@@ -380,7 +384,7 @@ def plot(records: list[dict[str, Any]], out: Path) -> list[Path]:
                 xs = [statistics.mean(r["curve"][i][axis] for r in runs) for i in range(n)]
                 ys = [100 * statistics.mean(r["curve"][i]["test_acc"] for r in runs) for i in range(n)]
                 ax.plot(xs, ys, marker=".", label=f"{system} (lr {s['lr']:g})")
-            ax.set_title(f"{ds} ({summary[next(k for k in summary if k[0] == ds)]['topology']}), mean of seeds")
+            ax.set_title(f"{ds} ({summary[next(k for k in summary if k[0] == ds)]['topology']}), mean over seeds")
             ax.set_xlabel("epoch" if axis == "epoch" else "training wall time [s]")
             ax.set_ylabel("test accuracy [%]")
             if axis == "train_s":
@@ -537,7 +541,8 @@ def main() -> None:
     out.write_text(json.dumps(records, indent=1) + "\n")
     for s in (r for r in records if r.get("kind") == "summary"):
         print(f"SUMMARY {s['dataset']:8} ep={s['epochs']:>2} {s['system']:16} lr={s['lr']:<7g} "
-              f"{100 * s['test_acc_mean']:6.2f} +- {100 * s['test_acc_std']:.2f}% (n={s['seeds']})")
+              f"{100 * s['test_acc_mean']:6.2f} +- {100 * s['test_acc_std']:.2f}% (n={s['seeds']})"
+              + (f"  solve_head {100 * s['test_acc_solve_head_mean']:6.2f}%" if "test_acc_solve_head_mean" in s else ""))
     if not args.smoke:
         plot(records, out)
     print(f"wrote {out} in {time.perf_counter() - started:.0f} s")

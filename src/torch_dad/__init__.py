@@ -6,7 +6,7 @@ imported lazily from their own modules; ``import torch_dad`` needs only torch an
 
 from __future__ import annotations
 
-from . import functional
+from . import functional, schedules
 from .layers import DADLinear, DADModel
 from .optim import OptimizerConfig
 from .ridge import GramAccumulator, RidgeSolution
@@ -22,5 +22,6 @@ __all__ = [
     "OptimizerConfig",
     "RidgeSolution",
     "functional",
+    "schedules",
     "__version__",
 ]
