@@ -254,3 +254,18 @@ def test_mnist_npz_override(tmp_path, monkeypatch):
     assert abs(float(xn.mean())) < 1e-5  # standardised with the training set's statistics
     with pytest.raises(FileNotFoundError, match="npz"):
         data.mnist(path=tmp_path / "missing.npz")
+
+
+@pytest.mark.parametrize("rule", ["predsim", "drtp"])
+def test_trainer_checkpoint_round_trip_per_rule(rule):
+    x, y = torch.randn(24, 10), torch.randint(0, 3, (24,))
+    a = td.DADTrainer(_model(), local_loss=rule)
+    a.step(x, y)
+    b = td.DADTrainer(_model(), local_loss=rule)
+    b.load_state_dict(a.state_dict())
+    a.step(x, y)
+    b.step(x, y)  # resumed training continues bit for bit
+    for (name, t_a), (_, t_b) in zip(a.model.state_dict().items(), b.model.state_dict().items()):
+        assert torch.equal(t_a, t_b), name
+    with pytest.raises(RuntimeError):  # a ce model cannot silently load a drtp checkpoint (different buffers)
+        td.DADTrainer(_model("ce")).model.load_state_dict(td.DADTrainer(_model(), local_loss="drtp").model.state_dict())
