@@ -61,8 +61,9 @@ class DADTrainer:
         local_loss: ``"ce"``, ``"predsim"`` or ``"drtp"`` sets every layer's local rule
             (:meth:`DADLinear.set_local_loss`); ``None`` keeps each layer's own.
         dropout: in ``step``, drop each hidden output with this probability (scaled by
-            ``1/(1-p)``, as ``nn.Dropout``) before the next layer and the classifier see it;
-            never at inference. Off by default (measurements: ``docs/benchmarks-accuracy.md``).
+            ``1/(1-p)``, as ``nn.Dropout``) before the next layer and the classifier (and its
+            Gram statistics) see it; never at inference. Off by default (measurements:
+            ``docs/benchmarks-accuracy.md``).
     """
 
     def __init__(
