@@ -6,7 +6,7 @@ imported lazily from their own modules; ``import torch_dad`` needs only torch an
 
 from __future__ import annotations
 
-from . import functional
+from . import functional, schedules
 from .autograd import DADAutogradLinear, label_context
 from .layers import DADLinear, DADModel
 from .optim import OptimizerConfig
@@ -25,5 +25,6 @@ __all__ = [
     "RidgeSolution",
     "functional",
     "label_context",
+    "schedules",
     "__version__",
 ]

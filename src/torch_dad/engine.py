@@ -56,10 +56,16 @@ def unsupported_reason(trainer: DADTrainer) -> str | None:
             return f"activation={layer.activation!r} (fused: {', '.join(FUSED_ACTIVATIONS)})"
         if layer.label_smoothing:
             return "label_smoothing > 0"
+        if getattr(layer, "local_loss", "ce") != "ce":
+            return f"local_loss={layer.local_loss!r} (the fused step implements 'ce')"
+        if getattr(layer, "normalize", None) is not None:
+            return f"normalize={layer.normalize!r} (the fused step has no normalisation)"
         if layer.weight.dtype != torch.float32:
             return f"master weights in {layer.weight.dtype} (fused: float32)"
     if trainer.gradient_reducer is not None:
         return "a gradient_reducer is set (distributed training uses the eager step)"
+    if getattr(trainer, "dropout", 0.0):
+        return "dropout > 0 (the fused step has no dropout)"
     return None
 
 

@@ -36,10 +36,26 @@ __all__ = [
     "local_loss_and_gradients",
     "head_loss_and_gradients",
     "ridge_solve",
+    "LOCAL_LOSSES",
+    "PREDSIM_BETA",
+    "check_local_loss",
+    "similarity_matrix",
+    "similarity_loss_and_gradient",
+    "target_projection",
+    "LocalRuleError",
+    "local_rule_error",
+    "NORMALIZATIONS",
+    "layer_norm_forward",
+    "layer_norm_backward",
 ]
 
 ACTIVATIONS: tuple[str, ...] = ("relu", "gelu", "tanh", "identity")
 IGNORE_INDEX = -100
+LOCAL_LOSSES: tuple[str, ...] = ("ce", "predsim", "drtp")  # see local_rule_error
+PREDSIM_BETA = 0.99  # Nokland & Eidnes (2019)'s weight of the similarity term
+SIMILARITY_EPS = 1e-8
+NORMALIZATIONS: tuple[str, ...] = ("layernorm",)  # DADLinear(normalize=...), see layer_norm_forward
+LAYER_NORM_EPS = 1e-5
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
@@ -116,11 +132,11 @@ class LocalGradients:
     loss: Tensor
     pre_activation: Tensor
     output: Tensor
-    logits: Tensor
+    logits: Tensor | None  # None for the head-free "drtp" rule
     grad_weight: Tensor
     grad_bias: Tensor | None
-    grad_head_weight: Tensor
-    grad_head_bias: Tensor
+    grad_head_weight: Tensor | None
+    grad_head_bias: Tensor | None
 
 
 @dataclass
@@ -137,38 +153,49 @@ def local_loss_and_gradients(
     inputs: Tensor,
     weight: Tensor,
     bias: Tensor | None,
-    head_weight: Tensor,
-    head_bias: Tensor,
+    head_weight: Tensor | None,
+    head_bias: Tensor | None,
     target: Tensor,
     activation: str = "relu",
     *,
     label_smoothing: float = 0.0,
     ignore_index: int = IGNORE_INDEX,
+    local_loss: str = "ce",
+    projection: Tensor | None = None,
+    beta: float = PREDSIM_BETA,
+    normalize: str | None = None,
 ) -> LocalGradients:
-    """Local CE loss of a hidden DAD layer and its closed-form gradients.
+    """Local loss of a hidden DAD layer and its closed-form gradients.
 
     ``z = a W^T + b; h = act(z); logits = h W_loc^T + b_loc; L = CE(logits, y)``;
     returns ``dL/dW, dL/db, dL/dW_loc, dL/db_loc`` as in the module docstring.
     ``inputs`` is (N, in_features) and ``target`` (N,) integer class ids.
+    ``local_loss`` picks another rule from :data:`LOCAL_LOSSES` (see :func:`local_rule_error`);
+    for the head-free ``"drtp"`` (``projection`` required) the head arguments may be ``None``
+    and the head gradients and logits are ``None``. ``normalize="layernorm"`` computes
+    ``h = act(LN(z))`` with a parameter-free LayerNorm (see :func:`layer_norm_forward`).
     """
     z = inputs @ weight.T
     if bias is not None:
         z = z + bias
-    h = activation_forward(z, activation)
-    logits = h @ head_weight.T + head_bias
-    loss, d_logits = cross_entropy_error(
-        logits, target, label_smoothing=label_smoothing, ignore_index=ignore_index
+    z_act, inv_std = (z, None) if normalize is None else layer_norm_forward(z)
+    h = activation_forward(z_act, activation)
+    rule = local_rule_error(
+        local_loss, h, target, head_weight, head_bias, projection=projection, beta=beta,
+        label_smoothing=label_smoothing, ignore_index=ignore_index,
     )
-    d_z = (d_logits @ head_weight) * activation_derivative(z, h, activation)
+    d_z = rule.grad_output * activation_derivative(z_act, h, activation)
+    if inv_std is not None:
+        d_z = layer_norm_backward(d_z, z_act, inv_std)
     return LocalGradients(
-        loss=loss,
+        loss=rule.loss,
         pre_activation=z,
         output=h,
-        logits=logits,
+        logits=rule.logits,
         grad_weight=d_z.T @ inputs,
         grad_bias=d_z.sum(0) if bias is not None else None,
-        grad_head_weight=d_logits.T @ h,
-        grad_head_bias=d_logits.sum(0),
+        grad_head_weight=rule.grad_head_weight,
+        grad_head_bias=rule.grad_head_bias,
     )
 
 
@@ -213,3 +240,138 @@ def ridge_solve(features: Tensor, targets: Tensor, lambda_reg: float) -> tuple[T
     gram = hc.T @ hc + lambda_reg * torch.eye(h.shape[1], dtype=torch.float64, device=h.device)
     w_t = torch.linalg.solve(gram, hc.T @ yc)
     return w_t.T.contiguous(), y_mean - h_mean @ w_t
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Local-rule menu. Each rule is a loss on the layer output h (and, for some, a local head); it
+# gives d_h = dL/dh, and the layer's own gradients follow as in local_loss_and_gradients:
+# d_z = d_h * act'(z), g_W = d_z^T a, g_b = sum(d_z).
+#
+#   "ce":      L = CE(h W_loc^T + b_loc, y)                                  (the seed's rule)
+#   "predsim": L = (1 - beta) CE(h W_loc^T + b_loc, y) + beta * mean_ij (S(h) - S(Y))_ij^2
+#              Nokland & Eidnes (2019) "pred + sim"; S = cosine similarity of row-centred rows
+#              (their "adjusted cosine" / correlation matrix), Y = onehot(y), beta = 0.99 as
+#              in the paper. The similarity is taken on h itself (their "bio" variant: no
+#              extra learned projection), so the rule adds no parameters beyond the CE head.
+#   "drtp":    L = 1/(2N) sum_i ||h_i - P[y_i]||^2, P a fixed random (C, out) matrix
+#              drawn once from a seed: a direct-random-target-projection rule with no
+#              trainable head. DRTP's signal -P onehot(y) is the y-dependent part of d_h;
+#              the +h term makes the loss bounded (pure DRTP, L = -<h, P y>, grows the
+#              weights until weight decay stops them).
+# ---------------------------------------------------------------------------------------------
+
+
+
+def check_local_loss(local_loss: str) -> str:
+    """Return ``local_loss`` if it is one of :data:`LOCAL_LOSSES`, else raise ``ValueError``."""
+    if not isinstance(local_loss, str) or local_loss not in LOCAL_LOSSES:
+        raise ValueError(
+            f"local_loss={local_loss!r} is not supported; choose one of {', '.join(LOCAL_LOSSES)}"
+        )
+    return local_loss
+
+
+def similarity_matrix(x: Tensor, eps: float = SIMILARITY_EPS) -> Tensor:
+    """``S = u u^T`` with ``u_i = c_i / sqrt(||c_i||^2 + eps)``, ``c_i = x_i - mean(x_i)`` (per row)."""
+    c = x - x.mean(1, keepdim=True)
+    u = c / (c.pow(2).sum(1, keepdim=True) + eps).sqrt()
+    return u @ u.T
+
+
+def similarity_loss_and_gradient(
+    h: Tensor, target: Tensor, num_classes: int, *, ignore_index: int = IGNORE_INDEX, eps: float = SIMILARITY_EPS
+) -> tuple[Tensor, Tensor]:
+    """``L = sum_ij m_ij (S(h) - S(onehot(y)))_ij^2 / N^2`` over labelled rows, and ``dL/dh``.
+
+    ``m_ij = 1`` when both rows are labelled, ``N`` = labelled rows. Closed form:
+    ``G = 2 m (S(h) - S(Y)) / N^2``; ``g_u = 2 G u``; ``g_c = g_u / n - c (c . g_u) / n^3``
+    with ``n = sqrt(||c||^2 + eps)``; ``dL/dh = g_c - mean_row(g_c)``.
+    """
+    valid = target != ignore_index
+    safe = torch.where(valid, target, torch.zeros_like(target))
+    mask = valid.to(h.dtype)
+    pair = mask.unsqueeze(1) * mask.unsqueeze(0)
+    count = mask.sum().clamp_min(1)
+    onehot = torch.nn.functional.one_hot(safe, num_classes).to(h.dtype)
+    c = h - h.mean(1, keepdim=True)
+    norm = (c.pow(2).sum(1, keepdim=True) + eps).sqrt()
+    u = c / norm
+    diff = (u @ u.T - similarity_matrix(onehot, eps)) * pair
+    loss = diff.pow(2).sum() / (count * count)
+    g_u = (4.0 / (count * count)) * (diff @ u)  # diff is symmetric: dL/du = 2 (G + G^T) u / 2
+    g_c = g_u / norm - c * ((c * g_u).sum(1, keepdim=True) / norm.pow(3))
+    return loss, g_c - g_c.mean(1, keepdim=True)
+
+
+def target_projection(out_features: int, num_classes: int, seed: int = 0, dtype: torch.dtype | None = None) -> Tensor:
+    """The ``drtp`` rule's fixed targets ``P`` (num_classes, out_features): entries 0 or 1, p = 1/2.
+
+    Non-negative because the layer output is usually a ReLU: a negative target is unreachable.
+    Drawn on the CPU from ``torch.Generator().manual_seed(seed)`` so every device gets the same P.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    bits = torch.randint(0, 2, (num_classes, out_features), generator=generator)
+    return bits.to(dtype or torch.get_default_dtype())
+
+
+@dataclass
+class LocalRuleError:
+    """A local rule's loss, ``d_h = dL/dh``, its logits (``None`` if head-free) and head gradients."""
+
+    loss: Tensor
+    grad_output: Tensor
+    logits: Tensor | None
+    grad_head_weight: Tensor | None
+    grad_head_bias: Tensor | None
+
+
+def local_rule_error(
+    local_loss: str,
+    h: Tensor,
+    target: Tensor,
+    head_weight: Tensor | None,
+    head_bias: Tensor | None,
+    *,
+    projection: Tensor | None = None,
+    beta: float = PREDSIM_BETA,
+    label_smoothing: float = 0.0,
+    ignore_index: int = IGNORE_INDEX,
+) -> LocalRuleError:
+    """Loss and ``dL/dh`` of one local rule on the layer output ``h`` (see the table above)."""
+    check_local_loss(local_loss)
+    if local_loss == "drtp":
+        if projection is None:
+            raise ValueError("local_loss='drtp' needs projection= (see target_projection)")
+        valid = target != ignore_index
+        safe = torch.where(valid, target, torch.zeros_like(target))
+        mask = valid.to(h.dtype).unsqueeze(1)
+        count = mask.sum().clamp_min(1)
+        resid = (h - projection.to(h.dtype)[safe]) * mask
+        loss = 0.5 * resid.pow(2).sum() / count
+        return LocalRuleError(loss, resid / count, None, None, None)
+    if head_weight is None or head_bias is None:
+        raise ValueError(f"local_loss={local_loss!r} needs head_weight and head_bias")
+    logits = h @ head_weight.T + head_bias
+    loss, d_logits = cross_entropy_error(logits, target, label_smoothing=label_smoothing, ignore_index=ignore_index)
+    if local_loss == "predsim":
+        sim_loss, d_sim = similarity_loss_and_gradient(h, target, head_weight.shape[0], ignore_index=ignore_index)
+        loss = (1.0 - beta) * loss + beta * sim_loss
+        d_logits = d_logits * (1.0 - beta)
+        d_h = d_logits @ head_weight + beta * d_sim
+    else:
+        d_h = d_logits @ head_weight
+    return LocalRuleError(loss, d_h, logits, d_logits.T @ h, d_logits.sum(0))
+
+
+def layer_norm_forward(z: Tensor, eps: float = LAYER_NORM_EPS) -> tuple[Tensor, Tensor]:
+    """Parameter-free LayerNorm over features: ``(z - mean) * inv_std`` and ``inv_std = 1/sqrt(var + eps)``."""
+    mean = z.mean(1, keepdim=True)
+    centred = z - mean
+    inv_std = (centred.pow(2).mean(1, keepdim=True) + eps).rsqrt()
+    return centred * inv_std, inv_std
+
+
+def layer_norm_backward(grad: Tensor, normed: Tensor, inv_std: Tensor) -> Tensor:
+    """``dL/dz`` from ``dL/dz_hat``: ``inv_std * (g - mean(g) - z_hat * mean(g * z_hat))`` per row."""
+    return inv_std * (grad - grad.mean(1, keepdim=True) - normed * (grad * normed).mean(1, keepdim=True))

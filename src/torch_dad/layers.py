@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -90,10 +91,20 @@ class DADLinear(nn.Module):
 
     The head (``head_weight``, ``head_bias``) and the optimizer moments are buffers: they
     are in ``state_dict`` but not in ``parameters()``, so a user's optimizer never sees them.
+
+    ``local_loss`` picks the local rule (math in :func:`torch_dad.functional.local_rule_error`):
+    ``"ce"`` (the seed's local head + cross-entropy), ``"predsim"`` (Nokland-Eidnes prediction
+    + similarity matching, weight ``predsim_beta``) or ``"drtp"`` (head-free: regress ``h`` onto
+    a fixed random projection of the one-hot target, kept in the ``target_projection`` buffer,
+    drawn from ``projection_seed``; ``head_weight``/``head_bias`` are then ``None``).
+    ``normalize="layernorm"`` makes the layer ``act(LN(x @ weight.T + bias))`` with a
+    parameter-free LayerNorm, in training and inference alike.
     """
 
+    # buffers; declared for type checkers (the head is None under "drtp", the projection otherwise)
     head_weight: Tensor
     head_bias: Tensor
+    target_projection: Tensor
     bias: nn.Parameter | None
 
     def __init__(
@@ -107,6 +118,10 @@ class DADLinear(nn.Module):
         dtype: torch.dtype | None = None,
         *,
         label_smoothing: float = 0.0,
+        local_loss: str = "ce",
+        predsim_beta: float = F.PREDSIM_BETA,
+        projection_seed: int = 0,
+        normalize: str | None = None,
     ) -> None:
         super().__init__()
         self.in_features = _check_positive_int("in_features", in_features)
@@ -118,13 +133,42 @@ class DADLinear(nn.Module):
         if not 0.0 <= label_smoothing < 1.0:
             raise ValueError(f"label_smoothing={label_smoothing!r} must lie in [0, 1)")
         self.label_smoothing = float(label_smoothing)
+        F.check_local_loss(local_loss)
+        _check_rule_options(predsim_beta, projection_seed)
+        self.predsim_beta = float(predsim_beta)
+        if normalize is not None and normalize not in F.NORMALIZATIONS:
+            raise ValueError(f"normalize={normalize!r} must be None or one of {', '.join(F.NORMALIZATIONS)}")
+        self.normalize = normalize
+        self.projection_seed = projection_seed
         self.weight = nn.Parameter(torch.empty(out_features, in_features, device=device, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(out_features, device=device, dtype=dtype)) if bias else None
-        self.register_buffer("head_weight", torch.empty(num_classes, out_features, device=device, dtype=dtype))
-        self.register_buffer("head_bias", torch.empty(num_classes, device=device, dtype=dtype))
-        self.reset_parameters()
+        self.local_loss = ""
+        self.set_local_loss(local_loss)
+
+    def set_local_loss(self, local_loss: str) -> None:
+        """Switch the local rule: (re)creates the head or the projection and, if the rule
+        changes, the optimizer state (layer weights are kept; moments restart from zero)."""
+        F.check_local_loss(local_loss)
+        if local_loss == self.local_loss:
+            return
+        kw: dict[str, Any] = {"device": self.weight.device, "dtype": self.weight.dtype}
+        if local_loss == "drtp":
+            self.register_buffer("head_weight", None)
+            self.register_buffer("head_bias", None)
+            self.register_buffer("target_projection", torch.empty(self.num_classes, self.out_features, **kw))
+        else:
+            self.register_buffer("target_projection", None)
+            if self.local_loss in ("", "drtp"):
+                self.register_buffer("head_weight", torch.empty(self.num_classes, self.out_features, **kw))
+                self.register_buffer("head_bias", torch.empty(self.num_classes, **kw))
+        first = self.local_loss == ""
+        self.local_loss = local_loss
+        if first:
+            self.reset_parameters()
+        else:
+            self._reset_local()
         shapes = [p.shape for p in self._trained_tensors()]
-        self.optim_state = LocalOptimizerState(shapes, device=device, dtype=dtype)
+        self.optim_state = LocalOptimizerState(shapes, **kw)
 
     def reset_parameters(self) -> None:
         """``nn.Linear``'s initialisation for the layer and for its local head."""
@@ -132,27 +176,48 @@ class DADLinear(nn.Module):
         bound = 1.0 / math.sqrt(self.in_features)
         if self.bias is not None:
             nn.init.uniform_(self.bias, -bound, bound)
+        self._reset_local()
+
+    @torch.no_grad()
+    def _reset_local(self) -> None:
+        if self.local_loss == "drtp":
+            projection = F.target_projection(self.out_features, self.num_classes, self.projection_seed)
+            self.target_projection.copy_(projection)
+            return
         nn.init.kaiming_uniform_(self.head_weight, a=math.sqrt(5))
         nn.init.uniform_(self.head_bias, -1.0 / math.sqrt(self.out_features), 1.0 / math.sqrt(self.out_features))
 
     def _trained_tensors(self) -> list[Tensor]:
-        tensors = [self.weight]
+        tensors: list[Tensor] = [self.weight]
         if self.bias is not None:
             tensors.append(self.bias)
+        if self.local_loss == "drtp":
+            return tensors
         return [*tensors, self.head_weight, self.head_bias]
 
     def extra_repr(self) -> str:
         return (
             f"in_features={self.in_features}, out_features={self.out_features}, "
-            f"num_classes={self.num_classes}, bias={self.bias is not None}, activation={self.activation!r}"
+            f"num_classes={self.num_classes}, bias={self.bias is not None}, activation={self.activation!r}, "
+            f"local_loss={self.local_loss!r}" + (f", normalize={self.normalize!r}" if self.normalize else "")
         )
 
     def forward(self, inputs: Tensor) -> Tensor:
         """``act(inputs @ weight.T + bias)``."""
-        return F.activation_forward(nn.functional.linear(inputs, self.weight, self.bias), self.activation)
+        z = nn.functional.linear(inputs, self.weight, self.bias)
+        if self.normalize is not None:
+            z = F.layer_norm_forward(z)[0]
+        return F.activation_forward(z, self.activation)
 
     def local_head(self, hidden: Tensor) -> Tensor:
-        """Local logits ``hidden @ head_weight.T + head_bias``."""
+        """Local logits ``hidden @ head_weight.T + head_bias``.
+
+        Head-free ``"drtp"``: ``-||hidden - P[c]||^2 / 2`` up to a per-row constant, i.e.
+        ``hidden @ P.T - ||P[c]||^2 / 2`` (argmax = the nearest fixed target).
+        """
+        if self.local_loss == "drtp":
+            proj = self.target_projection.to(hidden.dtype)
+            return nn.functional.linear(hidden, proj, -0.5 * proj.pow(2).sum(1))
         return nn.functional.linear(hidden, self.head_weight, self.head_bias)
 
     @torch.no_grad()
@@ -168,7 +233,8 @@ class DADLinear(nn.Module):
         Same math as :func:`torch_dad.functional.local_loss_and_gradients` (the test oracle),
         arranged to reuse buffers: ``addmm`` for the biases, an in-place activation and an
         in-place ``softmax - onehot``. Gradients are returned in the order of the trained
-        tensors: ``weight, [bias,] head_weight, head_bias``, in float32 master precision.
+        tensors: ``weight, [bias,] head_weight, head_bias``, in float32 master precision
+        (no head gradients for the head-free ``"drtp"`` rule).
 
         ``workspace`` (a dict owned by the caller) keeps the three large buffers (``z``,
         ``d_z``, ``g_W``) alive between calls with the same shapes. On CPU, fresh multi-MB
@@ -189,18 +255,24 @@ class DADLinear(nn.Module):
 
         a = inputs.to(dtype)
         w = self.weight.to(dtype)
-        w_head = self.head_weight.to(dtype)
-        b_head = self.head_bias.to(dtype)
         batch = a.shape[0]
         z_buf = buffer("z", batch, self.out_features)
         if self.bias is not None:
             z = torch.addmm(self.bias.to(dtype), a, w.T, out=z_buf)
         else:
             z = torch.mm(a, w.T, out=z_buf)
+        inv_std = None
+        if self.normalize is not None:
+            z, inv_std = F.layer_norm_forward(z)
         if self.activation == "relu":
-            h = z.relu_()  # z is not needed again: relu' is read off h
+            # z is not needed again (relu' is read off h) unless LayerNorm's backward needs it
+            h = z.relu_() if inv_std is None else z.relu()
         else:
             h = F.activation_forward(z, self.activation)
+        if self.local_loss != "ce":
+            return self._rule_gradients(a, z, h, target, inv_std)
+        w_head = self.head_weight.to(dtype)
+        b_head = self.head_bias.to(dtype)
         logits = torch.addmm(b_head, h, w_head.T)
         if self.label_smoothing:
             loss, d_logits = F.cross_entropy_error(logits.float(), target, label_smoothing=self.label_smoothing)
@@ -214,6 +286,8 @@ class DADLinear(nn.Module):
             d_z = torch.ops.aten.threshold_backward.grad_input(d_z, h, 0, grad_input=d_z)
         else:
             d_z = d_z.mul_(F.activation_derivative(z, h, self.activation))
+        if inv_std is not None:
+            d_z = F.layer_norm_backward(d_z, z, inv_std)
         grads = [torch.mm(d_z.T, a, out=buffer("g_w", self.out_features, self.in_features))]
         if self.bias is not None:
             grads.append(d_z.sum(0))
@@ -221,6 +295,36 @@ class DADLinear(nn.Module):
         master = self.weight.dtype
         grads = [g if g.dtype == master else g.to(master) for g in grads]
         return LocalStepResult(h, loss, logits), grads
+
+    def _rule_gradients(
+        self, a: Tensor, z: Tensor, h: Tensor, target: Tensor, inv_std: Tensor | None
+    ) -> tuple[LocalStepResult, list[Tensor]]:
+        # "predsim"/"drtp": the rule's error is computed by the functional oracle in at least
+        # float32 (the B x B similarity matrix loses too much in bf16), the GEMMs in `dtype`
+        dtype = h.dtype
+        wide = h if dtype in (torch.float32, torch.float64) else h.float()
+        head_w = self.head_weight.to(wide.dtype) if self.head_weight is not None else None
+        head_b = self.head_bias.to(wide.dtype) if self.head_bias is not None else None
+        rule = F.local_rule_error(
+            self.local_loss, wide, target, head_w, head_b, projection=self.target_projection,
+            beta=self.predsim_beta, label_smoothing=self.label_smoothing,
+        )
+        d_h = rule.grad_output.to(dtype)
+        if self.activation == "relu":
+            d_z = torch.ops.aten.threshold_backward(d_h, h, 0)
+        else:
+            d_z = d_h * F.activation_derivative(z, h, self.activation)
+        if inv_std is not None:
+            d_z = F.layer_norm_backward(d_z, z, inv_std)
+        grads = [d_z.T @ a]
+        if self.bias is not None:
+            grads.append(d_z.sum(0))
+        if rule.grad_head_weight is not None and rule.grad_head_bias is not None:
+            grads += [rule.grad_head_weight, rule.grad_head_bias]
+        logits = rule.logits if rule.logits is not None else self.local_head(h)
+        master = self.weight.dtype
+        grads = [g if g.dtype == master else g.to(master) for g in grads]
+        return LocalStepResult(h, rule.loss, logits), grads
 
     @torch.no_grad()
     def local_step(
@@ -258,6 +362,13 @@ class DADLinear(nn.Module):
             return result
         self.optim_state.apply_(self._trained_tensors(), grads, config or OptimizerConfig(), lr)
         return result
+
+
+def _check_rule_options(predsim_beta: float, projection_seed: int) -> None:
+    if isinstance(predsim_beta, bool) or not isinstance(predsim_beta, (int, float)) or not 0.0 <= predsim_beta <= 1.0:
+        raise ValueError(f"predsim_beta={predsim_beta!r} must be a float in [0, 1] (the paper uses 0.99)")
+    if isinstance(projection_seed, bool) or not isinstance(projection_seed, int) or projection_seed < 0:
+        raise ValueError(f"projection_seed={projection_seed!r} must be an int >= 0")
 
 
 def _fast_cross_entropy_error(logits: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:

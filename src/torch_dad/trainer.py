@@ -75,6 +75,12 @@ class DADTrainer:
             PyTorch), ``"fused"`` (Triton kernels on CUDA, their twins on CPU),
             ``"cuda-graph"`` (the fused step captured per input shape) or ``"auto"``
             (``"cuda-graph"`` on CUDA where supported, else ``"eager"``).
+        local_loss: ``"ce"``, ``"predsim"`` or ``"drtp"`` sets every layer's local rule
+            (:meth:`DADLinear.set_local_loss`); ``None`` keeps each layer's own.
+        dropout: in ``step``, drop each hidden output with this probability (scaled by
+            ``1/(1-p)``, as ``nn.Dropout``) before the next layer and the classifier (and its
+            Gram statistics) see it; never at inference. Off by default (measurements:
+            ``docs/benchmarks-accuracy.md``).
     """
 
     def __init__(
@@ -95,6 +101,8 @@ class DADTrainer:
         check_values: bool | str = "auto",
         on_nonfinite: str = "raise",
         backend: str = "auto",
+        local_loss: str | None = None,
+        dropout: float = 0.0,
     ) -> None:
         if not isinstance(model, DADModel):
             raise TypeError(
@@ -111,9 +119,17 @@ class DADTrainer:
             raise ValueError(f"on_nonfinite={on_nonfinite!r} must be 'raise', 'skip' or 'ignore'")
         if check_values not in (True, False, "auto"):
             raise ValueError(f"check_values={check_values!r} must be True, False or 'auto'")
+        if local_loss is not None:
+            F.check_local_loss(local_loss)
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout={dropout!r} must be a float in [0, 1)")
+        self.dropout = float(dropout)
         self.config = OptimizerConfig(
             name=optimizer, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, momentum=momentum
         )
+        if local_loss is not None:
+            for layer in layers:
+                layer.set_local_loss(local_loss)
         self.model = model.to(self.device)
         self.amp_dtype = amp_dtype
         self.check_values = (self.device.type == "cpu") if check_values == "auto" else bool(check_values)
@@ -232,6 +248,8 @@ class DADTrainer:
         for layer, workspace in zip(self.model.dad_layers, self._workspaces):
             last = self._layer_step(layer, h, y, rate, compute, workspace)
             h = last.output
+            if self.dropout:
+                h = nn.functional.dropout(h, self.dropout, training=True)
         assert last is not None
         head = self.model.head
         if head is None:
@@ -420,6 +438,7 @@ class DADTrainer:
         seed: int | None = 0,
         progress: bool = True,
         log_every: int = 50,
+        schedule: Callable[[int], float] | None = None,
     ) -> list[dict[str, float]]:
         """Train for ``epochs``; returns (and appends to ``self.history``) one record per epoch.
 
@@ -428,9 +447,13 @@ class DADTrainer:
         ``epoch, loss, train_s, img_per_s`` and, with ``eval``, ``accuracy`` / ``eval_loss``.
         A tqdm bar shows progress if tqdm is installed; the loss it shows is read every
         ``log_every`` steps only, so training stays free of host syncs in between.
+        ``schedule(step_count) -> lr`` sets each step's learning rate (e.g.
+        :func:`torch_dad.schedules.warmup_cosine`); ``None`` keeps the trainer's ``lr``.
         """
         if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
             raise ValueError(f"epochs={epochs!r} must be a positive int")
+        if schedule is not None and not callable(schedule):
+            raise TypeError(f"schedule must be a callable step -> lr, got {type(schedule).__name__}")
         generator = torch.Generator().manual_seed(seed) if seed is not None else None
         records = []
         for epoch in range(epochs):
@@ -443,7 +466,7 @@ class DADTrainer:
                 torch.cuda.synchronize(self.device)
             start = time.perf_counter()
             for inputs, labels in bar:
-                _, loss = self.step(inputs, labels)
+                _, loss = self.step(inputs, labels, lr=None if schedule is None else schedule(self.step_count))
                 losses += loss
                 count += 1
                 seen += inputs.shape[0]

