@@ -30,7 +30,10 @@ def make(n, d, v, dtype=torch.float32, bias=False, ignore_frac=0.25, seed=0, dev
     b = torch.randn(v, generator=g, dtype=torch.float64) * 0.1 if bias else None
     y = torch.randint(0, v, (n,), generator=g)
     y[torch.rand(n, generator=g) < ignore_frac] = -100
-    cast = (lambda t: None if t is None else t.to(device=device, dtype=dtype))
+
+    def cast(t):
+        return None if t is None else t.to(device=device, dtype=dtype)
+
     return cast(h), cast(w), cast(b), y.to(device)
 
 
