@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from ..lm_head import DADLMHead
 
-__all__ = ["replace_lm_head", "patch_forward", "DADCausalLMOutput", "unwrap_model"]
+__all__ = ["replace_lm_head", "patch_forward", "unwrap_model"]  # + DADCausalLMOutput (lazy)
 
 _PATCH_FLAG = "_torch_dad_lm_head_forward"
 # logit transforms the fused step does not apply; a model using one would train a different loss

@@ -21,7 +21,7 @@ from torch import nn
 from ..lm_head import DADLMHead
 from .causal_lm import replace_lm_head, unwrap_model
 
-__all__ = ["DADSFTTrainer", "patch_trainer"]
+__all__ = ["patch_trainer"]  # + DADSFTTrainer (lazy: it subclasses trl.SFTTrainer)
 
 
 def patch_trainer(trainer: Any, **head_kwargs: Any) -> DADLMHead:
