@@ -66,7 +66,7 @@ def unwrap_model(model: nn.Module) -> nn.Module:
     return get_base() if callable(get_base) else model
 
 
-def _text_config(model: nn.Module) -> Any:
+def _text_config(model: Any) -> Any:
     config = getattr(model, "config", None)
     if config is None:
         raise TypeError(f"{type(model).__name__} has no .config; pass a transformers causal LM (e.g. LlamaForCausalLM)")
@@ -74,13 +74,13 @@ def _text_config(model: nn.Module) -> Any:
     return get_text() if callable(get_text) else config
 
 
-def _is_tied(model: nn.Module, head: nn.Module) -> bool:
+def _is_tied(model: Any, head: Any) -> bool:
     embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
     weight = getattr(embed, "weight", None)
     return isinstance(weight, Tensor) and weight.data_ptr() == head.weight.data_ptr()
 
 
-def _untie_config(model: nn.Module) -> None:
+def _untie_config(model: Any) -> None:
     for config in {id(c): c for c in (model.config, _text_config(model))}.values():
         config.tie_word_embeddings = False
     if isinstance(getattr(model, "all_tied_weights_keys", None), dict):
@@ -96,7 +96,7 @@ def replace_lm_head(model: nn.Module, *, untie_embeddings: bool = False, **head_
     A head tied to the input embeddings raises unless ``untie_embeddings=True``, which gives the
     head its own copy and sets ``config.tie_word_embeddings=False``.
     """
-    base = unwrap_model(model)
+    base: Any = unwrap_model(model)
     get_out = getattr(base, "get_output_embeddings", None)
     old = get_out() if callable(get_out) else None
     if old is None:
@@ -133,7 +133,7 @@ def patch_forward(model: nn.Module) -> None:
     original = model.forward
 
     @functools.wraps(type(model).forward)
-    def forward(self: nn.Module, *args: Any, fused_lm_head: bool = False, labels: Tensor | None = None,
+    def forward(self: Any, *args: Any, fused_lm_head: bool = False, labels: Tensor | None = None,
                 shift_labels: Tensor | None = None, num_items_in_batch: Any = None, **kwargs: Any) -> Any:
         head = self.get_output_embeddings()
         training_loss = labels is not None and self.training and torch.is_grad_enabled()
@@ -157,10 +157,12 @@ def patch_forward(model: nn.Module) -> None:
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         hidden = hidden.to(head.weight.device)
         if shift_labels is not None:
+            # labels already shifted (as TRL passes them under context / sequence parallelism)
             result = head.fused_loss(hidden, shift_labels, shift=False, num_items_in_batch=num_items_in_batch,
                                      token_stats=fused_lm_head)
             log_probs, entropy, top1, mask = result.log_probs, result.entropy, result.is_top1, result.label_mask
         else:
+            assert labels is not None
             result = head.fused_loss(hidden, labels, shift=True, num_items_in_batch=num_items_in_batch,
                                      token_stats=fused_lm_head)
             # TRL's layout: position t scores labels[t + 1], shape (batch, seq - 1)
