@@ -6,7 +6,7 @@ weights and AdamW moments for both systems. Systems:
 - ``hf-adamw``: ``logits = h @ W.T`` under bf16 autocast, ``F.cross_entropy(logits.float(), y)``,
   ``backward``, ``torch.optim.AdamW(fused=True)`` (shared/baseline/lmhead_probe.py: 5,773 MiB peak);
 - ``dad-fused``: ``DADLMHead(impl="auto")``: chunked fused loss + update in backward, no full logits;
-- ``dad-fused-<impl>[-c<rows>]``: each available implementation (torch, liger, cce) and torch chunk sizes;
+- ``dad-fused-<impl>[-c<rows>]``: each available implementation (torch, compile, liger, cce) and torch chunk sizes;
 - ``dad-fused+dh``: ``dad-fused`` that also returns ``dL/dhidden`` (``backprop_gradients=True``), for LoRA.
 
 ``peak_mib`` = ``torch.cuda.max_memory_allocated`` during one step after warm-up (static weights,
@@ -133,35 +133,36 @@ def main() -> None:
     y = torch.randint(0, vocab, (tokens,), device=device)
     env = environment()
     auto = resolve_impl("auto", device)
-    systems: list[tuple[str, str | None, Callable[[], Callable[[], None]]]] = [
-        ("hf-adamw", None, lambda: hf_adamw(vocab, hidden, h, y, dtype)),
-        ("dad-fused", auto, lambda: dad_fused(vocab, hidden, h, y, dtype, "auto")[0]),
-        ("dad-fused+dh", auto, lambda: dad_fused(vocab, hidden, h, y, dtype, "auto", grad_hidden=True)[0]),
+    systems: list[tuple[str, str | None, Callable[[], Any]]] = [
+        ("hf-adamw", None, lambda: (hf_adamw(vocab, hidden, h, y, dtype), None)),
+        ("dad-fused", auto, lambda: dad_fused(vocab, hidden, h, y, dtype, "auto")),
+        ("dad-fused+dh", auto, lambda: dad_fused(vocab, hidden, h, y, dtype, "auto", grad_hidden=True)),
     ]
-    impls = ["torch"] + ([n for n in ("liger", "cce") if device.type == "cuda"])
+    impls = ["torch"] + ([n for n in ("compile", "liger", "cce") if device.type == "cuda"])
     for impl in impls:
         try:
             resolve_impl(impl, device)
         except ValueError as exc:
             print(f"skip impl={impl}: {exc}")
             continue
-        systems.append((f"dad-fused-{impl}", impl, lambda impl=impl: dad_fused(vocab, hidden, h, y, dtype, impl)[0]))
+        systems.append((f"dad-fused-{impl}", impl, lambda impl=impl: dad_fused(vocab, hidden, h, y, dtype, impl)))
         if impl == "torch":
             for rows in chunks:
                 systems.append((f"dad-fused-torch-c{rows}", "torch",
-                                lambda rows=rows: dad_fused(vocab, hidden, h, y, dtype, "torch", rows)[0]))
+                                lambda rows=rows: dad_fused(vocab, hidden, h, y, dtype, "torch", rows)))
     records = []
     for name, impl, build in systems:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         try:
-            step = build()
+            step, head = build()
             stats = measure(step, device, warmup, repeats)
+            impl = impl if head is None else head.last_impl
         except Exception as exc:  # a library kernel failing on this machine must not hide the other rows
             print(f"{name:24s} FAILED: {type(exc).__name__}: {exc}")
             records.append({"system": name, "impl": impl, "error": f"{type(exc).__name__}: {exc}", **env})
             continue
-        del step
+        del step, head
         record = {"system": name, "impl": impl, "tokens": tokens, "vocab": vocab, "hidden": hidden,
                   "dtype": str(dtype).removeprefix("torch."), **stats, **env}
         records.append(record)

