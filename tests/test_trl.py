@@ -180,3 +180,25 @@ def test_sft_trainer_lora_adapters_learn_through_backprop_gradients(tmp_path):
     assert lora and all(not torch.equal(params[n], v) for n, v in lora.items())
     assert all(torch.equal(params[n], v) for n, v in base.items())
     assert not torch.equal(head.weight, w0)
+
+
+def test_unsloth_patch_refuses_plain_model_and_works_on_the_generic_path():
+    """What is testable without Unsloth: the guard, and patch() on a plain Llama (require_unsloth=False)."""
+    from torch_dad.integrations import unsloth
+
+    model = tiny_llama(tied=False).to(torch.bfloat16)
+    assert not unsloth.is_unsloth_model(model)
+    with pytest.raises(ValueError, match="FastLanguageModel"):
+        unsloth.patch(model)
+    head = unsloth.patch(model, require_unsloth=False, lr=1e-2)
+    assert head.weight.dtype == torch.float32 and head.optim_state.exp_avg_0.dtype == torch.float32
+    ids, labels = batch()
+    model.train()
+    w0 = head.weight.detach().clone()
+    out = model(input_ids=ids, labels=labels)
+    out.loss.backward()
+    assert head.last_impl == "torch" and not torch.equal(head.weight, w0)
+    model.eval()
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+    assert logits.dtype == torch.bfloat16 and logits.shape[-1] == head.vocab_size

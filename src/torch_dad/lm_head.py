@@ -672,7 +672,11 @@ class DADLMHead(nn.Module):
         return [self.weight] if self.bias is None else [self.weight, self.bias]
 
     def _compute_dtype(self, hidden: Tensor) -> torch.dtype | None:
-        return self.compute_dtype or _autocast_dtype(hidden.device)
+        """``compute_dtype``, else the autocast dtype, else bf16/fp16 if ``hidden`` is (mixed precision
+        with float32 master weights: the activations' dtype decides), else ``None`` (promote)."""
+        if self.compute_dtype is not None:
+            return self.compute_dtype
+        return _autocast_dtype(hidden.device) or (hidden.dtype if hidden.dtype in _HALF else None)
 
     def _apply_local(self, grads: list[Tensor]) -> None:
         assert self.optim_state is not None
@@ -682,8 +686,16 @@ class DADLMHead(nn.Module):
             self.optim_state.apply_(params, grads, self.config)
 
     def forward(self, hidden: Tensor) -> Tensor:
-        """Logits ``hidden @ weight.T (+ bias)``, as ``nn.Linear`` (no update, labels not needed)."""
-        return nn.functional.linear(hidden, self.weight, self.bias)
+        """Logits ``hidden @ weight.T (+ bias)``, as ``nn.Linear`` (no update, labels not needed).
+
+        Outside autocast, float32 master weights meet bf16/fp16 hidden states in the hidden dtype.
+        """
+        weight: Tensor = self.weight
+        bias: Tensor | None = self.bias
+        if hidden.dtype != weight.dtype and not torch.is_autocast_enabled(hidden.device.type):
+            weight = weight.to(hidden.dtype)
+            bias = None if bias is None else bias.to(hidden.dtype)
+        return nn.functional.linear(hidden, weight, bias)
 
     def fused_loss(
         self,
