@@ -7,6 +7,7 @@ imported lazily from their own modules; ``import torch_dad`` needs only torch an
 from __future__ import annotations
 
 from . import functional
+from .autograd import DADAutogradLinear, label_context
 from .layers import DADLinear, DADModel
 from .optim import OptimizerConfig
 from .ridge import GramAccumulator, RidgeSolution
@@ -15,6 +16,7 @@ from .trainer import DADTrainer
 __version__ = "0.1.0"
 
 __all__ = [
+    "DADAutogradLinear",
     "DADLinear",
     "DADModel",
     "DADTrainer",
@@ -22,5 +24,6 @@ __all__ = [
     "OptimizerConfig",
     "RidgeSolution",
     "functional",
+    "label_context",
     "__version__",
 ]

@@ -1,0 +1,563 @@
+"""``DADAutogradLinear``: an ``nn.Linear`` drop-in that trains itself inside ``loss.backward()``.
+
+The layer runs a custom :class:`torch.autograd.Function`. Its forward is the plain layer
+``out = act(x @ W.T + b)``; its backward ignores the upstream gradient for its *own* update
+and instead computes the closed-form local gradients of a local target (see
+:mod:`torch_dad.functional`):
+
+* **hidden** role: ``CE(act(z) @ W_loc.T + b_loc, y)`` with the layer's own local head,
+  the same math as :class:`~torch_dad.DADLinear`;
+* **head** role (no activation, ``out_features == num_classes``): ``CE(out, y)``, the task
+  loss itself, whose gradient is exactly what backprop gives that layer.
+
+The local gradients are then applied in place with the layer's own fused AdamW
+(``update="inplace"``, state in buffers) or accumulated into ``.grad`` for an external
+optimizer (``update="grad"``). The input gradient is ``None`` (the backward chain stops
+here) unless ``backprop_gradients=True``, which returns ``(grad_out * act'(z)) @ W`` with
+the weights from before this step's update.
+
+Labels reach the layer through :meth:`DADAutogradLinear.set_y_context` or the
+:func:`label_context` context manager.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.autograd.function import once_differentiable
+
+from . import functional as F
+from .layers import check_labels
+from .optim import LocalOptimizerState, OptimizerConfig
+
+__all__ = ["DADAutogradFunction", "DADAutogradLinear", "label_context"]
+
+ROLES: tuple[str, ...] = ("hidden", "head")
+UPDATES: tuple[str, ...] = ("inplace", "grad")
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _positive_int(name: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name}={value!r} must be a positive int")
+    return value
+
+
+def _inside_backward() -> bool:
+    """True while the autograd engine runs a backward (e.g. checkpoint's recomputation)."""
+    task_id = getattr(torch._C, "_current_graph_task_id", None)
+    return task_id is not None and task_id() != -1
+
+
+def cross_entropy_grad(
+    logits: Tensor, target: Tensor, *, ignore_index: int = F.IGNORE_INDEX, label_smoothing: float = 0.0
+) -> tuple[Tensor, Tensor]:
+    """``F.cross_entropy(logits, target, ignore_index, label_smoothing)`` and its gradient, lean.
+
+    Same values as :func:`torch_dad.functional.cross_entropy_error` (the oracle it is tested
+    against) without its dense one-hot: at an LM-head size (8192 tokens x 49152 classes) the
+    one-hot alone is 1.6 GB in float32. Half-precision logits are widened to float32 for the
+    softmax; the gradient is returned in float32 (or float64 for float64 logits).
+    """
+    wide = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+    num_classes = wide.shape[-1]
+    valid = target != ignore_index
+    count = valid.sum().clamp_min(1).to(wide.dtype)
+    safe = target.masked_fill(~valid, 0).unsqueeze(1)
+    log_probs = torch.log_softmax(wide, dim=-1)
+    nll = -log_probs.gather(1, safe).squeeze(1)
+    if label_smoothing:
+        nll = nll * (1.0 - label_smoothing) - log_probs.mean(-1) * label_smoothing
+    weight = valid.to(wide.dtype) / count
+    loss = (nll * weight).sum()
+    grad = log_probs.exp_()  # softmax, in place: log_probs is not needed again
+    if label_smoothing:
+        grad.sub_(label_smoothing / num_classes)
+    grad.scatter_add_(1, safe, torch.full_like(grad[:, :1], -(1.0 - label_smoothing)))
+    grad.mul_(weight.unsqueeze(1))
+    return loss, grad
+
+
+class DADAutogradFunction(torch.autograd.Function):
+    """``out = act(x @ W.T + b)``; backward = local DAD update (+ optional true ``dL/dx``).
+
+    ``apply(x, weight, bias, head_weight, head_bias, module, labels)``. Forward saves ``x``
+    and one activation tensor (``h`` for relu/tanh/identity, ``z`` for gelu; the output logits
+    for a head). Backward reads the labels stored at forward time, asks
+    ``module._local_gradients`` for the gradient list and hands it to ``module._apply_local``.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any,
+        inputs: Tensor,
+        weight: Tensor,
+        bias: Tensor | None,
+        head_weight: Tensor | None,
+        head_bias: Tensor | None,
+        module: DADAutogradLinear,
+        labels: Tensor | None,
+    ) -> Tensor:
+        a, w, b = module._cast_for_forward(inputs, weight, bias)
+        z = nn.functional.linear(a, w, b)
+        out = F.activation_forward(z, module.activation)
+        ctx.module = module
+        ctx.labels = labels  # an attribute, not a saved tensor: checkpoint recomputation keeps the original
+        ctx.input_dtype = inputs.dtype
+        ctx.input_shape = inputs.shape
+        ctx.update_count = module._update_count
+        ctx.versions = module._versions()
+        ctx.used = False
+        saved = z if module.activation == "gelu" else out
+        ctx.save_for_backward(a, saved)
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        module: DADAutogradLinear = ctx.module
+        a, saved = ctx.saved_tensors
+        if module.update == "inplace":
+            if ctx.used or module._update_count != ctx.update_count:
+                raise RuntimeError(
+                    "DADAutogradLinear(update='inplace') was already updated after this forward (a second "
+                    "backward through the same graph, or several forwards of the layer before one backward). "
+                    "Applying the local update again would use stale activations. Run a fresh forward before "
+                    "each backward, or use update='grad' to accumulate gradients instead."
+                )
+        if module._versions() != ctx.versions:
+            raise RuntimeError(
+                "the weights of this DADAutogradLinear were modified in place between its forward and its "
+                "backward (e.g. optimizer.step() before loss.backward()); run the forward again"
+            )
+        ctx.used = True
+        activation = module.activation
+        if activation == "gelu":
+            z = saved
+            h = F.activation_forward(z, activation)
+        else:
+            z, h = None, saved
+        a2 = a.reshape(-1, a.shape[-1])
+        h2 = h.reshape(-1, h.shape[-1])
+        z2 = z.reshape(-1, z.shape[-1]) if z is not None else None
+
+        grad_input = None
+        if module.backprop_gradients and ctx.needs_input_grad[0]:
+            # computed before the update below: dL/dx uses this step's pre-update weights
+            g = grad_output.reshape(-1, grad_output.shape[-1])
+            if activation == "relu":
+                g = torch.ops.aten.threshold_backward(g, h2.to(g.dtype), 0)
+            elif activation != "identity":
+                g = g * F.activation_derivative(z2 if z2 is not None else h2, h2, activation).to(g.dtype)
+            weight = module.weight if module.weight.dtype == g.dtype else module.weight.to(g.dtype)
+            grad_input = (g @ weight.detach()).to(ctx.input_dtype).reshape(ctx.input_shape)
+
+        grads_out: list[Tensor | None] = [None, None, None, None]
+        if module._trains() and ctx.labels is not None:
+            grads = module._local_gradients(a2, h2, z2, ctx.labels)
+            applied = module._apply_local(grads)
+            if applied is not None:
+                # update="grad": hand the gradients to autograd, which accumulates them into .grad
+                # (gradient accumulation sums; DDP's AccumulateGrad hooks fire as for nn.Linear)
+                given = iter(applied)
+                slots = (module.weight, module.bias, module.head_weight, module.head_bias)
+                for slot, tensor in enumerate(slots):
+                    if tensor is not None:
+                        grad = next(given)
+                        if ctx.needs_input_grad[slot + 1]:
+                            grads_out[slot] = grad
+        return (grad_input, *grads_out, None, None)
+
+
+class DADAutogradLinear(nn.Module):
+    """``out = act(x @ weight.T + bias)`` that updates itself from a local target during backward.
+
+    A drop-in for ``nn.Linear`` (same ``weight``, ``bias``, ``in_features``, ``out_features``;
+    loads an ``nn.Linear`` state dict). In training mode with autograd on it needs labels
+    (:meth:`set_y_context` / :func:`label_context`); in ``eval()`` or under ``torch.no_grad()``
+    it is a plain layer and changes no state.
+
+    Args:
+        in_features, out_features, bias, device, dtype: as ``nn.Linear``.
+        num_classes: classes of the local target. ``None`` means ``out_features`` (a head).
+        activation: ``"relu" | "gelu" | "tanh" | "identity"`` or ``None``. ``None`` is no
+            activation for a head and ``"relu"`` for a hidden layer.
+        backprop_gradients: return the true ``dL/dx`` (pre-update weights) instead of ``None``.
+        update: ``"inplace"`` (own fused AdamW, state in buffers) or ``"grad"`` (accumulate into
+            ``.grad`` for an external optimizer; the local head of a hidden layer is then a
+            parameter too).
+        lr, weight_decay, betas, eps: the in-place AdamW (ignored with ``update="grad"``).
+        role: ``"hidden"``, ``"head"`` or ``None`` (inferred: head when ``num_classes`` is
+            ``None`` or equals ``out_features`` and no activation was asked for).
+        ignore_index, label_smoothing: as ``F.cross_entropy``.
+        check_values: check label ranges at forward (a host sync on CUDA); ``"auto"`` checks
+            on CPU only. Shapes and dtypes are always checked.
+
+    Attributes:
+        grad_scaler: with ``update="grad"`` under fp16, set it to the ``torch.amp.GradScaler``
+            in use so the local gradients land in ``.grad`` scaled like backprop's.
+        last_local_loss: the local loss of the last backward (a 0-dim tensor, no host sync).
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        bias: bool = True,
+        num_classes: int | None = None,
+        activation: str | None = None,
+        backprop_gradients: bool = False,
+        update: str = "inplace",
+        lr: float = 1e-3,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+        *,
+        role: str | None = None,
+        weight_decay: float = 0.01,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        ignore_index: int = F.IGNORE_INDEX,
+        label_smoothing: float = 0.0,
+        check_values: bool | str = "auto",
+    ) -> None:
+        super().__init__()
+        self.in_features = _positive_int("in_features", in_features)
+        self.out_features = _positive_int("out_features", out_features)
+        if num_classes is not None:
+            _positive_int("num_classes", num_classes)
+            if num_classes < 2:
+                raise ValueError(f"num_classes={num_classes} must be >= 2")
+        if activation is not None:
+            F.check_activation(activation)
+        if role is None:
+            role = "head" if activation is None and num_classes in (None, out_features) else "hidden"
+        if role not in ROLES:
+            raise ValueError(f"role={role!r} must be 'hidden', 'head' or None (inferred)")
+        if role == "head":
+            if activation not in (None, "identity"):
+                raise ValueError(
+                    f"role='head' feeds the loss with its logits and takes no activation; got activation={activation!r}. "
+                    "Drop the activation or use role='hidden'"
+                )
+            if num_classes not in (None, out_features):
+                raise ValueError(
+                    f"role='head' outputs the logits, so num_classes={num_classes} must equal "
+                    f"out_features={out_features} (or be None)"
+                )
+            num_classes, activation = out_features, "identity"
+        else:
+            if num_classes is None:
+                raise ValueError("a hidden DADAutogradLinear needs num_classes for its local head; pass num_classes=")
+            activation = activation or "relu"
+        if update not in UPDATES:
+            raise ValueError(f"update={update!r} must be 'inplace' (own AdamW) or 'grad' (fill .grad)")
+        if not isinstance(backprop_gradients, bool):
+            raise TypeError(f"backprop_gradients must be a bool, got {type(backprop_gradients).__name__}")
+        if not isinstance(ignore_index, int) or isinstance(ignore_index, bool):
+            raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+        if not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing={label_smoothing!r} must lie in [0, 1)")
+        if check_values not in (True, False, "auto"):
+            raise ValueError(f"check_values={check_values!r} must be True, False or 'auto'")
+        self.config = OptimizerConfig(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps)  # type: ignore[arg-type]
+        self.role = role
+        self.num_classes: int = num_classes
+        self.activation: str = activation
+        self.backprop_gradients = backprop_gradients
+        self.update = update
+        self.ignore_index = ignore_index
+        self.label_smoothing = float(label_smoothing)
+        self.check_values = check_values
+        self.grad_scaler: Any = None
+        self.last_local_loss: Tensor | None = None
+        self._y_context: Tensor | None = None
+        self._forward_labels: Tensor | None = None
+        self._update_count = 0
+        self._warned_fp16 = False
+
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, **kw))
+        self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
+        self.head_weight: Tensor | None
+        self.head_bias: Tensor | None
+        if role == "hidden":
+            head_w = torch.empty(num_classes, out_features, **kw)
+            head_b = torch.empty(num_classes, **kw)
+            if update == "grad":  # the external optimizer must see the local head
+                self.head_weight = nn.Parameter(head_w)
+                self.head_bias = nn.Parameter(head_b)
+            else:  # buffers: in state_dict, never in a user's optimizer
+                self.register_buffer("head_weight", head_w)
+                self.register_buffer("head_bias", head_b)
+        else:
+            self.head_weight = self.head_bias = None
+        self.reset_parameters()
+        self.optim_state: LocalOptimizerState | None = None
+        if update == "inplace":
+            shapes = [t.shape for t in self._trained_tensors()]
+            self.optim_state = LocalOptimizerState(shapes, device=device, dtype=dtype)
+        self._kept_keys: set[str] = set()
+        self.register_load_state_dict_post_hook(DADAutogradLinear._keep_local)
+
+    # ------------------------------------------------------------------ construction
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s initialisation for the layer and, if hidden, for its local head."""
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1.0 / math.sqrt(self.in_features)
+            nn.init.uniform_(self.bias, -bound, bound)
+        if self.head_weight is not None and self.head_bias is not None:
+            with torch.no_grad():
+                nn.init.kaiming_uniform_(self.head_weight, a=math.sqrt(5))
+                bound = 1.0 / math.sqrt(self.out_features)
+                nn.init.uniform_(self.head_bias, -bound, bound)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, num_classes: int | None = None, **kwargs: Any) -> DADAutogradLinear:
+        """A ``DADAutogradLinear`` with ``linear``'s shape, device, dtype and (copied) weights."""
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"from_linear expects a torch.nn.Linear, got {type(linear).__name__}")
+        for key in ("in_features", "out_features", "bias"):
+            if key in kwargs:
+                raise TypeError(f"from_linear takes {key} from the linear layer; do not pass {key}=")
+        kwargs.setdefault("device", linear.weight.device)
+        kwargs.setdefault("dtype", linear.weight.dtype)
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, num_classes, **kwargs)
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight)
+            if linear.bias is not None and layer.bias is not None:
+                layer.bias.copy_(linear.bias)
+        layer.weight.requires_grad_(linear.weight.requires_grad)
+        return layer
+
+    def extra_repr(self) -> str:
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+            f"role={self.role!r}, num_classes={self.num_classes}, activation={self.activation!r}, "
+            f"update={self.update!r}, backprop_gradients={self.backprop_gradients}"
+        )
+
+    def _load_from_state_dict(
+        self,
+        state_dict: Mapping[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        # an nn.Linear state dict (weight [+ bias]) leaves the local head and the optimizer
+        # moments as they are; _keep_local drops them from the missing keys afterwards
+        if prefix + "weight" in state_dict:
+            local = [n for n in ("head_weight", "head_bias") if getattr(self, n) is not None]
+            if self.optim_state is not None:
+                local += [f"optim_state.{k}" for k in self.optim_state.state_dict()]
+            self._kept_keys = {prefix + n for n in local if prefix + n not in state_dict}
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+
+    @staticmethod
+    def _keep_local(module: nn.Module, incompatible: Any) -> None:
+        assert isinstance(module, DADAutogradLinear)
+        kept = module._kept_keys
+        incompatible.missing_keys[:] = [k for k in incompatible.missing_keys if k not in kept]
+        module._kept_keys = set()
+
+    # ------------------------------------------------------------------ labels
+    def set_y_context(self, labels: Tensor | None) -> None:
+        """Labels for the next training forwards (``None`` clears them).
+
+        Shape: the layer input's leading dims, ``(B,)`` for ``(B, D)`` or ``(B, T)`` for
+        ``(B, T, D)``; entries equal to ``ignore_index`` are skipped. They stay until replaced.
+        """
+        if labels is not None and not isinstance(labels, Tensor):
+            raise TypeError(f"labels must be a torch.Tensor of class ids or None, got {type(labels).__name__}")
+        self._y_context = labels
+
+    @property
+    def y_context(self) -> Tensor | None:
+        """The labels set by :meth:`set_y_context` (or ``None``)."""
+        return self._y_context
+
+    def _check_y(self, inputs: Tensor, labels: Tensor) -> Tensor:
+        """The labels flattened to (N,) after checking them against ``inputs``' leading dims."""
+        lead = tuple(inputs.shape[:-1])
+        if tuple(labels.shape) != lead:
+            raise ValueError(
+                f"labels have shape {tuple(labels.shape)} but the input {tuple(inputs.shape)} has leading dims "
+                f"{lead}; pass one class id (or ignore_index={self.ignore_index}) per row, shape {lead}"
+            )
+        flat = labels.reshape(-1)
+        check_labels(flat, flat.shape[0], self.num_classes, check_values=False)
+        if flat.device != inputs.device:
+            raise ValueError(f"labels are on {flat.device} but the input is on {inputs.device}; move them with .to()")
+        check = self.check_values if self.check_values != "auto" else inputs.device.type == "cpu"
+        if check and flat.numel():
+            bad = (flat != self.ignore_index) & ((flat < 0) | (flat >= self.num_classes))
+            if bool(bad.any()):
+                value = int(flat[bad][0])
+                raise ValueError(
+                    f"labels must lie in [0, {self.num_classes}) (num_classes={self.num_classes}) or equal "
+                    f"ignore_index={self.ignore_index}; found {value}"
+                )
+        return flat.long()
+
+    # ------------------------------------------------------------------ forward
+    def _cast_for_forward(self, inputs: Tensor, weight: Tensor, bias: Tensor | None) -> tuple[Tensor, ...]:
+        """Inputs/weights in the compute dtype: the autocast dtype if autocast is on, else as given."""
+        device_type = inputs.device.type
+        if torch.is_autocast_enabled(device_type):
+            dtype = torch.get_autocast_dtype(device_type)
+        elif inputs.dtype != weight.dtype:
+            raise TypeError(
+                f"input dtype {inputs.dtype} does not match weight dtype {weight.dtype}; cast the input or "
+                "the layer (layer.to(dtype)), or run under torch.autocast"
+            )
+        else:
+            dtype = weight.dtype
+        a = inputs if inputs.dtype == dtype else inputs.to(dtype)
+        w = weight if weight.dtype == dtype else weight.to(dtype)
+        b = bias if bias is None or bias.dtype == dtype else bias.to(dtype)
+        return a, w, b  # type: ignore[return-value]
+
+    def forward(self, inputs: Tensor) -> Tensor:
+        """``act(inputs @ weight.T + bias)``; with autograd on in training mode, a DAD node."""
+        if not isinstance(inputs, Tensor):
+            raise TypeError(f"inputs must be a torch.Tensor, got {type(inputs).__name__}")
+        if inputs.dim() < 1 or inputs.shape[-1] != self.in_features:
+            raise ValueError(
+                f"inputs have shape {tuple(inputs.shape)}; the last dim must be in_features={self.in_features}"
+            )
+        records = torch.is_grad_enabled() and (inputs.requires_grad or self._trains())
+        recomputing = _inside_backward()
+        if self.training and not recomputing:
+            # what a checkpoint recomputation of this forward will need: use_reentrant=True runs
+            # the first forward under no_grad and the recorded one inside backward, often after
+            # the labels were cleared or replaced
+            self._forward_labels = self._y_context
+        if not (self.training and records):
+            a, w, b = self._cast_for_forward(inputs, self.weight, self.bias)
+            return F.activation_forward(nn.functional.linear(a, w, b), self.activation)
+        labels = self._forward_labels if recomputing and self._forward_labels is not None else self._y_context
+        if labels is not None:
+            labels = self._check_y(inputs, labels)
+        elif self._trains():
+            raise ValueError(
+                "DADAutogradLinear needs labels in training mode: call layer.set_y_context(labels) or wrap the "
+                "forward in `with torch_dad.label_context(model, labels):`; use model.eval() or torch.no_grad() "
+                "for inference"
+            )
+        return DADAutogradFunction.apply(
+            inputs, self.weight, self.bias, self.head_weight, self.head_bias, self, labels
+        )
+
+    # ------------------------------------------------------------------ local update
+    def _trains(self) -> bool:
+        return self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
+
+    def _trained_tensors(self) -> list[Tensor]:
+        """``weight, [bias,] [head_weight, head_bias]``: the order of every gradient list."""
+        tensors: list[Tensor] = [self.weight]
+        if self.bias is not None:
+            tensors.append(self.bias)
+        if self.head_weight is not None and self.head_bias is not None:
+            tensors += [self.head_weight, self.head_bias]
+        return tensors
+
+    def _versions(self) -> tuple[int, ...]:
+        return tuple(t._version for t in self._trained_tensors())
+
+    def _local_gradients(self, inputs: Tensor, output: Tensor, pre_activation: Tensor | None, labels: Tensor) -> list[Tensor]:
+        """Closed-form local gradients, in the order of :meth:`_trained_tensors`, before any update.
+
+        ``inputs`` (N, in), ``output = act(z)`` (N, out), ``pre_activation = z`` (gelu only, else
+        ``None``), ``labels`` (N,). Head: ``d = softmax(out) - onehot(y)`` (over valid rows);
+        ``g_W = d.T @ x``. Hidden: the :func:`torch_dad.functional.local_loss_and_gradients` math.
+        This is the hook a preconditioned variant overrides (e.g. a Gram-preconditioned head).
+        Gradients are in the parameters' dtype; ``self.last_local_loss`` is set.
+        """
+        master = self.weight.dtype
+        dtype = output.dtype
+        a = inputs if inputs.dtype == dtype else inputs.to(dtype)
+        kw = {"ignore_index": self.ignore_index, "label_smoothing": self.label_smoothing}
+        if self.role == "head":
+            loss, d_out = cross_entropy_grad(output, labels, **kw)  # type: ignore[arg-type]
+            d_out = d_out.to(dtype)
+            grads = [d_out.T @ a]
+            if self.bias is not None:
+                grads.append(d_out.sum(0))
+        else:
+            assert self.head_weight is not None and self.head_bias is not None
+            w_head = self.head_weight.detach().to(dtype)
+            logits = torch.addmm(self.head_bias.detach().to(dtype), output, w_head.T)
+            loss, d_logits = cross_entropy_grad(logits, labels, **kw)  # type: ignore[arg-type]
+            d_logits = d_logits.to(dtype)
+            d_z = d_logits @ w_head
+            if self.activation == "relu":
+                d_z = torch.ops.aten.threshold_backward(d_z, output, 0)
+            elif self.activation != "identity":
+                z = pre_activation if pre_activation is not None else output
+                d_z = d_z.mul_(F.activation_derivative(z, output, self.activation))
+            grads = [d_z.T @ a]
+            if self.bias is not None:
+                grads.append(d_z.sum(0))
+            grads += [d_logits.T @ output, d_logits.sum(0)]
+        self.last_local_loss = loss.detach()
+        return [g if g.dtype == master else g.to(master) for g in grads]
+
+    def _apply_local(self, grads: list[Tensor]) -> list[Tensor] | None:
+        """``update="inplace"``: AdamW step now, returns ``None``; ``"grad"``: the grads to accumulate.
+
+        Under ``update="grad"`` with ``grad_scaler`` set, the grads are multiplied by its scale
+        so that ``scaler.unscale_`` / ``scaler.step`` see them like backprop's.
+        """
+        if self.update == "inplace":
+            assert self.optim_state is not None
+            with torch.no_grad():
+                self.optim_state.apply_([t.detach() for t in self._trained_tensors()], grads, self.config)
+            self._update_count += 1
+            return None
+        scaler = self.grad_scaler
+        if scaler is not None and scaler.is_enabled():
+            scale = scaler._get_scale_async() if hasattr(scaler, "_get_scale_async") else scaler.get_scale()
+            if scale is not None:
+                grads = [g * scale.to(g.dtype) if isinstance(scale, Tensor) else g * scale for g in grads]
+        elif not self._warned_fp16 and any(g.dtype == torch.float16 for g in grads):
+            self._warned_fp16 = True
+            warnings.warn(
+                "DADAutogradLinear(update='grad') with float16 weights: if a GradScaler is in use, set "
+                "layer.grad_scaler = scaler so the local gradients are scaled like backprop's",
+                stacklevel=2,
+            )
+        return grads
+
+
+def _dad_modules(model: nn.Module) -> Iterator[DADAutogradLinear]:
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    return (m for m in model.modules() if isinstance(m, DADAutogradLinear))
+
+
+@contextmanager
+def label_context(model: nn.Module, labels: Tensor | None) -> Iterator[nn.Module]:
+    """Set ``labels`` on every :class:`DADAutogradLinear` in ``model`` for the block; restore after.
+
+    ``with label_context(model, y): loss = crit(model(x), y); loss.backward()``.
+    """
+    if labels is not None and not isinstance(labels, Tensor):
+        raise TypeError(f"labels must be a torch.Tensor of class ids or None, got {type(labels).__name__}")
+    modules = list(_dad_modules(model))
+    previous = [m._y_context for m in modules]
+    for m in modules:
+        m.set_y_context(labels)
+    try:
+        yield model
+    finally:
+        for m, old in zip(modules, previous):
+            m._y_context = old
