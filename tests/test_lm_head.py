@@ -19,7 +19,7 @@ TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.double(), b.double()
+    a, b = a.detach().double(), b.detach().double()
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
