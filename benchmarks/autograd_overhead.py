@@ -7,7 +7,12 @@ head weights and the same batch:
 * ``linear+adamw``: ``nn.Linear`` + ``torch.optim.AdamW`` (defaults: foreach);
 * ``linear+adamw-fused``: ``nn.Linear`` + ``AdamW(fused=True)``, the tuned baseline;
 * ``dad-inplace``: ``DADAutogradLinear`` (head role), its own fused AdamW in backward;
-* ``dad-grad``: ``DADAutogradLinear(update="grad")`` + ``AdamW(fused=True)``.
+* ``dad-grad``: ``DADAutogradLinear(update="grad")`` + ``AdamW(fused=True)``;
+* ``dad-inplace-late``: ``dad-inplace`` with ``early_gradients=False`` (keeps x and the logits
+  for backward instead of forming the gradient in forward).
+
+The logits go out of scope before ``backward`` (as in HF ``Trainer.compute_loss``), so what a
+head keeps for its backward shows in the peak.
 
 Workloads: ``seqcls``, a frozen 2-layer transformer encoder (d=128) mean-pooled into a
 2-class head (the HF head-tuning case; the backbone forward dominates); ``lmhead``, frozen
@@ -23,7 +28,7 @@ lazily created moments count as static state): on CPU from the allocator events 
 (parameters, optimizer moments) is reported separately.
 
     python benchmarks/autograd_overhead.py                 # CPU, about 2 minutes on 1 thread
-    python benchmarks/autograd_overhead.py --device cuda   # GPU, fp32 and bf16 autocast
+    python benchmarks/autograd_overhead.py --device cuda   # GPU, fp32 + bf16 autocast -> *_cuda.json
     python benchmarks/autograd_overhead.py --smoke         # seconds, for CI
 """
 
@@ -40,10 +45,14 @@ import torch.nn.functional as F
 import torch_dad as td
 from _common import environment, median_time, write_records
 
-SYSTEMS = ("linear+adamw", "linear+adamw-fused", "dad-inplace", "dad-grad")
+SYSTEMS = ("linear+adamw", "linear+adamw-fused", "dad-inplace", "dad-grad", "dad-inplace-late")
 WORKLOADS: dict[str, dict[str, int]] = {
     "seqcls": {"batch": 32, "seq": 64, "dim": 128, "classes": 2, "layers": 2},
     "lmhead": {"batch": 4, "seq": 256, "dim": 256, "classes": 8192},
+}
+GPU_WORKLOADS: dict[str, dict[str, int]] = {  # the baseline's LM-head probe size: 8192 tokens, vocab 49152
+    "seqcls": {"batch": 256, "seq": 128, "dim": 384, "classes": 2, "layers": 6},
+    "lmhead": {"batch": 8, "seq": 1024, "dim": 576, "classes": 49152},
 }
 SMOKE: dict[str, dict[str, int]] = {
     "seqcls": {"batch": 4, "seq": 8, "dim": 16, "classes": 2, "layers": 1},
@@ -57,7 +66,9 @@ def cpu_step_peak(step: Any) -> int:
 
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()
-    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type().name == "CPU"]
+    events = [
+        e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]" and e.device_type().name == "CPU"
+    ]
     current = peak = 0
     for event in sorted(events, key=lambda e: e.start_ns()):
         current += event.nbytes()
@@ -97,27 +108,40 @@ def build(workload: str, shape: dict[str, int], device: torch.device) -> tuple[A
     return (lambda x: x), inputs, labels
 
 
-def make_step(system: str, features: Any, inputs: torch.Tensor, labels: torch.Tensor, classes: int,
-              dim: int, device: torch.device, amp: torch.dtype | None) -> tuple[Any, Any, int]:
+def make_step(
+    system: str,
+    features: Any,
+    inputs: torch.Tensor,
+    labels: torch.Tensor,
+    classes: int,
+    dim: int,
+    device: torch.device,
+    amp: torch.dtype | None,
+) -> tuple[Any, Any, int]:
     """``(step, last_loss, static_bytes)`` for one system; every head starts from the same init."""
     torch.manual_seed(1)
     linear = torch.nn.Linear(dim, classes, device=device)
     head: torch.nn.Module = linear
     fused = system != "linear+adamw"
+    inplace = system in ("dad-inplace", "dad-inplace-late")
     if system.startswith("dad"):
-        update = "inplace" if system == "dad-inplace" else "grad"
-        head = td.DADAutogradLinear.from_linear(linear, classes, update=update)
-    opt = None if system == "dad-inplace" else torch.optim.AdamW(head.parameters(), lr=1e-3, fused=fused)
+        dad = td.DADAutogradLinear.from_linear(linear, classes, update="inplace" if inplace else "grad")
+        dad.early_gradients = False if system == "dad-inplace-late" else None
+        head = dad
+    opt = None if inplace else torch.optim.AdamW(head.parameters(), lr=1e-3, fused=fused)
     losses: list[torch.Tensor] = []
+
+    def compute_loss() -> torch.Tensor:
+        with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
+            logits = head(features(inputs))
+            return F.cross_entropy(logits.float().reshape(-1, classes), labels.reshape(-1))
 
     def step() -> None:
         if opt is not None:
             opt.zero_grad(set_to_none=True)
         if isinstance(head, td.DADAutogradLinear):
             head.set_y_context(labels)
-        with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
-            logits = head(features(inputs))
-            loss = F.cross_entropy(logits.float().reshape(-1, classes), labels.reshape(-1))
+        loss = compute_loss()
         loss.backward()
         if opt is not None:
             opt.step()
@@ -132,8 +156,9 @@ def make_step(system: str, features: Any, inputs: torch.Tensor, labels: torch.Te
     return step, (lambda: float(losses[0])), static_bytes
 
 
-def measure(workload: str, shape: dict[str, int], dtype: str, device: torch.device, smoke: bool,
-            repeats: int) -> list[dict[str, Any]]:
+def measure(
+    workload: str, shape: dict[str, int], dtype: str, device: torch.device, smoke: bool, repeats: int
+) -> list[dict[str, Any]]:
     """Time and measure every system on one workload; one record per system."""
     amp = {"fp32": None, "bf16": torch.bfloat16}[dtype]
     features, inputs, labels = build(workload, shape, device)
@@ -147,10 +172,19 @@ def measure(workload: str, shape: dict[str, int], dtype: str, device: torch.devi
     records = []
     for system, (step, last_loss, static_bytes) in steps.items():
         peak = cuda_step_peak(step) if device.type == "cuda" else cpu_step_peak(step)
-        records.append({"workload": workload, **shape, "dtype": dtype, "system": system,
-                        "step_ms": statistics.median(times[system]) * 1e3, "peak_step_bytes": peak,
-                        "static_bytes": static_bytes(), "final_loss": last_loss(),
-                        "steps": rounds * (warmup + repeats) + 1})
+        records.append(
+            {
+                "workload": workload,
+                **shape,
+                "dtype": dtype,
+                "system": system,
+                "step_ms": statistics.median(times[system]) * 1e3,
+                "peak_step_bytes": peak,
+                "static_bytes": static_bytes(),
+                "final_loss": last_loss(),
+                "steps": rounds * (warmup + repeats) + 1,
+            }
+        )
     return records
 
 
@@ -160,6 +194,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (1: the shared 2-core box)")
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
     args = parser.parse_args()
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -169,7 +204,8 @@ def main() -> None:
     if device.type == "cpu":
         torch.set_num_threads(args.threads)
         env["load_average"] = os.getloadavg()[0]
-    shapes = SMOKE if args.smoke else WORKLOADS
+    table = SMOKE if args.smoke else GPU_WORKLOADS if device.type == "cuda" else WORKLOADS
+    shapes = {k: v for k, v in table.items() if k in args.workloads}
     records = []
     for workload, shape in shapes.items():
         for dtype in dtypes:
@@ -178,11 +214,14 @@ def main() -> None:
             for r in rows:
                 r["time_vs_fused_adamw"] = r["step_ms"] / base["step_ms"]
                 r["peak_vs_fused_adamw"] = r["peak_step_bytes"] / max(base["peak_step_bytes"], 1)
-                print(f"{workload:7s} {dtype} {r['system']:20s} {r['step_ms']:9.3f} ms/step (x{r['time_vs_fused_adamw']:.2f})"
-                      f"  step peak {r['peak_step_bytes'] / 2**20:8.2f} MiB (x{r['peak_vs_fused_adamw']:.2f})"
-                      f"  static {r['static_bytes'] / 2**20:7.2f} MiB  loss {r['final_loss']:.4f}")
+                print(
+                    f"{workload:7s} {dtype} {r['system']:20s} {r['step_ms']:9.3f} ms/step (x{r['time_vs_fused_adamw']:.2f})"
+                    f"  step peak {r['peak_step_bytes'] / 2**20:8.2f} MiB (x{r['peak_vs_fused_adamw']:.2f})"
+                    f"  static {r['static_bytes'] / 2**20:7.2f} MiB  loss {r['final_loss']:.4f}"
+                )
             records += rows
-    print("wrote", write_records("autograd_overhead", records, args.smoke))
+    name = "autograd_overhead" if device.type == "cpu" else f"autograd_overhead_{device.type}"
+    print("wrote", write_records(name, records, args.smoke))
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ from .conftest import relative_error
 
 F64 = torch.float64
 ACTS = ("relu", "gelu", "tanh", "identity")
+EARLY = [pytest.param(None, id="auto"), pytest.param(True, id="forward"), pytest.param(False, id="backward")]
 
 
 def _act(z, act):
@@ -104,10 +105,13 @@ def test_constructor_type_errors():
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("shape", [(29,), (5, 13)])
 @pytest.mark.parametrize("smoothing", [0.0, 0.15])
-def test_head_grad_equals_autograd_of_linear_and_cross_entropy(bias, shape, smoothing):
+@pytest.mark.parametrize("early", EARLY)
+def test_head_grad_equals_autograd_of_linear_and_cross_entropy(bias, shape, smoothing, early):
     classes = 7
-    layer = DADAutogradLinear(37, classes, bias=bias, num_classes=classes, update="grad", dtype=F64,
-                              label_smoothing=smoothing)
+    layer = DADAutogradLinear(
+        37, classes, bias=bias, num_classes=classes, update="grad", dtype=F64, label_smoothing=smoothing
+    )
+    layer.early_gradients = early
     ref = _ref_linear(layer)
     x = torch.randn(*shape, 37, dtype=F64)
     y = torch.randint(0, classes, shape)
@@ -115,6 +119,7 @@ def test_head_grad_equals_autograd_of_linear_and_cross_entropy(bias, shape, smoo
     Fn.cross_entropy(ref(x).reshape(-1, classes), y.reshape(-1), label_smoothing=smoothing).backward()
     layer.set_y_context(y)
     out = layer(x)
+    assert relative_error(out.detach(), ref(x).detach()) < 1e-14  # raw logits: no activation on a head
     # the user's loss is the same CE; its upstream gradient is not what the layer learns from
     (Fn.cross_entropy(out.reshape(-1, classes), y.reshape(-1), label_smoothing=smoothing) * 1000).backward()
     assert relative_error(layer.weight.grad, ref.weight.grad) < 1e-10
@@ -144,23 +149,32 @@ def test_head_inplace_equals_torch_adamw():
 # ---------------------------------------------------------------- hidden role vs the oracle
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("bias", [True, False])
-def test_hidden_grad_equals_functional_oracle(act, bias):
-    layer = DADAutogradLinear(19, 27, bias=bias, num_classes=5, activation=act, update="grad", dtype=F64,
-                              role="hidden")
+@pytest.mark.parametrize("early", EARLY)
+def test_hidden_grad_equals_functional_oracle(act, bias, early):
+    layer = DADAutogradLinear(19, 27, bias=bias, num_classes=5, activation=act, update="grad", dtype=F64, role="hidden")
+    layer.early_gradients = early
     x = torch.randn(3, 11, 19, dtype=F64)
     y = torch.randint(0, 5, (3, 11))
     y[0, :4] = -100
     keep = y.reshape(-1) != -100
     ref = F.local_loss_and_gradients(
-        x.reshape(-1, 19)[keep], layer.weight.detach(), layer.bias.detach() if bias else None,
-        layer.head_weight.detach(), layer.head_bias.detach(), y.reshape(-1)[keep], act,
+        x.reshape(-1, 19)[keep],
+        layer.weight.detach(),
+        layer.bias.detach() if bias else None,
+        layer.head_weight.detach(),
+        layer.head_bias.detach(),
+        y.reshape(-1)[keep],
+        act,
     )
     with label_context(layer, y):
         out = layer(x)
     assert relative_error(out.detach().reshape(-1, 27)[keep], ref.output) < 1e-12
     out.sum().backward()
-    pairs = [(layer.weight.grad, ref.grad_weight), (layer.head_weight.grad, ref.grad_head_weight),
-             (layer.head_bias.grad, ref.grad_head_bias)]
+    pairs = [
+        (layer.weight.grad, ref.grad_weight),
+        (layer.head_weight.grad, ref.grad_head_weight),
+        (layer.head_bias.grad, ref.grad_head_bias),
+    ]
     if bias:
         pairs.append((layer.bias.grad, ref.grad_bias))
     for got, want in pairs:
@@ -197,13 +211,39 @@ def test_seed_hidden_layer_matches_dadlinear_local_step():
         assert relative_error(got.detach(), want.detach()) < 1e-10
 
 
+def test_auto_early_gradients_keep_no_logits_for_a_wide_head():
+    """A vocab-sized head saves its gradient (V x D), not x and the logits (N x V)."""
+    head = DADAutogradLinear(16, 500)
+    x, y = torch.randn(3, 40, 16), torch.randint(0, 500, (3, 40))
+    with label_context(head, y):
+        out = head(x)
+    shapes = {tuple(t.shape) for t in out.grad_fn.saved_tensors if t is not None}
+    assert shapes == {(500, 16), (500,)}
+    hidden = DADAutogradLinear(784, 512, num_classes=10)  # the seed's layer at batch 64 keeps activations
+    with label_context(hidden, torch.randint(0, 10, (64,))):
+        out = hidden(torch.randn(64, 784))
+    shapes = {tuple(t.shape) for t in out.grad_fn.saved_tensors if t is not None}
+    assert shapes == {(64, 784), (64, 512)}
+
+
 # ---------------------------------------------------------------- backprop_gradients
 @pytest.mark.parametrize("act", ACTS)
 @pytest.mark.parametrize("update", ["inplace", "grad"])
-def test_backprop_gradients_equal_autograd_with_pre_update_weights(act, update):
+@pytest.mark.parametrize("early", EARLY)
+def test_backprop_gradients_equal_autograd_with_pre_update_weights(act, update, early):
     role = "head" if act == "identity" else "hidden"
-    layer = DADAutogradLinear(17, 9, num_classes=9 if role == "head" else 4, activation=None if role == "head" else act,
-                              backprop_gradients=True, update=update, lr=0.1, dtype=F64, role=role)
+    layer = DADAutogradLinear(
+        17,
+        9,
+        num_classes=9 if role == "head" else 4,
+        activation=None if role == "head" else act,
+        backprop_gradients=True,
+        update=update,
+        lr=0.1,
+        dtype=F64,
+        role=role,
+    )
+    layer.early_gradients = early
     ref = _ref_linear(layer)
     x = torch.randn(2, 15, 17, dtype=F64)
     y = torch.randint(0, layer.num_classes, (2, 15))
@@ -223,6 +263,20 @@ def test_backprop_gradients_equal_autograd_with_pre_update_weights(act, update):
     assert relative_error(x_dad.grad, x_ref.grad) < 1e-10
     if update == "inplace":  # the update did happen, after dL/dx was taken
         assert relative_error(layer.weight.detach(), before) > 1e-4
+    else:  # and it is the oracle's local gradient
+        if role == "head":
+            want = F.head_loss_and_gradients(x.reshape(-1, 17), ref.weight.detach(), ref.bias.detach(), y.reshape(-1))
+        else:
+            want = F.local_loss_and_gradients(
+                x.reshape(-1, 17),
+                ref.weight.detach(),
+                ref.bias.detach(),
+                layer.head_weight.detach(),
+                layer.head_bias.detach(),
+                y.reshape(-1),
+                act,
+            )
+        assert relative_error(layer.weight.grad, want.grad_weight) < 1e-10
 
 
 def test_default_stops_the_backward_chain():
@@ -236,10 +290,12 @@ def test_default_stops_the_backward_chain():
 
 # ---------------------------------------------------------------- gradient accumulation
 @pytest.mark.parametrize("role", ["head", "hidden"])
-def test_gradient_accumulation_sums_local_gradients(role):
+@pytest.mark.parametrize("early", EARLY)
+def test_gradient_accumulation_sums_local_gradients(role, early):
     kw = {"num_classes": 5} if role == "hidden" else {}
     out_features = 11 if role == "hidden" else 5
     layer = DADAutogradLinear(14, out_features, update="grad", dtype=F64, **kw)
+    layer.early_gradients = early
     batches = [(torch.randn(n, 14, dtype=F64), torch.randint(0, 5, (n,))) for n in (6, 9, 4)]
     singles = []
     for x, y in batches:  # one by one, from zero
@@ -316,8 +372,9 @@ def test_ignore_index_is_configurable_and_all_ignored_is_a_no_op_gradient():
 
 
 def test_label_context_sets_every_module_and_restores():
-    model = torch.nn.Sequential(DADAutogradLinear(6, 8, num_classes=3), torch.nn.ReLU(),
-                                torch.nn.Sequential(DADAutogradLinear(8, 3)))
+    model = torch.nn.Sequential(
+        DADAutogradLinear(6, 8, num_classes=3), torch.nn.ReLU(), torch.nn.Sequential(DADAutogradLinear(8, 3))
+    )
     old = torch.tensor([1, 1])
     model[0].set_y_context(old)
     y = torch.randint(0, 3, (4,))
@@ -394,19 +451,21 @@ def test_from_linear_keeps_pretrained_weights():
 
 
 # ---------------------------------------------------------------- hazards
-def _block(layer_kwargs, seed=0):
+def _block(layer_kwargs, seed=0, early=None):
     torch.manual_seed(seed)
     backbone = torch.nn.Linear(12, 10, dtype=F64)
     layer = DADAutogradLinear(10, 6, num_classes=3, backprop_gradients=True, dtype=F64, **layer_kwargs)
+    layer.early_gradients = early
     return backbone, layer
 
 
 @pytest.mark.parametrize("reentrant", [False, True])
-def test_checkpoint_gives_the_same_update_and_input_gradients(reentrant):
+@pytest.mark.parametrize("early", EARLY)
+def test_checkpoint_gives_the_same_update_and_input_gradients(reentrant, early):
     x, y = torch.randn(7, 12, dtype=F64), torch.randint(0, 3, (7,))
     results = []
     for use_checkpoint in (False, True):
-        backbone, layer = _block({})
+        backbone, layer = _block({}, early=early)
         head = torch.nn.Linear(6, 3, dtype=F64)
         block = torch.nn.Sequential(backbone, torch.nn.Tanh(), layer)
 
@@ -421,9 +480,10 @@ def test_checkpoint_gives_the_same_update_and_input_gradients(reentrant):
         assert relative_error(ckpt, plain) < 1e-12
 
 
-def test_second_backward_through_one_graph():
+@pytest.mark.parametrize("early", EARLY)
+def test_second_backward_through_one_graph(early):
     # update="inplace": a second backward would re-apply a stale update -> clear error, state kept
-    _, layer = _block({})
+    _, layer = _block({}, early=early)
     x, y = torch.randn(7, 10, dtype=F64), torch.randint(0, 3, (7,))
     with label_context(layer, y):
         loss = layer(x).pow(2).sum()
@@ -438,7 +498,7 @@ def test_second_backward_through_one_graph():
     with pytest.raises(RuntimeError, match="update='grad'"):
         loss.backward()
     # update="grad": exactly what autograd does for nn.Linear, the gradients add up
-    _, layer = _block({"update": "grad"})
+    _, layer = _block({"update": "grad"}, early=early)
     with label_context(layer, y):
         loss = layer(x).pow(2).sum()
     loss.backward(retain_graph=True)
@@ -523,3 +583,32 @@ def test_autocast_head_gradients_match_the_oracle(dtype):
     low = F.head_loss_and_gradients(x.reshape(-1, 48).to(dtype), w.to(dtype), b.to(dtype), y.reshape(-1))
     allowed = 2 * relative_error(low.grad_weight, ref.grad_weight) + {torch.bfloat16: 1e-2, torch.float16: 1e-3}[dtype]
     assert relative_error(layer.weight.grad, ref.grad_weight) <= allowed
+
+
+# ---------------------------------------------------------------- CUDA (runs only where a GPU exists)
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("amp", [None, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("early", EARLY)
+def test_cuda_head_matches_oracle_and_torch_adamw(amp, early):
+    dev, dtype = torch.device("cuda"), amp or torch.float32
+    grad_layer = DADAutogradLinear(96, 1001, update="grad", device=dev)
+    layer = DADAutogradLinear(96, 1001, lr=1e-3, device=dev)
+    layer.load_state_dict(grad_layer.state_dict())
+    grad_layer.early_gradients = layer.early_gradients = early
+    x, y = torch.randn(4, 37, 96, device=dev), torch.randint(0, 1001, (4, 37), device=dev)
+    y[:, -3:] = -100
+    w0, b0 = grad_layer.weight.detach().double(), grad_layer.bias.detach().double()
+    oracle = F.head_loss_and_gradients(x.reshape(-1, 96).double(), w0, b0, y.reshape(-1))
+    low = F.head_loss_and_gradients(x.reshape(-1, 96).to(dtype), w0.to(dtype), b0.to(dtype), y.reshape(-1))
+    for dad in (grad_layer, layer):
+        with torch.autocast("cuda", dtype=dtype, enabled=amp is not None):
+            with label_context(dad, y):
+                Fn.cross_entropy(dad(x).float().reshape(-1, 1001), y.reshape(-1)).backward()
+    margin = {None: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-3}[amp]
+    allowed = 2 * relative_error(low.grad_weight, oracle.grad_weight) + margin
+    assert relative_error(grad_layer.weight.grad, oracle.grad_weight) <= allowed
+    # the in-place layer took torch's fused AdamW step on that same gradient
+    opt = torch.optim.AdamW(grad_layer.parameters(), lr=1e-3, fused=True)
+    opt.step()
+    assert relative_error(layer.weight.detach(), grad_layer.weight.detach()) < 1e-6
+    assert relative_error(layer.bias.detach(), grad_layer.bias.detach()) < 1e-6
