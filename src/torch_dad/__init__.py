@@ -9,6 +9,7 @@ from __future__ import annotations
 from . import functional, schedules
 from .autograd import DADAutogradLinear, label_context
 from .layers import DADLinear, DADModel
+from .lm_head import DADLMHead, linear_cross_entropy
 from .optim import OptimizerConfig
 from .ridge import GramAccumulator, RidgeSolution
 from .trainer import DADTrainer
@@ -18,6 +19,7 @@ __version__ = "0.1.0"
 __all__ = [
     "DADAutogradLinear",
     "DADLinear",
+    "DADLMHead",
     "DADModel",
     "DADTrainer",
     "GramAccumulator",
@@ -25,6 +27,7 @@ __all__ = [
     "RidgeSolution",
     "functional",
     "label_context",
+    "linear_cross_entropy",
     "schedules",
     "__version__",
 ]

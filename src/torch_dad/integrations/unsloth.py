@@ -1,0 +1,65 @@
+"""Unsloth ``FastLanguageModel`` + DAD LM head: ``patch(model)``. NOT VERIFIED with unsloth itself.
+
+Unsloth needs a CUDA GPU and its own pinned stack (unsloth, unsloth_zoo, bitsandbytes, xformers
+...), which could not be installed here (no GPU on the CI/dev machine; the lent H200 reaches no
+package registry). What is tested is the generic path this function uses, on plain transformers
+causal LMs: :func:`~torch_dad.integrations.causal_lm.replace_lm_head` (see docs/lm_head.md).
+
+How it is meant to work: Unsloth patches the *class* forwards of the backbone (fast attention,
+RoPE, RMSNorm kernels) and of the causal LM. ``patch`` sets an *instance* ``forward`` on the causal
+LM, which in training calls the (Unsloth-patched) backbone for the hidden states and then the DAD
+head's fused step, so Unsloth's fast forward meets the backprop-free head; evaluation and
+generation go through Unsloth's own forward, which reads ``lm_head.weight`` as before.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from ..lm_head import DADLMHead
+from .causal_lm import replace_lm_head, unwrap_model
+
+__all__ = ["patch", "is_unsloth_model"]
+
+
+def is_unsloth_model(model: nn.Module) -> bool:
+    """Whether ``model`` (or the model under its PEFT wrapper) runs a forward patched by Unsloth."""
+    base = unwrap_model(model)
+    for cls in type(base).__mro__:
+        forward = cls.__dict__.get("forward")
+        if forward is not None:
+            return "unsloth" in (getattr(forward, "__module__", "") or "")
+    return False
+
+
+def patch(
+    model: nn.Module,
+    *,
+    untie_embeddings: bool = False,
+    master_dtype: torch.dtype | None = torch.float32,
+    require_unsloth: bool = True,
+    **head_kwargs: Any,
+) -> DADLMHead:
+    """Give a ``FastLanguageModel`` model (PEFT-wrapped or not) a :class:`DADLMHead`; returns the head.
+
+    ``master_dtype`` keeps the head's weights and AdamW moments in float32 (Unsloth loads the head in
+    bf16/fp16; the fused step still computes in the activations' dtype). With a PEFT model,
+    ``backprop_gradients`` defaults to ``True`` so the LoRA adapters keep learning.
+    ``require_unsloth=False`` allows any transformers causal LM.
+    """
+    if require_unsloth and not is_unsloth_model(model):
+        raise ValueError(
+            f"{type(unwrap_model(model)).__name__} does not run an Unsloth-patched forward; load it with "
+            "unsloth.FastLanguageModel.from_pretrained, or pass require_unsloth=False for a plain transformers model"
+        )
+    base = unwrap_model(model)
+    if base is not model:
+        head_kwargs.setdefault("backprop_gradients", True)
+    head = replace_lm_head(base, untie_embeddings=untie_embeddings, **head_kwargs)
+    if master_dtype is not None and head.weight.dtype != master_dtype:
+        head.to(dtype=master_dtype)
+    head.weight.requires_grad_(True)  # a backward must reach the head even when PEFT froze it
+    return head

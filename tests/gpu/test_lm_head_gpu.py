@@ -1,0 +1,112 @@
+"""CUDA paths of the fused linear cross-entropy (torch chunked, liger-kernel, cut-cross-entropy) vs float64."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as TF
+
+from torch_dad import functional as F
+from torch_dad.lm_head import DADLMHead, linear_cross_entropy, resolve_impl
+from torch_dad.optim import OptimizerConfig
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def rel(a, b):
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def available(impl):
+    try:
+        resolve_impl(impl, torch.device("cuda"))
+    except ValueError:
+        return False
+    return True
+
+
+IMPLS = [i for i in ("torch", "compile", "liger", "cce") if torch.cuda.is_available() and available(i)]
+
+
+def case(n, d, v, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, d, generator=g, dtype=torch.float64)
+    w = torch.randn(v, d, generator=g, dtype=torch.float64) / d**0.5
+    y = torch.randint(0, v, (n,), generator=g)
+    y[torch.rand(n, generator=g) < 0.2] = -100
+    return h, w, y
+
+
+def truth(h, w, y):
+    """float64 unfused reference, computed on the GPU (fast) and brought back to the CPU."""
+    h, w, y = h.cuda(), w.cuda(), y.cuda()
+    ref = F.head_loss_and_gradients(h, w, None, y)
+    hh = h.clone().requires_grad_(True)
+    (gi,) = torch.autograd.grad(TF.cross_entropy(TF.linear(hh, w), y), hh)
+    ref = F.HeadGradients(ref.loss.cpu(), ref.logits.cpu(), ref.grad_weight.cpu(), None)
+    return ref, gi.cpu()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("shape", [(252, 507, 1233), (1031, 96, 5003)])
+def test_fp32_matches_float64(impl, shape):
+    if impl not in ("torch", "compile"):
+        pytest.skip("the library kernels are bf16/fp16 kernels; fp32 is checked for the torch paths")
+    if impl == "compile" and shape[0] != 1031:
+        pytest.skip("one shape for impl='compile': each new shape costs a compilation (~20 s)")
+    h, w, y = case(*shape)
+    ref, gi = truth(h, w, y)
+    torch.backends.cuda.matmul.allow_tf32 = False
+    res = linear_cross_entropy(h.float().cuda(), w.float().cuda(), y.cuda(), impl=impl, chunk_size=100)
+    assert abs(float(res.loss) - float(ref.loss)) <= 1e-5 * float(ref.loss)
+    assert rel(res.grad_weight.cpu(), ref.grad_weight) <= 1e-5
+    assert rel(res.grad_input.cpu(), gi) <= 1e-5
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("shape", [(252, 507, 1233), (1031, 96, 5003), (4097, 576, 49152)])
+def test_bf16_within_reference_error(impl, shape):
+    if impl == "compile" and shape[2] != 49152:
+        pytest.skip("one shape for impl='compile': each new shape costs a compilation (~20 s)")
+    h, w, y = case(*shape, seed=1)
+    ref, gi = truth(h, w, y)
+    hc, wc, yc = h.float().cuda(), w.float().cuda(), y.cuda()
+    hb = hc.bfloat16().requires_grad_(True)
+    wb = wc.bfloat16().requires_grad_(True)
+    gh_u, gw_u = torch.autograd.grad(TF.cross_entropy((hb @ wb.T).float(), yc), (hb, wb))
+    res = linear_cross_entropy(hc.bfloat16(), wc, yc, impl=impl, compute_dtype=torch.bfloat16)
+    assert res.impl == impl
+    assert abs(float(res.loss) - float(ref.loss)) <= 1e-2 * float(ref.loss)
+    assert rel(res.grad_weight.cpu(), ref.grad_weight) <= rel(gw_u.cpu(), ref.grad_weight) + 1e-2
+    assert rel(res.grad_input.cpu(), gi) <= rel(gh_u.cpu(), gi) + 1e-2
+    lp = torch.log_softmax(ref.logits, -1).gather(1, y.clamp(min=0)[:, None]).squeeze(1) * (y != -100)
+    assert rel(res.log_probs.cpu(), lp) <= 1e-2
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_head_step_on_cuda_applies_the_reference_gradient(impl):
+    if impl == "compile":
+        pytest.skip("impl='compile' is covered by the two tests above (compilation time)")
+    d, v, lr = 96, 5003, 100.0  # large: the update must dwarf float32 rounding of w
+    h, w, y = case(512, d, v, seed=2)
+    head = DADLMHead(d, v, impl=impl, compute_dtype=torch.bfloat16, device="cuda")
+    # plain SGD (no momentum, no decay): the update is exactly -lr * dL/dW, so it can be compared
+    head.config = OptimizerConfig(name="sgd", lr=lr, momentum=0.0, weight_decay=0.0)
+    with torch.no_grad():
+        head.weight.copy_(w)
+    out = head.fused_loss(h.float().cuda(), y.cuda(), shift=False)
+    out.loss.backward()
+    ref, _ = truth(h, w, y)
+    assert head.last_impl == impl and head.weight.grad is None
+    delta = head.weight.detach().cpu().double() - w
+    assert rel(delta, -lr * ref.grad_weight) <= 1e-2
+
+
+def test_all_ignored_on_cuda_keeps_weights():
+    head = DADLMHead(64, 1000, device="cuda")
+    w0 = head.weight.detach().clone()
+    x = torch.randn(3, 17, 64, device="cuda", requires_grad=True)
+    out = head.fused_loss(x, torch.full((3, 17), -100, device="cuda"))
+    out.loss.backward()
+    assert torch.equal(head.weight, w0)

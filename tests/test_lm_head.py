@@ -1,0 +1,371 @@
+"""Fused linear cross-entropy and DADLMHead against the unfused float64 math (functional + autograd)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as TF
+
+from torch_dad import functional as F
+from torch_dad.lm_head import (
+    DADLMHead,
+    check_token_labels,
+    default_chunk_size,
+    linear_cross_entropy,
+    shift_labels,
+)
+
+TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    a, b = a.detach().double(), b.detach().double()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def make(n, d, v, dtype=torch.float32, bias=False, ignore_frac=0.25, seed=0, device="cpu"):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, d, generator=g, dtype=torch.float64)
+    w = torch.randn(v, d, generator=g, dtype=torch.float64) / d**0.5
+    b = torch.randn(v, generator=g, dtype=torch.float64) * 0.1 if bias else None
+    y = torch.randint(0, v, (n,), generator=g)
+    y[torch.rand(n, generator=g) < ignore_frac] = -100
+
+    def cast(t):
+        return None if t is None else t.to(device=device, dtype=dtype)
+
+    return cast(h), cast(w), cast(b), y.to(device)
+
+
+def reference(h, w, b, y):
+    """Unfused float64 truth: functional oracle for loss/dW/db, autograd for dL/dh."""
+    h64, w64 = h.double(), w.double()
+    b64 = None if b is None else b.double()
+    ref = F.head_loss_and_gradients(h64, w64, b64, y)
+    hh = h64.clone().requires_grad_(True)
+    loss = TF.cross_entropy(TF.linear(hh, w64, b64), y, ignore_index=-100)
+    (gi,) = torch.autograd.grad(loss, hh) if (y != -100).any() else (torch.zeros_like(hh),)
+    logp = torch.log_softmax(ref.logits, -1)
+    valid = y != -100
+    tok = logp.gather(1, y.clamp(min=0)[:, None]).squeeze(1) * valid
+    ent = -(logp.exp() * logp).sum(1) * valid
+    top1 = (ref.logits.argmax(1) == y) & valid
+    return ref, gi, tok, ent, top1
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+@pytest.mark.parametrize("shape", [(37, 23, 101), (5, 7, 13)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("chunk", [None, 7])
+def test_fused_matches_unfused(dtype, shape, bias, chunk):
+    n, d, v = shape
+    h, w, b, y = make(n, d, v, dtype, bias, seed=n + v)
+    res = linear_cross_entropy(h, w, y, b, chunk_size=chunk, token_stats=True, impl="torch")
+    ref, gi, tok, ent, top1 = reference(h, w, b, y)
+    tol = TOL[dtype]
+    assert res.impl == "torch" and res.num_valid == int((y != -100).sum())
+    assert abs(float(res.loss) - float(ref.loss)) <= tol * abs(float(ref.loss))
+    assert rel(res.grad_weight, ref.grad_weight) <= tol
+    assert rel(res.grad_input, gi) <= tol
+    assert res.grad_input.dtype == dtype
+    if bias:
+        assert rel(res.grad_bias, ref.grad_bias) <= tol
+    else:
+        assert res.grad_bias is None
+    assert rel(res.log_probs, tok) <= tol
+    assert rel(res.entropy, ent) <= tol
+    assert torch.equal(res.is_top1, top1)
+
+
+def test_sum_reduction_and_grad_flags():
+    h, w, b, y = make(29, 11, 53, torch.float64, True, seed=3)
+    mean = linear_cross_entropy(h, w, y, b)
+    total = linear_cross_entropy(h, w, y, b, reduction="sum", grad_input=False)
+    n = mean.num_valid
+    assert abs(float(total.loss) - n * float(mean.loss)) < 1e-9 * n
+    assert rel(total.grad_weight, n * mean.grad_weight) < 1e-12
+    assert total.grad_input is None
+    only_input = linear_cross_entropy(h, w, y, b, grad_weight=False)
+    assert only_input.grad_weight is None and only_input.grad_bias is None
+    assert rel(only_input.grad_input, mean.grad_input) < 1e-12
+
+
+def test_bf16_within_reference_error():
+    """bf16: error vs float64 <= the unfused bf16 (HF autocast) path's own error + 1e-2."""
+    n, d, v = 257, 48, 1031
+    h, w, _, y = make(n, d, v, torch.float32, seed=11)
+    ref, gi, _, _, _ = reference(h, w, None, y)
+    # the unfused HF-style bf16 step: bf16 logits, float32 CE, bf16 backward
+    hb = h.bfloat16().requires_grad_(True)
+    wb = w.bfloat16().requires_grad_(True)
+    loss = TF.cross_entropy((hb @ wb.T).float(), y)
+    gh_u, gw_u = torch.autograd.grad(loss, (hb, wb))
+    res = linear_cross_entropy(h, w, y, compute_dtype=torch.bfloat16, chunk_size=60)
+    for ours, unfused, truth in ((res.grad_weight, gw_u, ref.grad_weight), (res.grad_input, gh_u, gi)):
+        assert rel(ours, truth) <= rel(unfused, truth) + 1e-2
+    assert abs(float(res.loss) - float(ref.loss)) <= 1e-2 * float(ref.loss)
+    # bf16 hidden states give a bf16 dL/dhidden, as autograd would
+    res2 = linear_cross_entropy(h.bfloat16(), w, y, compute_dtype=torch.bfloat16)
+    assert res2.grad_input.dtype == torch.bfloat16 and res2.grad_weight.dtype == torch.float32
+
+
+def test_autocast_picks_compute_dtype():
+    h, w, _, y = make(33, 8, 40, torch.float32, seed=5)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        res = linear_cross_entropy(h, w, y)
+    exact = linear_cross_entropy(h, w, y)
+    assert 0 < rel(res.grad_weight, exact.grad_weight) <= 2e-2  # bf16 rounding happened, and stayed small
+
+
+def test_all_ignored_gives_zero():
+    h, w, b, _ = make(9, 5, 17, torch.float64, True)
+    y = torch.full((9,), -100)
+    res = linear_cross_entropy(h, w, y, b)
+    assert res.num_valid == 0 and float(res.loss) == 0.0
+    assert not res.grad_weight.any() and not res.grad_bias.any() and not res.grad_input.any()
+
+
+def test_shift_labels_matches_hf():
+    y = torch.tensor([[5, 6, 7, -100], [1, 2, 3, 4]])
+    assert torch.equal(shift_labels(y), torch.tensor([[6, 7, -100, -100], [2, 3, 4, -100]]))
+
+
+def test_default_chunk_size_bounds_memory():
+    rows = default_chunk_size(49152, torch.bfloat16)
+    assert rows % 16 == 0 and rows * 49152 * 6 <= 64 * 2**20 < (rows + 16) * 49152 * 6
+
+
+@pytest.mark.parametrize(
+    "kwargs,exc,match",
+    [
+        ({"target": torch.zeros(4, dtype=torch.long)}, ValueError, "shape"),
+        ({"target": torch.zeros(6).float()}, TypeError, "integer"),
+        ({"target": torch.full((6,), 17)}, ValueError, r"\[0, 17\)"),
+        ({"target": torch.full((6,), -1)}, ValueError, "ignore_index"),
+        ({"impl": "triton"}, ValueError, "impl"),
+        ({"impl": "liger"}, ValueError, "CUDA"),
+        ({"chunk_size": 0}, ValueError, "chunk_size"),
+        ({"reduction": "none"}, ValueError, "reduction"),
+        ({"hidden": torch.randn(6, 4)}, ValueError, "hidden"),
+        ({"hidden": torch.ones(6, 5, dtype=torch.long)}, TypeError, "hidden"),
+    ],
+)
+def test_bad_input(kwargs, exc, match):
+    h, w, _, y = make(6, 5, 17, torch.float32)
+    args = {"hidden": h, "weight": w, "target": y, **kwargs}
+    with pytest.raises(exc, match=match):
+        linear_cross_entropy(args.pop("hidden"), args.pop("weight"), args.pop("target"), **args)
+
+
+def test_check_token_labels_counts():
+    assert check_token_labels(torch.tensor([[1, -100], [3, 0]]), (2, 2), 4) == 3
+
+
+# ---------------------------------------------------------------- DADLMHead
+
+
+def lm_batch(b=3, t=7, d=12, v=41, seed=0, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(b, t, d, generator=g, dtype=dtype)
+    labels = torch.randint(0, v, (b, t), generator=g)
+    labels[0, :3] = -100  # a prompt
+    labels[2, -2:] = -100  # padding
+    return hidden, labels
+
+
+def hf_loss(logits, labels, num_items=None):
+    """transformers' ForCausalLMLoss: shift, CE summed / num_items (or mean)."""
+    tgt = shift_labels(labels).reshape(-1)
+    lg = logits.reshape(-1, logits.shape[-1]).double()
+    if num_items is None:
+        return TF.cross_entropy(lg, tgt, ignore_index=-100)
+    return TF.cross_entropy(lg, tgt, ignore_index=-100, reduction="sum") / num_items
+
+
+def test_head_inplace_update_equals_adamw_step():
+    d, v = 12, 41
+    head = DADLMHead(d, v, lr=1e-2, weight_decay=0.1, dtype=torch.float64)
+    lin = torch.nn.Linear(d, v, bias=False, dtype=torch.float64)
+    lin.weight.data.copy_(head.weight.data)
+    opt = torch.optim.AdamW(lin.parameters(), lr=1e-2, weight_decay=0.1)
+    for step in range(3):
+        hidden, labels = lm_batch(seed=step)
+        out = head.fused_loss(hidden, labels)
+        out.loss.backward()
+        opt.zero_grad()
+        ref = hf_loss(lin(hidden), labels)
+        ref.backward()
+        opt.step()
+        assert abs(float(out.loss.detach()) - float(ref.detach())) < 1e-12
+        assert rel(head.weight, lin.weight) < 1e-12
+        assert head.weight.grad is None  # the update happened in backward, no .grad kept
+
+
+def test_head_backprop_gradients_use_pre_update_weights():
+    d, v = 12, 41
+    head = DADLMHead(d, v, lr=0.5, backprop_gradients=True, dtype=torch.float64)
+    w0 = head.weight.detach().clone()
+    hidden, labels = lm_batch(seed=4)
+    x = hidden.clone().requires_grad_(True)
+    up = torch.randn(d, d, dtype=torch.float64, requires_grad=True)  # an upstream "adapter"
+    out = head.fused_loss(torch.tanh(x @ up), labels, num_items_in_batch=17)
+    out.loss.backward()
+    x2 = hidden.clone().requires_grad_(True)
+    up2 = up.detach().clone().requires_grad_(True)
+    ref = hf_loss(TF.linear(torch.tanh(x2 @ up2), w0), labels, num_items=17)
+    ref.backward()
+    assert abs(float(out.loss.detach()) - float(ref.detach())) < 1e-12
+    assert rel(x.grad, x2.grad) < 1e-10 and rel(up.grad, up2.grad) < 1e-10
+    assert not torch.equal(head.weight, w0)
+
+
+def test_head_without_backprop_gives_no_hidden_grad():
+    head = DADLMHead(12, 41, dtype=torch.float64)
+    hidden, labels = lm_batch()
+    x = hidden.clone().requires_grad_(True)
+    (x * 2).sum()  # x is a leaf that wants a grad
+    head.fused_loss(x * 1.0, labels).loss.backward()
+    assert x.grad is None or not x.grad.any()
+
+
+def test_head_grad_mode_accumulates_like_autograd():
+    d, v = 12, 41
+    head = DADLMHead(d, v, bias=True, update="grad", dtype=torch.float64)
+    lin = torch.nn.Linear(d, v, dtype=torch.float64)
+    lin.load_state_dict({"weight": head.weight.detach(), "bias": head.bias.detach()})
+    for seed in (1, 2):  # two micro-batches: .grad sums
+        hidden, labels = lm_batch(seed=seed)
+        head.fused_loss(hidden, labels, num_items_in_batch=30).loss.backward()
+        hf_loss(lin(hidden), labels, num_items=30).backward()
+    assert rel(head.weight.grad, lin.weight.grad) < 1e-10
+    assert rel(head.bias.grad, lin.bias.grad) < 1e-10
+    assert head.optim_state is None
+
+
+def test_head_grad_mode_rejects_token_weighted_loss():
+    head = DADLMHead(12, 41, update="grad", dtype=torch.float64)
+    hidden, labels = lm_batch()
+    out = head.fused_loss(hidden, labels)
+    w = torch.rand_like(out.log_probs)
+    with pytest.raises(ValueError, match="update='inplace'"):
+        (-(out.log_probs * w).sum()).backward()
+
+
+def test_head_inplace_token_weighted_upstream_gets_true_hidden_grad():
+    """Any per-token weighting upstream (e.g. TRL's DFT loss) still gets the exact dL/dhidden."""
+    d, v = 12, 41
+    head = DADLMHead(d, v, backprop_gradients=True, dtype=torch.float64)
+    w0 = head.weight.detach().clone()
+    hidden, labels = lm_batch(seed=9)
+    x = hidden.clone().requires_grad_(True)
+    out = head.fused_loss(x, labels, token_stats=True)
+    weights = torch.rand(out.log_probs.shape, dtype=torch.float64)
+    (-(out.log_probs * weights).sum()).backward()
+    x2 = hidden.clone().requires_grad_(True)
+    logp = torch.log_softmax(TF.linear(x2, w0), -1)
+    tgt = shift_labels(labels)
+    tok = logp.gather(-1, tgt.clamp(min=0)[..., None]).squeeze(-1) * (tgt != -100)
+    (-(tok * weights).sum()).backward()
+    assert rel(x.grad, x2.grad) < 1e-10
+    assert rel(out.log_probs, tok) < 1e-12
+    ent = -(logp.exp() * logp).sum(-1) * (tgt != -100)
+    assert rel(out.entropy, ent) < 1e-12
+    assert torch.equal(out.is_top1, (logp.argmax(-1) == tgt) & (tgt != -100))
+    assert torch.equal(out.label_mask, tgt != -100)
+
+
+def test_head_all_ignored_leaves_weights_and_state_unchanged():
+    head = DADLMHead(12, 41, dtype=torch.float64)
+    hidden, labels = lm_batch()
+    head.fused_loss(hidden, labels).loss.backward()  # one real step, so moments are non-zero
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    x = hidden.clone().requires_grad_(True)
+    out = head.fused_loss(x, torch.full_like(labels, -100))
+    assert float(out.loss) == 0.0
+    out.loss.backward()  # must not fail
+    for k, v in head.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_head_second_backward_raises():
+    head = DADLMHead(12, 41, dtype=torch.float64)
+    hidden, labels = lm_batch()
+    out = head.fused_loss(hidden, labels)
+    out.loss.backward(retain_graph=True)
+    with pytest.raises(RuntimeError, match="second backward"):
+        out.loss.backward()
+
+
+def test_head_eval_and_no_grad_do_not_update():
+    head = DADLMHead(12, 41, dtype=torch.float64)
+    hidden, labels = lm_batch()
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    with torch.no_grad():
+        out = head.fused_loss(hidden, labels, token_stats=True)
+    head.eval()
+    out2 = head.fused_loss(hidden, labels)
+    assert abs(float(out.loss) - float(out2.loss)) < 1e-12
+    assert abs(float(out.loss) - float(hf_loss(head(hidden), labels))) < 1e-12
+    for k, v in head.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+def test_head_forward_is_linear_and_from_linear_copies():
+    lin = torch.nn.Linear(12, 41, bias=True)
+    head = DADLMHead.from_linear(lin)
+    x = torch.randn(2, 3, 12)
+    assert torch.equal(head(x), lin(x))
+    assert head.weight.data_ptr() != lin.weight.data_ptr()
+    assert head.out_features == 41
+
+
+@pytest.mark.parametrize(
+    "labels,exc,match",
+    [
+        (torch.zeros(3, 6, dtype=torch.long), ValueError, "shape"),
+        (torch.zeros(3, 7), TypeError, "integer"),
+        (torch.full((3, 7), 41), ValueError, "vocabulary"),
+        ("x", TypeError, "Tensor"),
+    ],
+)
+def test_head_bad_labels_leave_state_unchanged(labels, exc, match):
+    head = DADLMHead(12, 41, dtype=torch.float64)
+    hidden, _ = lm_batch()
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    with pytest.raises(exc, match=match):
+        head.fused_loss(hidden, labels)
+    for k, v in head.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [({"update": "adam"}, "update"), ({"impl": "x"}, "impl"), ({"chunk_size": -1}, "chunk_size"), ({"lr": -1.0}, "lr")],
+)
+def test_head_bad_config(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DADLMHead(12, 41, **kwargs)
+
+
+def test_head_wrong_hidden_width():
+    head = DADLMHead(12, 41)
+    with pytest.raises(ValueError, match="in_features=12"):
+        head.fused_loss(torch.randn(2, 3, 11), torch.zeros(2, 3, dtype=torch.long))
+
+
+def test_compiled_chunk_body_matches_reference():
+    """The chunk function impl='compile' hands to torch.compile (CUDA), run eagerly here in float32."""
+    from torch_dad.lm_head import _ce_grad_chunk
+
+    g = torch.Generator().manual_seed(7)
+    logits = torch.randn(19, 37, generator=g)
+    target = torch.randint(0, 37, (19,), generator=g)
+    valid = torch.rand(19, generator=g) > 0.3
+    grad, log_p = _ce_grad_chunk(logits, target, valid, torch.tensor(0.25))
+    lg = logits.double()
+    _, d_ref = F.cross_entropy_error(lg, torch.where(valid, target, torch.full_like(target, -100)))
+    d_ref = d_ref * int(valid.sum()) * 0.25  # cross_entropy_error divides by the valid count
+    lp_ref = torch.log_softmax(lg, -1).gather(1, target[:, None]).squeeze(1) * valid
+    assert rel(grad, d_ref) <= 1e-6 and rel(log_p, lp_ref) <= 1e-6
+    with pytest.raises(ValueError, match="CUDA"):
+        linear_cross_entropy(logits[:, :5], torch.randn(7, 5), target.clamp(max=6), impl="compile")
