@@ -89,15 +89,21 @@ def test_solve_head_from_loader_equals_functional_ridge():
     assert solution.lambda_reg == 0.3
 
 
-def test_solve_head_uses_statistics_accumulated_by_step():
+@pytest.mark.parametrize("sample_size", [0, 256])
+def test_solve_head_uses_statistics_accumulated_by_step(sample_size):
     (xtr, ytr), (xte, yte) = data.synthetic(num_train=4096, num_features=20, seed=3)
-    trainer = td.DADTrainer(Net(), lr=3e-3)
+    trainer = td.DADTrainer(Net(), lr=3e-3, head_sample_size=sample_size)
+    assert trainer.accumulate_head_statistics == (sample_size == 0)
     for x, y in data.batches(xtr, ytr, 128):
         trainer.step(x, y)
-    assert trainer.head_statistics.num_samples > 0
+    if sample_size:
+        assert trainer.head_sample.size == sample_size
+    else:
+        assert trainer.head_statistics.num_samples > 0
     solution = trainer.solve_head()
     assert solution.gcv is not None and solution.lambda_reg > 0
     assert trainer.head_statistics.num_samples == 0  # reset after a solve
+    assert trainer.head_sample is None or trainer.head_sample.size == 0
     assert trainer.evaluate((xte, yte))["accuracy"] > 0.9
     with pytest.raises(ValueError, match="no Gram statistics"):
         trainer.solve_head()

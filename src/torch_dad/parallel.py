@@ -434,6 +434,7 @@ class Pipeline:
         layers = trainer.model._require_layers()
         # the last stage never sees raw inputs: solve_head() uses its streamed Gram statistics
         trainer.head_sample = None
+        trainer.accumulate_head_statistics = True
         if trainer.gradient_reducer is not None:
             raise ValueError("trainer.gradient_reducer is set; a Pipeline stage updates from its own batch only")
         # agree first, so a rank with another model cannot fail alone and leave the others waiting
