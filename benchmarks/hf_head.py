@@ -376,13 +376,16 @@ def wheel_worker(args: argparse.Namespace) -> None:
 def summary(records: list[dict[str, Any]]) -> str:
     lines = ["| system | accuracy (mean ± std) | wall s (mean) | steps/s | peak MiB |", "|---|---|---|---|---|"]
     for system in dict.fromkeys(r["system"] for r in records):
-        rows = [r for r in records if r["system"] == system]
+        rows = [r for r in records if r["system"] == system and r["accuracy"] is not None]
+        if not rows:
+            lines.append(f"| {system} | failed | – | – | – |")
+            continue
         acc = torch.tensor([r["accuracy"] for r in rows], dtype=torch.float64) * 100
         std = float(acc.std()) if len(rows) > 1 else 0.0
-        wall = sum(r["wall_s"] for r in rows) / len(rows)
+        wall = sum(r["wall_s"] or 0.0 for r in rows) / len(rows)
         rates = [r["steps_per_s"] for r in rows if r["steps_per_s"] is not None]
         rate = f"{sum(rates) / len(rates):.1f}" if rates else "–"
-        peak = max(r["peak_mib"] for r in rows)
+        peak = max(r["peak_mib"] or 0.0 for r in rows)
         lines.append(f"| {system} | {float(acc.mean()):.2f} ± {std:.2f}% | {wall:.1f} | {rate} | {peak:.0f} |")
     return "\n".join(lines)
 
@@ -451,12 +454,20 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.wheel_dir or not (Path(args.wheel_dir) / "torch_dad").is_dir():
                     print("hf_head: --wheel-dir with the extracted wheel not given; skipping the wheel")
                     break
-                record = run_wheel(args, device)
+                try:
+                    record = run_wheel(args, device)
+                except RuntimeError as error:  # the wheel's own failure is a result, not a crash
+                    print(f"hf_head: {error}", flush=True)
+                    record = {"epochs": args.epochs, "accuracy": None, "wall_s": None, "steps_per_s": None,
+                              "peak_mib": None, "error": str(error)[-2000:]}
             else:
                 parser.error(f"unknown system {system!r}; choose from {[*SYSTEMS, 'lbfgs-logreg']}")
             record = {"system": system, "seed": seed, **record, **env}
             records.append(record)
             print(json.dumps(record), flush=True)
+            if args.out:  # after every run, so a time limit keeps what finished
+                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+                Path(args.out).write_text(json.dumps(records, indent=2) + "\n")
     records.append({"system": "majority-class", "seed": None, "epochs": None, "accuracy": data["majority"],
                     "wall_s": 0.0, "steps_per_s": None, "peak_mib": 0.0, **env})
     if args.out:
