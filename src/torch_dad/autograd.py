@@ -56,6 +56,11 @@ def _inside_backward() -> bool:
     return task_id is not None and task_id() != -1
 
 
+def _rows(tensor: Tensor) -> Tensor:
+    """``tensor`` as (rows, last dim): (B, T, D) -> (B*T, D)."""
+    return tensor.reshape(-1, tensor.shape[-1])
+
+
 def cross_entropy_grad(
     logits: Tensor, target: Tensor, *, ignore_index: int = F.IGNORE_INDEX, label_smoothing: float = 0.0
 ) -> tuple[Tensor, Tensor]:
@@ -88,10 +93,12 @@ def cross_entropy_grad(
 class DADAutogradFunction(torch.autograd.Function):
     """``out = act(x @ W.T + b)``; backward = local DAD update (+ optional true ``dL/dx``).
 
-    ``apply(x, weight, bias, head_weight, head_bias, module, labels)``. Forward saves ``x``
-    and one activation tensor (``h`` for relu/tanh/identity, ``z`` for gelu; the output logits
-    for a head). Backward reads the labels stored at forward time, asks
-    ``module._local_gradients`` for the gradient list and hands it to ``module._apply_local``.
+    ``apply(x, weight, bias, head_weight, head_bias, module, labels)``. The local gradients
+    (``module._local_gradients``) depend only on forward-time tensors. Forward either saves
+    ``x`` and one activation (``h`` for relu/tanh/identity, ``z`` for gelu; the logits for a
+    head) and backward forms the gradients, or, when they are smaller than those activations
+    (an LM head), forward forms them at once and saves only them (``module.early_gradients``).
+    Backward then hands them to ``module._apply_local``; ``dL/dx`` (if asked) comes first.
     """
 
     @staticmethod
@@ -109,21 +116,42 @@ class DADAutogradFunction(torch.autograd.Function):
         z = nn.functional.linear(a, w, b)
         out = F.activation_forward(z, module.activation)
         ctx.module = module
-        ctx.labels = labels  # an attribute, not a saved tensor: checkpoint recomputation keeps the original
         ctx.input_dtype = inputs.dtype
         ctx.input_shape = inputs.shape
         ctx.update_count = module._update_count
         ctx.versions = module._versions()
         ctx.used = False
-        saved = z if module.activation == "gelu" else out
-        ctx.save_for_backward(a, saved)
+        activation = module.activation
+        saved = z if activation == "gelu" else out
+        # what dL/dx needs besides W: act'(z), read off h (relu, tanh) or z (gelu)
+        keep_for_input = module.backprop_gradients and activation != "identity"
+        learns = labels is not None and module._trains()
+        grad_numel = sum(t.numel() for t in module._trained_tensors())
+        # The local gradients depend only on forward-time tensors, so they can be formed now and
+        # the activations dropped, whichever is smaller: for an LM head (8192 tokens, hidden 576,
+        # vocab 49152) x and the logits are 14x the size of dL/dW.
+        early = module.early_gradients
+        if early is None:
+            early = grad_numel < a.numel() + (0 if keep_for_input else saved.numel())
+        if module.preconditioner is not None:
+            early = False  # the Gram update needs this step's inputs at backward time
+        ctx.early = learns and early
+        ctx.labels = None if ctx.early else labels  # an attribute: checkpoint recomputation keeps it
+        if ctx.early:
+            assert labels is not None
+            with torch.autocast(inputs.device.type, enabled=False):
+                gelu_z = _rows(z) if activation == "gelu" else None
+                grads = module._local_gradients(_rows(a), _rows(out), gelu_z, labels)
+            ctx.save_for_backward(saved if keep_for_input else None, *grads)
+        else:
+            ctx.save_for_backward(saved, a if learns else None)
         return out
 
     @staticmethod
     @once_differentiable
     def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         module: DADAutogradLinear = ctx.module
-        a, saved = ctx.saved_tensors
+        saved, *rest = ctx.saved_tensors
         if module.update == "inplace":
             if ctx.used or module._update_count != ctx.update_count:
                 raise RuntimeError(
@@ -139,31 +167,35 @@ class DADAutogradFunction(torch.autograd.Function):
             )
         ctx.used = True
         activation = module.activation
-        if activation == "gelu":
-            z = saved
-            h = F.activation_forward(z, activation)
-        else:
-            z, h = None, saved
-        a2 = a.reshape(-1, a.shape[-1])
-        h2 = h.reshape(-1, h.shape[-1])
-        z2 = z.reshape(-1, z.shape[-1]) if z is not None else None
+        h2 = z2 = None
+        if saved is not None:
+            z = saved if activation == "gelu" else None
+            h = F.activation_forward(saved, activation) if z is not None else saved
+            h2, z2 = _rows(h), (_rows(z) if z is not None else None)
 
         grad_input = None
         if module.backprop_gradients and ctx.needs_input_grad[0]:
             # computed before the update below: dL/dx uses this step's pre-update weights
-            g = grad_output.reshape(-1, grad_output.shape[-1])
+            g = _rows(grad_output)
             if activation == "relu":
+                assert h2 is not None
                 g = torch.ops.aten.threshold_backward(g, h2.to(g.dtype), 0)
             elif activation != "identity":
+                assert h2 is not None
                 g = g * F.activation_derivative(z2 if z2 is not None else h2, h2, activation).to(g.dtype)
             weight = module.weight if module.weight.dtype == g.dtype else module.weight.to(g.dtype)
             grad_input = (g @ weight.detach()).to(ctx.input_dtype).reshape(ctx.input_shape)
 
         grads_out: list[Tensor | None] = [None, None, None, None]
-        if module._trains() and ctx.labels is not None:
-            grads = module._local_gradients(a2, h2, z2, ctx.labels)
+        grads: list[Tensor] | None = None
+        if ctx.early:
+            grads = list(rest)
+        elif module._trains() and ctx.labels is not None and rest[0] is not None:
+            assert h2 is not None
+            grads = module._local_gradients(_rows(rest[0]), h2, z2, ctx.labels)
             if module.preconditioner is not None:
-                grads = module._precondition(a2, ctx.labels, grads)
+                grads = module._precondition(_rows(rest[0]), ctx.labels, grads)
+        if grads is not None:
             applied = module._apply_local(grads)
             if applied is not None:
                 # update="grad": hand the gradients to autograd, which accumulates them into .grad
@@ -208,6 +240,9 @@ class DADAutogradLinear(nn.Module):
         precondition_damping, precondition_window: its relative damping and forgetting window.
 
     Attributes:
+        early_gradients: ``None`` (default) forms the local gradients in forward when they are
+            smaller than the activations backward would need (an LM head), else in backward;
+            ``True``/``False`` forces one. Results are the same; only memory differs.
         grad_scaler: with ``update="grad"`` under fp16, set it to the ``torch.amp.GradScaler``
             in use so the local gradients land in ``.grad`` scaled like backprop's.
         last_local_loss: the local loss of the last backward (a 0-dim tensor, no host sync).
@@ -288,8 +323,10 @@ class DADAutogradLinear(nn.Module):
         self.grad_scaler: Any = None
         self.last_local_loss: Tensor | None = None
         self._y_context: Tensor | None = None
+        self._forward_labels: Tensor | None = None
         self._update_count = 0
         self._warned_fp16 = False
+        self.early_gradients: bool | None = None
 
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **kw))
@@ -378,7 +415,9 @@ class DADAutogradLinear(nn.Module):
             if self.preconditioner is not None:
                 local += [f"preconditioner.{k}" for k in self.preconditioner.state_dict()]
             self._kept_keys = {prefix + n for n in local if prefix + n not in state_dict}
-        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs)
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
     @staticmethod
     def _keep_local(module: nn.Module, incompatible: Any) -> None:
@@ -453,23 +492,25 @@ class DADAutogradLinear(nn.Module):
                 f"inputs have shape {tuple(inputs.shape)}; the last dim must be in_features={self.in_features}"
             )
         records = torch.is_grad_enabled() and (inputs.requires_grad or self._trains())
+        recomputing = _inside_backward()
+        if self.training and not recomputing:
+            # what a checkpoint recomputation of this forward will need: use_reentrant=True runs
+            # the first forward under no_grad and the recorded one inside backward, often after
+            # the labels were cleared or replaced
+            self._forward_labels = self._y_context
         if not (self.training and records):
             a, w, b = self._cast_for_forward(inputs, self.weight, self.bias)
             return F.activation_forward(nn.functional.linear(a, w, b), self.activation)
-        labels = self._y_context
+        labels = self._forward_labels if recomputing and self._forward_labels is not None else self._y_context
         if labels is not None:
             labels = self._check_y(inputs, labels)
-        elif self._trains() and not _inside_backward():
-            # inside a backward this forward is checkpoint's recomputation: the original node
-            # keeps the labels it saw, these are not used
+        elif self._trains():
             raise ValueError(
                 "DADAutogradLinear needs labels in training mode: call layer.set_y_context(labels) or wrap the "
                 "forward in `with torch_dad.label_context(model, labels):`; use model.eval() or torch.no_grad() "
                 "for inference"
             )
-        return DADAutogradFunction.apply(
-            inputs, self.weight, self.bias, self.head_weight, self.head_bias, self, labels
-        )
+        return DADAutogradFunction.apply(inputs, self.weight, self.bias, self.head_weight, self.head_bias, self, labels)
 
     # ------------------------------------------------------------------ local update
     def _trains(self) -> bool:
@@ -487,7 +528,9 @@ class DADAutogradLinear(nn.Module):
     def _versions(self) -> tuple[int, ...]:
         return tuple(t._version for t in self._trained_tensors())
 
-    def _local_gradients(self, inputs: Tensor, output: Tensor, pre_activation: Tensor | None, labels: Tensor) -> list[Tensor]:
+    def _local_gradients(
+        self, inputs: Tensor, output: Tensor, pre_activation: Tensor | None, labels: Tensor
+    ) -> list[Tensor]:
         """Closed-form local gradients, in the order of :meth:`_trained_tensors`, before any update.
 
         ``inputs`` (N, in), ``output = act(z)`` (N, out), ``pre_activation = z`` (gelu only, else
