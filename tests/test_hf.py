@@ -404,3 +404,33 @@ def test_lora_hybrid_training_updates_adapters_and_head_only() -> None:
     params = dict(model.named_parameters())
     for name, value in frozen.items():
         assert torch.equal(params[name], value), name
+
+
+def test_trainer_resume_from_checkpoint_restores_preconditioner(tmp_path) -> None:
+    """Interrupted after epoch 1 and resumed: the same final head as one uninterrupted run."""
+
+    def model_with_head() -> nn.Module:
+        model = tiny_model("bert")
+        replace_head(model, precondition="gram")
+        _freeze_backbone(model, "classifier")
+        return model
+
+    common = {"num_train_epochs": 2, "optim": "sgd", "learning_rate": 0.5, "max_grad_norm": 1.0}
+    full = model_with_head()
+    _train(full, tmp_path / "full", **common)
+    first = model_with_head()
+    _train(first, tmp_path / "cut", save_strategy="epoch", **common)
+    checkpoint = sorted((tmp_path / "cut").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[0]
+    resumed = model_with_head()
+    args = {
+        "output_dir": str(tmp_path / "cut"), "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
+        "warmup_steps": 1, "report_to": [], "save_strategy": "no", "use_cpu": True, "logging_strategy": "no",
+        "seed": 3, "disable_tqdm": True, **common,
+    }
+    trainer = transformers.Trainer(
+        model=resumed, args=transformers.TrainingArguments(**args), train_dataset=_dataset(24, 3, 5)
+    )
+    trainer.train(resume_from_checkpoint=str(checkpoint))
+    assert float(resumed.classifier.preconditioner.count) == float(full.classifier.preconditioner.count) == 48
+    torch.testing.assert_close(resumed.classifier.weight, full.classifier.weight, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(resumed.classifier.preconditioner.gram, full.classifier.preconditioner.gram)
