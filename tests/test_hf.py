@@ -339,10 +339,8 @@ def test_fit_head_closed_form_bad_input_leaves_head_unchanged() -> None:
     assert model.training and model.bert.training  # modes restored after the error
 
 
-peft = pytest.importorskip("peft")
-
-
 def _lora(model: nn.Module) -> nn.Module:
+    peft = pytest.importorskip("peft")  # per test: without peft only the PEFT tests skip
     config = peft.LoraConfig(
         task_type="SEQ_CLS", r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["query", "value"]
     )

@@ -179,3 +179,23 @@ def test_gram_head_converges_on_ill_conditioned_features() -> None:
             losses[precondition] = float(nn.functional.cross_entropy(layer(x), y))
     assert losses["gram"] < optimum + 0.03
     assert losses[None] > optimum + 0.2
+
+
+def test_inplace_preconditioned_step_is_sgd_on_preconditioned_grad() -> None:
+    g = torch.Generator().manual_seed(5)
+    layer = DADAutogradLinear(
+        9, 3, update="inplace", precondition="gram", lr=0.7, weight_decay=0.01, dtype=torch.float64
+    )
+    reference = DADAutogradLinear(9, 3, update="grad", precondition="gram", dtype=torch.float64)
+    reference.load_state_dict(layer.state_dict(), strict=False)  # the grad-mode twin has no optimizer state
+    w0, b0 = layer.weight.detach().clone(), layer.bias.detach().clone()
+    x = torch.randn(12, 9, generator=g, dtype=torch.float64)
+    y = torch.randint(0, 3, (12,), generator=g)
+    for module in (layer, reference):
+        module.set_y_context(y)
+        module(x).sum().backward()
+    assert layer.weight.grad is None  # applied in place, nothing left for an optimizer
+    expected_w = w0 * (1 - 0.7 * 0.01) - 0.7 * reference.weight.grad
+    expected_b = b0 * (1 - 0.7 * 0.01) - 0.7 * reference.bias.grad
+    assert rel_err(layer.weight.detach(), expected_w) < 1e-12
+    assert rel_err(layer.bias.detach(), expected_b) < 1e-12

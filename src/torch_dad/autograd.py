@@ -237,6 +237,8 @@ class DADAutogradLinear(nn.Module):
             layer's weight/bias gradient by ``(S/n + damping I)^-1``, ``S`` the running Gram of
             ``[x, 1]`` over the training rows (:class:`torch_dad.precondition.GramPreconditioner`).
             For heads on badly conditioned frozen features; see ``docs/hf.md``.
+            With ``update="inplace"`` the step is plain SGD (``p -= lr * (g @ M^-1)``, decoupled
+            weight decay, no momentum): use ``lr`` near 1.
         precondition_damping, precondition_window: its relative damping and forgetting window.
 
     Attributes:
@@ -355,6 +357,11 @@ class DADAutogradLinear(nn.Module):
             self.preconditioner = GramPreconditioner(
                 in_features, damping=precondition_damping, window=precondition_window, device=device
             )
+            if update == "inplace":
+                # the preconditioned gradient is already a scaled (Gauss-Newton-like) step: apply it
+                # with plain SGD; AdamW's per-coordinate scaling undoes it (57.3% vs 71.4% test
+                # accuracy on all-MiniLM-L6-v2 features, docs/hf.md)
+                self.config = OptimizerConfig(name="sgd", lr=lr, weight_decay=weight_decay, momentum=0.0)
         self._kept_keys: set[str] = set()
         self.register_load_state_dict_post_hook(DADAutogradLinear._keep_local)
 

@@ -134,7 +134,9 @@ def replace_head(
     then :func:`install_label_routing`. ``update="grad"`` (the default) writes the head's
     gradient into ``.grad``, so ``Trainer``'s optimizer, LR schedule, gradient accumulation,
     clipping, checkpointing and DDP apply unchanged; ``precondition="gram"`` right-multiplies
-    it by the inverse running Gram matrix of the head's inputs (see :mod:`torch_dad.precondition`).
+    it by the inverse running Gram matrix of the head's inputs (see :mod:`torch_dad.precondition`);
+    pair it with plain SGD at a learning rate near 1 (``TrainingArguments(optim="sgd",
+    learning_rate=1.0)``), or use ``update="inplace"``, whose SGD step defaults to ``lr=1.0`` here.
     Other keywords go to :class:`~torch_dad.DADAutogradLinear`.
     """
     name = find_head(model, head_name)
@@ -165,6 +167,8 @@ def replace_head(
             "a DAD head's classes are the model's labels"
         )
     layer_kwargs.pop("num_classes", None)
+    if precondition is not None and update == "inplace":
+        layer_kwargs.setdefault("lr", 1.0)  # an in-place preconditioned step is SGD at lr ~1
     head = DADAutogradLinear.from_linear(
         old,
         num_labels,
