@@ -322,7 +322,11 @@ def test_pipeline_equals_sequential(ranks, name, bounds):
     assert r0["solution"] is None and relative_error(r1["solution"].weight, solution.weight.cpu()) <= 1e-5
     streamed = trainer.solve_head(lambda_reg=0.1, loader=[make_data()[:2]])
     assert r0["streamed_solution"] is None
-    assert same(r1["streamed_solution"].weight, streamed.weight.cpu())
+    # on CUDA the Gram statistics sum with atomics (index_add_), and the solve amplifies the last bits
+    if ranks.device == "cpu":
+        assert torch.equal(r1["streamed_solution"].weight, streamed.weight.cpu())
+    else:
+        assert relative_error(r1["streamed_solution"].weight, streamed.weight.cpu()) <= 1e-5
     metrics = trainer.evaluate(make_data()[2:], batch_size=10)
     for r in (r0, r1):
         assert r["evaluate"]["accuracy"] == metrics["accuracy"]
