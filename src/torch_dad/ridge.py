@@ -273,9 +273,15 @@ class InputReservoir(torch.nn.Module):
             # row t (1-based count t) replaces a uniform slot of [0, t) when that slot is < capacity
             counts = torch.arange(self._seen + direct + 1, self._seen + n + 1, device=device, dtype=torch.float64)
             slot = (torch.rand(rest, generator=self._generator, device=device, dtype=torch.float64) * counts).long()
-            slot = torch.where(slot < self.capacity, slot, torch.full_like(slot, self.capacity))
-            self.inputs.index_copy_(0, slot, inputs[direct:].to(self.inputs.dtype))
-            self.labels.index_copy_(0, slot, labels[direct:])
+            if device.type == "cpu":
+                # no sync to avoid on CPU: copy only the kept rows (B x capacity / seen of them)
+                keep = (slot < self.capacity).nonzero().squeeze(1)
+                self.inputs.index_copy_(0, slot[keep], inputs[direct:][keep].to(self.inputs.dtype))
+                self.labels.index_copy_(0, slot[keep], labels[direct:][keep])
+            else:
+                slot = torch.where(slot < self.capacity, slot, torch.full_like(slot, self.capacity))
+                self.inputs.index_copy_(0, slot, inputs[direct:].to(self.inputs.dtype))
+                self.labels.index_copy_(0, slot, labels[direct:])
         self._seen += n
         self.seen.fill_(self._seen)
 
