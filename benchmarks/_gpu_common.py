@@ -70,15 +70,20 @@ def make_data(n_in: int, classes: int, batch: int, pool: int, device: torch.devi
 
 
 def dad_system(n_in: int, widths: Sequence[int], classes: int, device: torch.device, backend: str,
-               amp: torch.dtype | None, head_statistics: bool = True
+               amp: torch.dtype | None, head: str = "sample"
                ) -> tuple[td.DADTrainer, Callable[[torch.Tensor, torch.Tensor], Any]]:
     """A seed MLP (DAD hidden layers + classifier) and its ``DADTrainer.step``.
 
-    ``head_statistics=False`` skips the classifier's Gram statistics (``H^T H``: a d x d x B GEMM
-    that backprop never does, as large as a layer's GEMM when d = 4096)."""
+    ``head`` says what ``step`` keeps for ``solve_head()``: ``"sample"`` (the default
+    ``head_sample_size=4096`` reservoir of input rows), ``"gram"`` (the streamed Gram statistics
+    ``H^T H``: a d x d x B GEMM that backprop never does, as large as a layer's GEMM when
+    d = 4096) or ``"none"`` (the training step alone)."""
+    if head not in ("sample", "gram", "none"):
+        raise ValueError(f"head={head!r} must be 'sample', 'gram' or 'none'")
     model = SeedMLP([n_in, *widths], num_classes=classes)
     trainer = td.DADTrainer(model, device=device, lr=1e-3, amp_dtype=amp, backend=backend,
-                            accumulate_head_statistics=head_statistics)
+                            accumulate_head_statistics=head == "gram",
+                            head_sample_size=4096 if head == "sample" else 0)
     return trainer, trainer.step
 
 

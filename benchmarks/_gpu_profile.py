@@ -29,7 +29,7 @@ def main() -> None:
     out["backprop_gflop_per_step"] = 2 * batch * (3 * macs - n_in * widths[0]) / 1e9
     for system in ("dad", "dad-no-head-stats", "backprop-graphed"):
         if system.startswith("dad"):
-            _, fn = dad_system(n_in, widths, classes, dev, "auto", torch.bfloat16, head_statistics=system == "dad")
+            _, fn = dad_system(n_in, widths, classes, dev, "auto", torch.bfloat16, head={"dad": "sample", "dad-gram-stats": "gram"}.get(system, "none"))
         else:
             fn = backprop_graphed(n_in, widths, classes, dev, torch.bfloat16, batch)
 

@@ -3,9 +3,12 @@
 Systems, measured in one run on the same synthetic data (fp32 inputs resident on the GPU,
 rotated over 8 batches), bf16 compute, fp32 master weights, AdamW:
 
-- ``dad``: ``DADTrainer(backend="auto")``, i.e. the fused step captured in a CUDA graph, with
-  the default ``accumulate_head_statistics=True`` (the classifier's Gram statistics);
-- ``dad-no-head-stats``: the same without the Gram statistics, i.e. the training step alone;
+- ``dad``: ``DADTrainer(backend="auto")`` with its defaults, i.e. the fused step captured in a
+  CUDA graph, plus the ``head_sample_size=4096`` reservoir of input rows for ``solve_head()``
+  (a few copies outside the graph);
+- ``dad-gram-stats``: instead of the sample, the streamed Gram statistics of the classifier's
+  input (``accumulate_head_statistics=True, head_sample_size=0``; the default before 2026-11-30);
+- ``dad-no-head-stats``: neither, i.e. the training step alone;
 - ``backprop-graphed``: forward, backward and fused AdamW (``capturable=True``) in one CUDA graph;
 - ``backprop-eager``: the same, op by op;
 - ``wheel-2026.5.24``: the published wheel's compiled ``DADTrainer.step`` (``--wheel PATH``).
@@ -96,14 +99,14 @@ def main() -> None:
                 j = i % pool
                 return x[j * batch : (j + 1) * batch], y[j * batch : (j + 1) * batch]
 
-            systems = ["dad", "dad-no-head-stats", "backprop-eager"] + (["backprop-graphed"] if cuda else [])
+            systems = ["dad", "dad-gram-stats", "dad-no-head-stats", "backprop-eager"] + (["backprop-graphed"] if cuda else [])
             for system in systems:
                 if cuda:
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats()
                 if system.startswith("dad"):
                     _, fn = dad_system(n_in, widths, classes, device, "auto" if cuda else "fused", amp,
-                                       head_statistics=system == "dad")
+                                       head={"dad": "sample", "dad-gram-stats": "gram"}.get(system, "none"))
                 elif system == "backprop-eager":
                     fn = backprop_eager(n_in, widths, classes, device, amp)
                 else:

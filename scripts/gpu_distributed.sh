@@ -12,8 +12,8 @@ python3 -c "import sys, torch; sys.exit(torch.cuda.device_count() < 2)" || { ech
 OUT="${OUT:-benchmarks/results}"
 mkdir -p "$OUT"
 nvidia-smi topo -m > "$OUT/distributed-topo.txt" 2>&1 || true
-timeout 170 python3 -m torch.distributed.run --standalone --nproc_per_node=2 \
-  benchmarks/distributed.py --out "$OUT/distributed.json" 2>&1 | tee "$OUT/distributed.log" | grep -v Warning
+timeout 420 python3 -m torch.distributed.run --standalone --nproc_per_node=2 \
+  benchmarks/distributed.py --budget-s 240 --out "$OUT/distributed.json" 2>&1 | tee "$OUT/distributed.log" | grep -v Warning
 bench=${PIPESTATUS[0]}
 timeout 60 python3 -m pytest -q -x -p no:cacheprovider tests/test_parallel.py -k nccl 2>&1 | tail -15
 tests=${PIPESTATUS[0]}
