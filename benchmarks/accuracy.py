@@ -462,6 +462,11 @@ def main() -> None:
     parser.add_argument("--ttt-max-epochs", type=int, default=20)
     parser.add_argument("--out", default=None, help="results JSON (default results/accuracy.json)")
     parser.add_argument("--plot-only", action="store_true", help="re-plot and re-summarise an existing JSON")
+    parser.add_argument("--resume", default=None,
+                        help="an earlier results JSON: keep its runs, run only the missing ones (and time to target)")
+    parser.add_argument("--option-lrs", nargs="+", default=None,
+                        help="lr grid for the option systems (dad+..., backprop+cosine); default --lrs; 'best' = "
+                             "the best lr of their base system (dad / backprop) in the --resume records")
     args = parser.parse_args()
     sys.path.insert(0, str(HERE))
     from _common import RESULTS, environment
@@ -491,6 +496,22 @@ def main() -> None:
     jobs: list[dict[str, Any]] = []
     plain = {k: v for k, v in vars(args).items()}
     longest = max(args.epochs)
+    base_best: dict[tuple[str, str], float] = {}
+    if args.option_lrs == ["best"]:
+        if not args.resume:
+            parser.error("--option-lrs best needs --resume (the base systems' runs)")
+        for entry in summarise(json.loads(Path(args.resume).read_text())):
+            if entry["epochs"] == longest:
+                base_best[(entry["dataset"], entry["system"])] = entry["lr"]
+    elif args.option_lrs:
+        args.option_lrs = [float(v) for v in args.option_lrs]
+
+    def option_lrs(ds: str, system: str) -> list[float]:
+        if not base_best:
+            return list(args.option_lrs or args.lrs)
+        base = "backprop" if system.startswith("backprop") else "dad"
+        return [base_best[(ds, base)]] if (ds, base) in base_best else list(args.lrs)
+
     for ds in args.datasets:
         data = load_dataset(ds, args)
         cache = tmp / f"{ds}.pt"
@@ -507,7 +528,8 @@ def main() -> None:
         for tier, seed in [(t, seed) for t in tiers for seed in args.seeds]:
             wheel_jobs = []
             for system in tier:
-                for lr in args.lrs:
+                option = system not in ("dad", "dad-predsim", "dad-drtp", "backprop", WHEEL)
+                for lr in option_lrs(ds, system) if option else args.lrs:
                     scheduled = DAD_SYSTEMS.get(system, BACKPROP_SYSTEMS.get(system, {})).get("cosine")
                     for epochs in (args.epochs if scheduled else [longest]):
                         job = {**base, "system": system, "lr": lr, "seed": seed, "epochs": epochs}
@@ -521,6 +543,19 @@ def main() -> None:
                 jobs.insert(0, {"group": [wheel_job], "cache": str(cache), "args": plain})
     jobs.sort(key=lambda j: 0 if "group" in j else 1 + (j["system"] not in ("dad", "dad-predsim", "dad-drtp", "backprop")))
     records: list[dict[str, Any]] = []
+    if args.resume:
+        # earlier runs count as done; their epoch-3 points are derived again below
+        earlier = [r for r in json.loads(Path(args.resume).read_text())
+                   if r.get("kind") == "run" and "test_acc" in r and "from_curve_of" not in r]
+        done = {(r["dataset"], r["system"], r["lr"], r["seed"], r["epochs"]) for r in earlier}
+
+        def missing(job: dict[str, Any]) -> bool:
+            return (job["dataset"], job["system"], job["lr"], job["seed"], job["epochs"]) not in done
+
+        jobs = [j for j in ({**j, "group": [g for g in j["group"] if missing(g)]} if "group" in j else j for j in jobs)
+                if (j["group"] if "group" in j else missing(j))]
+        records += earlier
+        print(f"resume: {len(earlier)} runs kept from {args.resume}, {len(jobs)} jobs to run", flush=True)
 
     def collect(result: list[dict[str, Any]]) -> None:
         for r in result:

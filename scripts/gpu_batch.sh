@@ -25,7 +25,7 @@ for s in $stages; do
 import json, sys
 sys.argv = ['x']
 from gpu_throughput import run_wheel
-rows = run_wheel("${WHEEL:-$ROOT/.whl/torch_dad-2026.5.24-py3-none-any.whl}",
+rows = run_wheel('${WHEEL:-$ROOT/.whl/torch_dad-2026.5.24-py3-none-any.whl}',
                  [(t, b) for t in ('mnist-medium-3', 'fmnist-wide-2', 'cifar10-medium-3', 'deep-8x1024') for b in (1024, 4096)], 180)
 json.dump(rows, open('$OUT/wheel.json', 'w'), indent=1)
 print(rows)") >>"$log" 2>&1 ;;

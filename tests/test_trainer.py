@@ -237,3 +237,31 @@ def test_input_sample_is_uniform_and_solve_uses_fresh_features():
     w, b = F.ridge_solve(feats, torch.nn.functional.one_hot(labels, 4).double(), 0.5)
     assert relative_error(trainer.model.classifier.weight.detach(), w) < 1e-4
     assert trainer.head_sample.size == 0  # reset after a solve
+
+
+def test_input_reservoir_equals_sequential_algorithm_r():
+    """Batched add() keeps exactly the rows the one-row-at-a-time rule keeps with the same draws,
+    including a slot drawn twice within one batch (the later row wins)."""
+    from torch_dad.ridge import InputReservoir
+
+    capacity, width = 5, 3
+    sample = InputReservoir(capacity, width, seed=7)
+    reference_rng = torch.Generator().manual_seed(7)
+    ref_inputs, ref_labels, seen = torch.zeros(capacity, width), torch.zeros(capacity, dtype=torch.long), 0
+    stream = torch.Generator().manual_seed(1)
+    for batch in (3, 4, 9, 1, 16, 7):
+        x = torch.randn(batch, width, generator=stream)
+        y = torch.randint(0, 10, (batch,), generator=stream)
+        sample.add(x, y)
+        direct = max(0, min(batch, capacity - seen))
+        ref_inputs[seen : seen + direct], ref_labels[seen : seen + direct] = x[:direct], y[:direct]
+        rest = batch - direct
+        if rest:
+            counts = torch.arange(seen + direct + 1, seen + batch + 1, dtype=torch.float64)
+            draws = (torch.rand(rest, generator=reference_rng, dtype=torch.float64) * counts).long()
+            for i, slot in enumerate(draws.tolist()):
+                if slot < capacity:
+                    ref_inputs[slot], ref_labels[slot] = x[direct + i], y[direct + i]
+        seen += batch
+    assert sample.size == capacity and int(sample.seen) == seen
+    assert torch.equal(sample.inputs, ref_inputs) and torch.equal(sample.labels, ref_labels)
