@@ -6,7 +6,9 @@ weights and AdamW moments for both systems. Systems:
 - ``hf-adamw``: ``logits = h @ W.T`` under bf16 autocast, ``F.cross_entropy(logits.float(), y)``,
   ``backward``, ``torch.optim.AdamW(fused=True)`` (shared/baseline/lmhead_probe.py: 5,773 MiB peak);
 - ``dad-fused``: ``DADLMHead(impl="auto")``: chunked fused loss + update in backward, no full logits;
-- ``dad-fused-<impl>[-c<rows>]``: each available implementation (torch, compile, liger, cce) and torch chunk sizes;
+- ``dad-fused-<impl>[-c<rows>]``: each available implementation (torch, triton, compile, liger, cce), torch
+  chunk sizes (``--chunks``), triton chunk sizes (``--triton-chunks``: 512, 1024, 2048) and compile at 1024 rows;
+  on CPU (``--smoke``) the CUDA-only rows are skipped with the reason printed;
 - ``dad-fused+dh``: ``dad-fused`` that also returns ``dL/dhidden`` (``backprop_gradients=True``), for LoRA.
 
 ``peak_mib`` = ``torch.cuda.max_memory_allocated`` during one step after warm-up (static weights,
@@ -117,17 +119,22 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=8192)
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--chunks", type=int, nargs="*", default=[128, 256, 512, 1024])
+    parser.add_argument("--triton-chunks", type=int, nargs="*", default=[512, 1024, 2048])
+    parser.add_argument("--compile-chunks", type=int, nargs="*", default=[1024])
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default results/lm_head.json)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if args.smoke:
         vocab, hidden, tokens, dtype, warmup, repeats = 257, 24, 96, torch.float32, 1, 3
         chunks: list[int] = [32]
+        triton_chunks: list[int] = [32]
+        compile_chunks: list[int] = []
     else:
         if device.type != "cuda":
             sys.exit("the full benchmark needs CUDA; use --smoke on CPU")
         vocab, hidden, tokens, dtype, warmup, repeats = args.vocab, args.hidden, args.tokens, torch.bfloat16, 3, args.repeats
         chunks = args.chunks
+        triton_chunks, compile_chunks = args.triton_chunks, args.compile_chunks
     torch.manual_seed(0)
     h = torch.randn(tokens, hidden, device=device, dtype=dtype)
     y = torch.randint(0, vocab, (tokens,), device=device)
@@ -138,7 +145,8 @@ def main() -> None:
         ("dad-fused", auto, lambda: dad_fused(vocab, hidden, h, y, dtype, "auto")),
         ("dad-fused+dh", auto, lambda: dad_fused(vocab, hidden, h, y, dtype, "auto", grad_hidden=True)),
     ]
-    impls = ["torch"] + ([n for n in ("compile", "liger", "cce") if device.type == "cuda"])
+    impls = ["torch", "triton"] + ([n for n in ("compile", "liger", "cce") if device.type == "cuda"])
+    sizes = {"torch": chunks, "triton": triton_chunks, "compile": compile_chunks}
     for impl in impls:
         try:
             resolve_impl(impl, device)
@@ -146,10 +154,9 @@ def main() -> None:
             print(f"skip impl={impl}: {exc}")
             continue
         systems.append((f"dad-fused-{impl}", impl, lambda impl=impl: dad_fused(vocab, hidden, h, y, dtype, impl)))
-        if impl == "torch":
-            for rows in chunks:
-                systems.append((f"dad-fused-torch-c{rows}", "torch",
-                                lambda rows=rows: dad_fused(vocab, hidden, h, y, dtype, "torch", rows)))
+        for rows in sizes.get(impl, []):
+            systems.append((f"dad-fused-{impl}-c{rows}", impl,
+                            lambda impl=impl, rows=rows: dad_fused(vocab, hidden, h, y, dtype, impl, rows)))
     records = []
     for name, impl, build in systems:
         if device.type == "cuda":

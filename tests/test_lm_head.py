@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as TF
 
 from torch_dad import functional as F
 from torch_dad.lm_head import (
+    CUDA_PREFERENCE,
+    TRITON_CHUNK_BYTES,
+    UNUSABLE,
     DADLMHead,
     check_token_labels,
     default_chunk_size,
     linear_cross_entropy,
+    resolve_impl,
     shift_labels,
 )
 
@@ -142,7 +148,7 @@ def test_default_chunk_size_bounds_memory():
         ({"target": torch.zeros(6).float()}, TypeError, "integer"),
         ({"target": torch.full((6,), 17)}, ValueError, r"\[0, 17\)"),
         ({"target": torch.full((6,), -1)}, ValueError, "ignore_index"),
-        ({"impl": "triton"}, ValueError, "impl"),
+        ({"impl": "nope"}, ValueError, "impl"),
         ({"impl": "liger"}, ValueError, "CUDA"),
         ({"chunk_size": 0}, ValueError, "chunk_size"),
         ({"reduction": "none"}, ValueError, "reduction"),
@@ -155,6 +161,46 @@ def test_bad_input(kwargs, exc, match):
     args = {"hidden": h, "weight": w, "target": y, **kwargs}
     with pytest.raises(exc, match=match):
         linear_cross_entropy(args.pop("hidden"), args.pop("weight"), args.pop("target"), **args)
+
+
+def test_default_chunk_size_triton_keeps_only_the_logits():
+    rows = default_chunk_size(49152, torch.bfloat16, impl="triton")
+    assert rows == 2048 and rows * 49152 * 2 <= TRITON_CHUNK_BYTES
+
+
+def test_auto_prefers_triton_and_falls_back_without_it(monkeypatch):
+    import torch_dad.kernels as K
+
+    cuda = torch.device("cuda")  # resolution only: nothing runs on the device
+    assert CUDA_PREFERENCE[0] == "triton"
+    assert resolve_impl("auto", torch.device("cpu")) == "torch"
+    if K.triton_available():
+        assert resolve_impl("auto", cuda) == "triton"
+        assert resolve_impl("auto", cuda, token_stats=True) == "triton"
+    monkeypatch.setattr(K, "triton_available", lambda: False)
+    assert resolve_impl("auto", cuda) != "triton"
+    assert resolve_impl("auto", cuda, token_stats=True) == "torch"
+    with pytest.raises(ValueError, match="triton is not importable"):
+        resolve_impl("triton", cuda)
+    monkeypatch.undo()
+    monkeypatch.setitem(UNUSABLE, "triton", "RuntimeError: failed here")
+    assert resolve_impl("auto", cuda) != "triton"
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter runs impl='triton' on CPU")
+def test_triton_refused_on_cpu():
+    h, w, _, y = make(6, 5, 17, torch.float32)
+    with pytest.raises(ValueError, match="CUDA"):
+        linear_cross_entropy(h, w, y, impl="triton")
+
+
+def test_cce_refused_for_half_grad_input():
+    """cut-cross-entropy's bf16 dL/dhidden missed the reference tolerance on the H200: refused, not loosened."""
+    cuda = torch.device("cuda")  # the refusal comes before any import or device work
+    for dtype in (torch.bfloat16, torch.float16):
+        with pytest.raises(ValueError, match="impl='triton' or 'torch'"):
+            resolve_impl("cce", cuda, grad_input=True, dtype=dtype)
+        assert resolve_impl("auto", cuda, grad_input=True, dtype=dtype) != "cce"
 
 
 def test_check_token_labels_counts():

@@ -42,6 +42,7 @@ __all__ = [
     "DADLMHead",
     "LMHeadOutput",
     "LinearCrossEntropyResult",
+    "TRITON_CHUNK_BYTES",
     "check_token_labels",
     "default_chunk_size",
     "linear_cross_entropy",
@@ -49,12 +50,19 @@ __all__ = [
     "shift_labels",
 ]
 
-IMPLS: tuple[str, ...] = ("auto", "torch", "compile", "liger", "cce")
+IMPLS: tuple[str, ...] = ("auto", "torch", "triton", "compile", "liger", "cce")
 UPDATES: tuple[str, ...] = ("inplace", "grad")
 # Bytes of transient logits one chunk may hold (compute-dtype logits + their float32 softmax).
 # At V=49152 this is 256 rows: 75 MiB a chunk, against 300 MiB for the 1024-row naive chunk
 # whose step peaked at 1,039 MiB on the H200 (shared/baseline/lmhead_probe.py).
 CHUNK_BYTES = 64 * 2**20
+# Bytes of the logits chunk for impl="triton", which keeps only the compute-dtype logits (its row
+# kernel writes the gradient over them; no float32 copy). At V=49152 bf16 this is 2048 rows
+# (192 MiB): the dW GEMM then has K=2048 and the float32 dW accumulator (113 MiB at D=576) is read
+# and written 4 times for 8192 tokens instead of 32. The step's other memory at that shape (float32
+# weight, AdamW moments, dW, bf16 weight copy) is ~560 MiB, so the peak stays near 760 MiB, under
+# the 962 MiB target (1/6 of the unfused step). benchmarks/lm_head.py also times 512 and 1024 rows.
+TRITON_CHUNK_BYTES = 192 * 2**20
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -78,10 +86,15 @@ class LinearCrossEntropyResult:
     impl: str
 
 
-def default_chunk_size(vocab: int, compute_dtype: torch.dtype, token_stats: bool = False) -> int:
-    """Rows per chunk so one chunk's logits + float32 softmax fit :data:`CHUNK_BYTES` (multiple of 16)."""
-    per_row = vocab * (torch.empty((), dtype=compute_dtype).element_size() + 4 + (4 if token_stats else 0))
-    rows = CHUNK_BYTES // max(per_row, 1)
+def default_chunk_size(vocab: int, compute_dtype: torch.dtype, token_stats: bool = False, impl: str = "torch") -> int:
+    """Rows per chunk (multiple of 16): one chunk's logits + float32 softmax fit :data:`CHUNK_BYTES`;
+    for ``impl="triton"`` the compute-dtype logits alone fit :data:`TRITON_CHUNK_BYTES`."""
+    size = torch.empty((), dtype=compute_dtype).element_size()
+    if impl == "triton":
+        per_row, budget = vocab * size, TRITON_CHUNK_BYTES
+    else:
+        per_row, budget = vocab * (size + 4 + (4 if token_stats else 0)), CHUNK_BYTES
+    rows = budget // max(per_row, 1)
     return max(16, rows // 16 * 16)
 
 
@@ -159,12 +172,34 @@ def _cce_function() -> Callable[..., Any]:
 
 
 _IMPORTERS: dict[str, Callable[[], Callable[..., Any]]] = {"liger": _liger_forward, "cce": _cce_function}
-# Preference on CUDA when impl="auto". liger-kernel keeps the logits chunk in the compute dtype
-# and turns it into the gradient in place with one Triton kernel (two reads, one write); the
-# torch path needs ~6 float32 passes per chunk. benchmarks/lm_head.py measures all three.
-CUDA_PREFERENCE: tuple[str, ...] = ("liger", "torch")
+# cut-cross-entropy 25.1.1's bf16 dL/dhidden was 2.1% off the float64 truth on the H200 at
+# 4097 x 576 x 49152, beyond the unfused bf16 step's own error + 1e-2 that every other impl meets
+# (tests/gpu/test_lm_head_gpu.py); its dL/dW and loss were within. So it is refused for that case.
+_CCE_HALF_GRAD_INPUT = (
+    "impl='cce' is not used for dL/dhidden (grad_input=True / backprop_gradients=True) in bf16/fp16: "
+    "cut-cross-entropy's half-precision dL/dhidden is less accurate than the unfused bf16 step (2.1% off "
+    "float64 at 4097x576x49152). Use impl='triton' or 'torch' (or 'auto'), or grad_input=False with impl='cce'"
+)
+# Preference on CUDA when impl="auto". "triton" (ours, kernels/cross_entropy.py) and liger-kernel
+# both keep the logits chunk in the compute dtype and turn it into the gradient in place with one
+# row kernel (two reads, one write); ours uses 2048-row chunks (large GEMMs) where liger picks
+# ~128 rows. The torch path needs ~6 float32 passes per chunk. benchmarks/lm_head.py measures them.
+CUDA_PREFERENCE: tuple[str, ...] = ("triton", "liger", "torch")
 # libraries that failed to import or run on this machine: impl="auto" skips them (name -> reason)
 UNUSABLE: dict[str, str] = {}
+
+
+def _triton_runnable(device: torch.device) -> str | None:
+    """``None`` if our Triton kernels can run on ``device`` (CUDA, or CPU under ``TRITON_INTERPRET=1``)."""
+    from .kernels import _interpreting, triton_available
+
+    if "triton" in UNUSABLE:
+        return UNUSABLE["triton"]
+    if not triton_available():
+        return "triton is not importable (install torch-dad[gpu])"
+    if device.type != "cuda" and not _interpreting():
+        return f"runs on CUDA only (or on CPU under TRITON_INTERPRET=1), not on {device.type}"
+    return None
 
 
 def _importable(name: str) -> str | None:
@@ -178,36 +213,65 @@ def _importable(name: str) -> str | None:
     return None
 
 
-def resolve_impl(impl: str, device: torch.device, *, bias: bool = False, token_stats: bool = False) -> str:
-    """The implementation ``impl`` stands for on ``device``: ``auto`` = :data:`CUDA_PREFERENCE` on CUDA, torch elsewhere."""
+def resolve_impl(
+    impl: str,
+    device: torch.device,
+    *,
+    bias: bool = False,
+    token_stats: bool = False,
+    grad_input: bool = False,
+    dtype: torch.dtype | None = None,
+) -> str:
+    """The implementation ``impl`` stands for on ``device``: ``auto`` = :data:`CUDA_PREFERENCE` on CUDA, torch elsewhere.
+
+    ``grad_input``/``dtype`` describe the call: cut-cross-entropy is refused for ``dL/dhidden`` in
+    bf16/fp16 (see :data:`_CCE_HALF_GRAD_INPUT`).
+    """
     if impl not in IMPLS:
         raise ValueError(f"impl={impl!r} is not supported; choose one of {', '.join(IMPLS)}")
+    cce_refused = grad_input and dtype in _HALF
     if impl == "auto":
-        if device.type != "cuda" or token_stats:
-            return "torch"  # the libraries do not return per-token entropy
+        if device.type != "cuda":
+            return "torch"
         for name in CUDA_PREFERENCE:
             if name == "torch":
                 return name
-            if (name == "cce" and bias) or _importable(name) is not None:
+            if name == "triton":
+                if _triton_runnable(device) is None:
+                    return name
+                continue
+            if token_stats:
+                continue  # the libraries do not return per-token entropy
+            if (name == "cce" and (bias or cce_refused)) or _importable(name) is not None:
                 continue
             return name
         return "torch"
-    if impl != "torch":
-        if device.type != "cuda":
-            raise ValueError(f"impl={impl!r} runs on CUDA only; use impl='torch' (or 'auto') on {device.type}")
-        if impl == "compile":
-            if token_stats:
-                raise ValueError("impl='compile' returns no per-token entropy; use impl='torch' for token_stats=True")
-            return impl
-        if impl == "cce" and bias:
-            raise ValueError("impl='cce' takes no bias; use impl='torch' or 'liger' for a head with a bias")
-        if token_stats:
-            raise ValueError(f"impl={impl!r} returns no per-token entropy; use impl='torch' for token_stats=True")
-        reason = _importable(impl)
+    if impl == "torch":
+        return impl
+    if impl == "triton":
+        reason = _triton_runnable(device)
         if reason is not None:
-            package = {"liger": "liger-kernel", "cce": "cut-cross-entropy"}[impl]
-            raise ValueError(f"impl={impl!r} needs a working {package} package ({reason}); install it or use "
-                             "impl='torch'")
+            raise ValueError(f"impl='triton' {reason}; use impl='torch' (or 'auto')")
+        return impl
+    if device.type != "cuda":
+        raise ValueError(f"impl={impl!r} runs on CUDA only; use impl='torch' (or 'auto') on {device.type}")
+    if impl == "compile":
+        if token_stats:
+            raise ValueError("impl='compile' returns no per-token entropy; use impl='triton' or 'torch' for "
+                             "token_stats=True")
+        return impl
+    if impl == "cce" and bias:
+        raise ValueError("impl='cce' takes no bias; use impl='triton', 'torch' or 'liger' for a head with a bias")
+    if impl == "cce" and cce_refused:
+        raise ValueError(_CCE_HALF_GRAD_INPUT)
+    if token_stats:
+        raise ValueError(f"impl={impl!r} returns no per-token entropy; use impl='triton' or 'torch' for "
+                         "token_stats=True")
+    reason = _importable(impl)
+    if reason is not None:
+        package = {"liger": "liger-kernel", "cce": "cut-cross-entropy"}[impl]
+        raise ValueError(f"impl={impl!r} needs a working {package} package ({reason}); install it or use "
+                         "impl='triton' or 'torch'")
     return impl
 
 
@@ -242,8 +306,9 @@ def linear_cross_entropy(
     if compute_dtype is not None and (not isinstance(compute_dtype, torch.dtype) or not compute_dtype.is_floating_point):
         raise TypeError(f"compute_dtype={compute_dtype!r} must be a floating torch.dtype or None")
     num_valid = check_token_labels(target, (hidden.shape[0],), weight.shape[0], ignore_index, name="target")
-    name = resolve_impl(impl, hidden.device, bias=bias is not None, token_stats=token_stats)
     dtype = compute_dtype or _autocast_dtype(hidden.device) or torch.promote_types(hidden.dtype, weight.dtype)
+    name = resolve_impl(impl, hidden.device, bias=bias is not None, token_stats=token_stats, grad_input=grad_input,
+                        dtype=dtype)
     scale = (1.0 / num_valid if num_valid else 0.0) if reduction == "mean" else 1.0
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         if name == "compile":
@@ -258,6 +323,12 @@ def linear_cross_entropy(
                 num_valid,
             )
         try:
+            if name == "triton":
+                rows = chunk_size or default_chunk_size(weight.shape[0], dtype, impl="triton")
+                return _triton_linear_cross_entropy(
+                    hidden, weight, target, bias, ignore_index, scale, grad_weight, grad_input, token_stats, rows,
+                    dtype, num_valid,
+                )
             return _library_linear_cross_entropy(
                 name, hidden, weight, target, bias, ignore_index, scale, grad_weight, grad_input, dtype, num_valid
             )
@@ -362,6 +433,65 @@ def _torch_linear_cross_entropy(
         is_top1=top1,
         num_valid=num_valid,
         impl="torch",
+    )
+
+
+def _triton_linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None,
+    ignore_index: int,
+    scale: float,
+    want_gw: bool,
+    want_gi: bool,
+    token_stats: bool,
+    rows: int,
+    dtype: torch.dtype,
+    num_valid: int,
+) -> LinearCrossEntropyResult:
+    """Per chunk: cuBLAS logits in the compute dtype, one Triton row kernel (loss terms + gradient in
+    place, kernels/cross_entropy.py), then the dW / db / dh products from that buffer."""
+    from .kernels.cross_entropy import cross_entropy_rows_
+
+    n, d = hidden.shape
+    vocab = weight.shape[0]
+    device = hidden.device
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    w = weight if weight.dtype == dtype else weight.to(dtype)
+    b = None if bias is None else bias.to(dtype)
+    tgt = target.contiguous()
+    gw = torch.zeros(vocab, d, dtype=acc, device=device) if want_gw else None
+    gb = torch.zeros(vocab, dtype=acc, device=device) if want_gw and bias is not None else None
+    gi = torch.zeros(n, d, dtype=hidden.dtype, device=device) if want_gi else None
+    log_probs = torch.zeros(n, dtype=acc, device=device)
+    entropy = torch.zeros(n, dtype=acc, device=device) if token_stats else None
+    top1 = torch.zeros(n, dtype=torch.bool, device=device) if token_stats else None
+    need_grad = (gw is not None or gi is not None) and num_valid > 0
+    for start in range(0, n, rows):
+        stop = min(start + rows, n)
+        h = hidden[start:stop]
+        h = h if h.dtype == dtype else h.to(dtype)
+        logits = h @ w.T if b is None else torch.addmm(b, h, w.T)
+        cross_entropy_rows_(
+            logits, tgt[start:stop], log_probs[start:stop], ignore_index=ignore_index, scale=scale,
+            write_grad=need_grad, entropy=None if entropy is None else entropy[start:stop],
+            is_top1=None if top1 is None else top1[start:stop],
+        )
+        if not need_grad:
+            continue
+        grad_logits = logits  # now (softmax - onehot) * scale, 0 on ignored rows
+        if gw is not None:
+            _accumulate_mm(gw, grad_logits.T, h)
+            if gb is not None:
+                gb += grad_logits.sum(0, dtype=acc)
+        if gi is not None:
+            gi[start:stop] = grad_logits @ w
+        del logits, grad_logits
+    loss = -log_probs.sum() * scale
+    return LinearCrossEntropyResult(
+        loss=loss.float() if acc != torch.float64 else loss, grad_weight=gw, grad_bias=gb, grad_input=gi,
+        log_probs=log_probs, entropy=entropy, is_top1=top1, num_valid=num_valid, impl="triton",
     )
 
 

@@ -1,4 +1,5 @@
-"""CUDA paths of the fused linear cross-entropy (torch chunked, liger-kernel, cut-cross-entropy) vs float64."""
+"""CUDA paths of the fused linear cross-entropy (torch chunked, triton, compile, liger-kernel, cut-cross-entropy)
+vs float64."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ def available(impl):
     return True
 
 
-IMPLS = [i for i in ("torch", "compile", "liger", "cce") if torch.cuda.is_available() and available(i)]
+IMPLS = [i for i in ("torch", "triton", "compile", "liger", "cce") if torch.cuda.is_available() and available(i)]
 
 
 def case(n, d, v, seed=0):
@@ -51,8 +52,8 @@ def truth(h, w, y):
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("shape", [(252, 507, 1233), (1031, 96, 5003)])
 def test_fp32_matches_float64(impl, shape):
-    if impl not in ("torch", "compile"):
-        pytest.skip("the library kernels are bf16/fp16 kernels; fp32 is checked for the torch paths")
+    if impl not in ("torch", "triton", "compile"):
+        pytest.skip("the library kernels are bf16/fp16 kernels; fp32 is checked for our own paths")
     if impl == "compile" and shape[0] != 1031:
         pytest.skip("one shape for impl='compile': each new shape costs a compilation (~20 s)")
     h, w, y = case(*shape)
@@ -75,11 +76,20 @@ def test_bf16_within_reference_error(impl, shape):
     hb = hc.bfloat16().requires_grad_(True)
     wb = wc.bfloat16().requires_grad_(True)
     gh_u, gw_u = torch.autograd.grad(TF.cross_entropy((hb @ wb.T).float(), yc), (hb, wb))
-    res = linear_cross_entropy(hc.bfloat16(), wc, yc, impl=impl, compute_dtype=torch.bfloat16)
+    want_gi = impl != "cce"
+    if impl == "cce":
+        # cut-cross-entropy's bf16 dL/dhidden was 2.1% off float64 at 4097x576x49152 (beyond this
+        # test's tolerance, which is not loosened): refused with a message naming the fix
+        with pytest.raises(ValueError, match="impl='triton' or 'torch'"):
+            linear_cross_entropy(hc.bfloat16(), wc, yc, impl=impl, compute_dtype=torch.bfloat16)
+    res = linear_cross_entropy(hc.bfloat16(), wc, yc, impl=impl, compute_dtype=torch.bfloat16, grad_input=want_gi)
     assert res.impl == impl
     assert abs(float(res.loss) - float(ref.loss)) <= 1e-2 * float(ref.loss)
     assert rel(res.grad_weight.cpu(), ref.grad_weight) <= rel(gw_u.cpu(), ref.grad_weight) + 1e-2
-    assert rel(res.grad_input.cpu(), gi) <= rel(gh_u.cpu(), gi) + 1e-2
+    if want_gi:
+        assert rel(res.grad_input.cpu(), gi) <= rel(gh_u.cpu(), gi) + 1e-2
+    else:
+        assert res.grad_input is None
     lp = torch.log_softmax(ref.logits, -1).gather(1, y.clamp(min=0)[:, None]).squeeze(1) * (y != -100)
     assert rel(res.log_probs.cpu(), lp) <= 1e-2
 
@@ -91,6 +101,7 @@ def test_head_step_on_cuda_applies_the_reference_gradient(impl):
     d, v, lr = 96, 5003, 100.0  # large: the update must dwarf float32 rounding of w
     h, w, y = case(512, d, v, seed=2)
     head = DADLMHead(d, v, impl=impl, compute_dtype=torch.bfloat16, device="cuda")
+    assert not head.backprop_gradients  # so impl='cce' is allowed (no bf16 dL/dhidden)
     # plain SGD (no momentum, no decay): the update is exactly -lr * dL/dW, so it can be compared
     head.config = OptimizerConfig(name="sgd", lr=lr, momentum=0.0, weight_decay=0.0)
     with torch.no_grad():
@@ -110,3 +121,15 @@ def test_all_ignored_on_cuda_keeps_weights():
     out = head.fused_loss(x, torch.full((3, 17), -100, device="cuda"))
     out.loss.backward()
     assert torch.equal(head.weight, w0)
+
+
+def test_auto_prefers_triton_on_cuda():
+    if "triton" not in IMPLS:
+        pytest.skip("triton not usable here")
+    h, w, y = case(300, 64, 3001, seed=3)
+    res = linear_cross_entropy(h.float().cuda(), w.float().cuda(), y.cuda(), compute_dtype=torch.bfloat16)
+    assert res.impl == "triton"
+    stats = linear_cross_entropy(h.float().cuda(), w.float().cuda(), y.cuda(), token_stats=True, impl="triton")
+    ref = linear_cross_entropy(h.float().cuda(), w.float().cuda(), y.cuda(), token_stats=True, impl="torch")
+    assert rel(stats.entropy.cpu(), ref.entropy.cpu()) <= 1e-5
+    assert float((stats.is_top1 != ref.is_top1).float().mean()) <= 1e-2  # float32 near-ties may differ

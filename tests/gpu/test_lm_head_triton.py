@@ -1,0 +1,136 @@
+"""``impl="triton"`` of the fused linear cross-entropy (kernels/cross_entropy.py) against float64.
+
+Runs on CUDA; on CPU only with ``TRITON_INTERPRET=1`` (tiny shapes: the interpreter is slow;
+fp16 stands in for bf16, which the interpreter cannot compute in). Tolerances as tests/test_lm_head.py:
+float32 1e-5 relative; half precision within the unfused half step's own error + 1e-2.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as TF
+
+from tests.gpu.conftest import DEVICE, requires_kernels
+from tests.test_lm_head import make, reference, rel
+from torch_dad.kernels import cross_entropy as CE
+from torch_dad.lm_head import default_chunk_size, linear_cross_entropy, resolve_impl
+
+pytestmark = requires_kernels
+
+LOW = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+
+
+def _to(*ts):  # type: ignore[no-untyped-def]
+    return [None if t is None else t.to(DEVICE) for t in ts]
+
+
+@pytest.mark.parametrize("shape,chunk", [((37, 23, 101), 7), ((37, 23, 101), None), ((5, 7, 13), 2)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("small_blocks", [False, True])
+def test_fp32_matches_float64(shape, chunk, bias, small_blocks, monkeypatch):
+    if small_blocks:  # several vocabulary blocks per row, the last one partial (101 = 3 * 32 + 5)
+        monkeypatch.setattr(CE, "_MAX_BLOCK_V", 32)
+    n, d, v = shape
+    h, w, b, y = make(n, d, v, torch.float32, bias, seed=n * v + int(bias) + 7 * int(small_blocks))
+    y[:2] = -100  # ignored rows, at least one per chunk of 7 at the start
+    ref, gi, tok, ent, top1 = reference(h, w, b, y)
+    hh, ww, bb, yy = _to(h, w, b, y)
+    res = linear_cross_entropy(hh, ww, yy, bb, chunk_size=chunk, token_stats=True, impl="triton")
+    assert res.impl == "triton" and res.num_valid == int((y != -100).sum())
+    assert abs(float(res.loss) - float(ref.loss)) <= 1e-5 * abs(float(ref.loss))
+    assert rel(res.grad_weight.cpu(), ref.grad_weight) <= 1e-5
+    assert rel(res.grad_input.cpu(), gi) <= 1e-5
+    assert res.grad_input.dtype == torch.float32 and res.grad_weight.dtype == torch.float32
+    if bias:
+        assert rel(res.grad_bias.cpu(), ref.grad_bias) <= 1e-5
+    else:
+        assert res.grad_bias is None
+    assert rel(res.log_probs.cpu(), tok) <= 1e-5
+    assert rel(res.entropy.cpu(), ent) <= 1e-5
+    assert torch.equal(res.is_top1.cpu(), top1)
+    assert not res.grad_input[:2].any() and float(res.log_probs[:2].abs().sum()) == 0.0
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_half_within_reference_error(bias):
+    n, d, v = 61, 24, 203
+    h, w, b, y = make(n, d, v, torch.float32, bias, seed=11 + int(bias))
+    ref, gi, _, _, _ = reference(h, w, b, y)
+    # the unfused half step: half logits, float32 CE, half backward (on the CPU in float32 arithmetic)
+    hl, wl = h.to(LOW).float().requires_grad_(True), w.to(LOW).float().requires_grad_(True)
+    bl = None if b is None else b.to(LOW).float().requires_grad_(True)
+    logits = TF.linear(hl, wl, bl).to(LOW).float()
+    grads = torch.autograd.grad(TF.cross_entropy(logits, y), [t for t in (hl, wl, bl) if t is not None])
+    gh_u, gw_u = grads[0], grads[1]
+    hh, ww, bb, yy = _to(h, w, b, y)
+    res = linear_cross_entropy(hh.to(LOW), ww, yy, bb, compute_dtype=LOW, chunk_size=16, impl="triton")
+    assert res.grad_input.dtype == LOW and res.grad_weight.dtype == torch.float32
+    assert abs(float(res.loss) - float(ref.loss)) <= 1e-2 * float(ref.loss)
+    assert rel(res.grad_weight.cpu(), ref.grad_weight) <= rel(gw_u, ref.grad_weight) + 1e-2
+    assert rel(res.grad_input.cpu(), gi) <= rel(gh_u, gi) + 1e-2
+    if bias:
+        assert rel(res.grad_bias.cpu(), ref.grad_bias) <= rel(grads[2], ref.grad_bias) + 1e-2
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, LOW])
+def test_row_kernel_matches_its_twin(dtype):
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(13, 77, generator=g) * 3).to(dtype)
+    x[4, 10] = float("-inf")  # a masked-out logit: probability 0, no NaN
+    y = torch.randint(0, 77, (13,), generator=g)
+    y[[1, 7]] = -100
+    out = {}
+    for backend in ("torch", "triton"):
+        xx = x.clone().to(DEVICE)
+        lp, ent = torch.zeros(13, device=DEVICE), torch.zeros(13, device=DEVICE)
+        top1 = torch.zeros(13, dtype=torch.bool, device=DEVICE)
+        CE.cross_entropy_rows_(xx, y.to(DEVICE), lp, ignore_index=-100, scale=0.37, entropy=ent, is_top1=top1,
+                               backend=backend)
+        out[backend] = [t.cpu() for t in (xx, lp, ent, top1)]
+    (gt, lpt, entt, topt), (gk, lpk, entk, topk) = out["torch"], out["triton"]
+    assert torch.isfinite(gk.float()).all() and torch.isfinite(lpk).all() and torch.isfinite(entk).all()
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    assert rel(gk, gt) <= tol and rel(lpk, lpt) <= 1e-6 and rel(entk, entt) <= 1e-5
+    assert torch.equal(topk, topt)
+    assert not gk[[1, 7]].any() and float(lpk[[1, 7]].abs().sum()) == 0.0
+
+
+def test_all_ignored_and_loss_only():
+    h, w, b, y = make(9, 5, 17, torch.float32, True)
+    hh, ww, bb = _to(h, w, b)
+    res = linear_cross_entropy(hh, ww, torch.full((9,), -100, device=DEVICE), bb, impl="triton")
+    assert res.num_valid == 0 and float(res.loss) == 0.0
+    assert not res.grad_weight.any() and not res.grad_bias.any() and not res.grad_input.any()
+    ref, *_ = reference(h, w, b, y)
+    only = linear_cross_entropy(hh, ww, y.to(DEVICE), bb, impl="triton", grad_weight=False, grad_input=False)
+    assert only.grad_weight is None and only.grad_input is None
+    assert abs(float(only.loss) - float(ref.loss)) <= 1e-5 * float(ref.loss)
+
+
+def test_resolution_and_chunk_size():
+    dev = torch.device(DEVICE)
+    assert resolve_impl("triton", dev, token_stats=True, bias=True) == "triton"
+    # the logits chunk alone (no float32 copy) fits TRITON_CHUNK_BYTES: 2048 rows at V=49152 bf16
+    assert default_chunk_size(49152, torch.bfloat16, impl="triton") == 2048
+
+
+def test_head_step_matches_torch_impl():
+    """DADLMHead(impl="triton"): the same AdamW step and dL/dhidden as impl="torch"."""
+    from torch_dad.lm_head import DADLMHead
+
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(3, 11, 16, generator=g).to(DEVICE)
+    labels = torch.randint(0, 97, (3, 11), generator=g).to(DEVICE)
+    labels[0, :4] = -100
+    heads, grads = [], []
+    for impl in ("torch", "triton"):
+        torch.manual_seed(0)
+        head = DADLMHead(16, 97, bias=True, impl=impl, lr=1e-2, backprop_gradients=True, device=DEVICE)
+        xx = x.clone().requires_grad_(True)
+        head.fused_loss(xx, labels).loss.backward()
+        assert head.last_impl == impl and head.weight.grad is None
+        heads.append(head)
+        grads.append(xx.grad)
+    assert rel(heads[1].weight, heads[0].weight) <= 1e-6 and rel(heads[1].bias, heads[0].bias) <= 1e-6
+    assert rel(grads[1], grads[0]) <= 1e-5
