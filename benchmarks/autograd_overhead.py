@@ -9,7 +9,10 @@ head weights and the same batch:
 * ``dad-inplace``: ``DADAutogradLinear`` (head role), its own fused AdamW in backward;
 * ``dad-grad``: ``DADAutogradLinear(update="grad")`` + ``AdamW(fused=True)``;
 * ``dad-inplace-late``: ``dad-inplace`` with ``early_gradients=False`` (keeps x and the logits
-  for backward instead of forming the gradient in forward).
+  for backward instead of forming the gradient in forward);
+* ``dad-inplace-triton`` (``hidden`` workload on CUDA with triton only): ``dad-inplace`` with
+  ``backend="triton"``, the hidden layer's local error in the fused kernel (``dad-inplace`` there
+  is ``backend="eager"``).
 
 The logits go out of scope before ``backward`` (as in HF ``Trainer.compute_loss``), so what a
 head keeps for its backward shows in the peak.
@@ -17,7 +20,9 @@ head keeps for its backward shows in the peak.
 Workloads: ``seqcls``, a frozen 2-layer transformer encoder (d=128) mean-pooled into a
 2-class head (the HF head-tuning case; the backbone forward dominates); ``lmhead``, frozen
 token features (B, T, D) into a vocab-sized head with 10% of the labels ``-100`` (the head is
-the whole step).
+the whole step); ``hidden``, the same kind of token features through a hidden ReLU layer of
+``width`` units into a small head (``nn.Linear`` + ReLU + ``nn.Linear`` with backprop against a
+hidden ``DADAutogradLinear`` with its own local head + a ``DADAutogradLinear`` head).
 
 Time: median over 3 interleaved rounds (so drift on a shared machine hits every system alike)
 of the median of ``repeats`` steps, after a warm-up; CUDA steps are synchronised.
@@ -46,18 +51,32 @@ import torch_dad as td
 from _common import environment, median_time, write_records
 
 SYSTEMS = ("linear+adamw", "linear+adamw-fused", "dad-inplace", "dad-grad", "dad-inplace-late")
+TRITON_SYSTEM = "dad-inplace-triton"
 WORKLOADS: dict[str, dict[str, int]] = {
     "seqcls": {"batch": 32, "seq": 64, "dim": 128, "classes": 2, "layers": 2},
     "lmhead": {"batch": 4, "seq": 256, "dim": 256, "classes": 8192},
+    "hidden": {"batch": 4, "seq": 256, "dim": 256, "classes": 10, "width": 1024},
 }
 GPU_WORKLOADS: dict[str, dict[str, int]] = {  # the baseline's LM-head probe size: 8192 tokens, vocab 49152
     "seqcls": {"batch": 256, "seq": 128, "dim": 384, "classes": 2, "layers": 6},
     "lmhead": {"batch": 8, "seq": 1024, "dim": 576, "classes": 49152},
+    "hidden": {"batch": 8, "seq": 1024, "dim": 1024, "classes": 10, "width": 4096},
 }
 SMOKE: dict[str, dict[str, int]] = {
     "seqcls": {"batch": 4, "seq": 8, "dim": 16, "classes": 2, "layers": 1},
     "lmhead": {"batch": 2, "seq": 8, "dim": 16, "classes": 64},
+    "hidden": {"batch": 2, "seq": 8, "dim": 16, "classes": 10, "width": 32},
 }
+
+
+def systems(workload: str, device: torch.device) -> tuple[str, ...]:
+    """The systems measured on ``workload``: the Triton one only where its kernel runs."""
+    if workload == "hidden" and device.type == "cuda":
+        from torch_dad.kernels import triton_available
+
+        if triton_available():
+            return (*SYSTEMS, TRITON_SYSTEM)
+    return SYSTEMS
 
 
 def cpu_step_peak(step: Any) -> int:
@@ -117,17 +136,28 @@ def make_step(
     dim: int,
     device: torch.device,
     amp: torch.dtype | None,
+    width: int | None = None,
 ) -> tuple[Any, Any, int]:
-    """``(step, last_loss, static_bytes)`` for one system; every head starts from the same init."""
+    """``(step, last_loss, static_bytes)`` for one system; every head starts from the same init.
+
+    With ``width`` the trained part is a hidden ReLU layer of ``width`` units and then the head.
+    """
     torch.manual_seed(1)
-    linear = torch.nn.Linear(dim, classes, device=device)
-    head: torch.nn.Module = linear
+    hidden = torch.nn.Linear(dim, width, device=device) if width else None
+    linear = torch.nn.Linear(width or dim, classes, device=device)
+    head: torch.nn.Module = linear if hidden is None else torch.nn.Sequential(hidden, torch.nn.ReLU(), linear)
     fused = system != "linear+adamw"
-    inplace = system in ("dad-inplace", "dad-inplace-late")
+    inplace = system in ("dad-inplace", "dad-inplace-late", TRITON_SYSTEM)
     if system.startswith("dad"):
-        dad = td.DADAutogradLinear.from_linear(linear, classes, update="inplace" if inplace else "grad")
+        update = "inplace" if inplace else "grad"
+        dad = td.DADAutogradLinear.from_linear(linear, classes, update=update)
         dad.early_gradients = False if system == "dad-inplace-late" else None
         head = dad
+        if hidden is not None:
+            backend = "triton" if system == TRITON_SYSTEM else "eager"
+            local = td.DADAutogradLinear.from_linear(hidden, classes, activation="relu", update=update, backend=backend)
+            local.early_gradients = dad.early_gradients
+            head = torch.nn.Sequential(local, dad)
     opt = None if inplace else torch.optim.AdamW(head.parameters(), lr=1e-3, fused=fused)
     losses: list[torch.Tensor] = []
 
@@ -139,8 +169,9 @@ def make_step(
     def step() -> None:
         if opt is not None:
             opt.zero_grad(set_to_none=True)
-        if isinstance(head, td.DADAutogradLinear):
-            head.set_y_context(labels)
+        for module in head.modules():
+            if isinstance(module, td.DADAutogradLinear):
+                module.set_y_context(labels)
         loss = compute_loss()
         loss.backward()
         if opt is not None:
@@ -162,10 +193,14 @@ def measure(
     """Time and measure every system on one workload; one record per system."""
     amp = {"fp32": None, "bf16": torch.bfloat16}[dtype]
     features, inputs, labels = build(workload, shape, device)
-    steps = {s: make_step(s, features, inputs, labels, shape["classes"], shape["dim"], device, amp) for s in SYSTEMS}
+    names = systems(workload, device)
+    steps = {
+        s: make_step(s, features, inputs, labels, shape["classes"], shape["dim"], device, amp, shape.get("width"))
+        for s in names
+    }
     sync = torch.cuda.synchronize if device.type == "cuda" else None
     warmup, repeats, rounds = (1, 2, 1) if smoke else (3, repeats, 3)
-    times: dict[str, list[float]] = {s: [] for s in SYSTEMS}
+    times: dict[str, list[float]] = {s: [] for s in names}
     for _ in range(rounds):
         for system, (step, _, _) in steps.items():
             times[system].append(median_time(step, warmup=warmup, repeats=repeats, sync=sync))

@@ -41,6 +41,8 @@ __all__ = ["DADAutogradFunction", "DADAutogradLinear", "label_context"]
 
 ROLES: tuple[str, ...] = ("hidden", "head")
 UPDATES: tuple[str, ...] = ("inplace", "grad")
+#: ``DADAutogradLinear(backend=...)``: the fused Triton local error where it applies, or plain PyTorch
+BACKENDS: tuple[str, ...] = ("auto", "eager", "triton")
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -48,6 +50,17 @@ def _positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"{name}={value!r} must be a positive int")
     return value
+
+
+def _check_backend(backend: object) -> str:
+    if not isinstance(backend, str) or backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} must be 'auto', 'eager' (plain PyTorch) or 'triton' (fused kernel)")
+    if backend == "triton":
+        from .kernels import triton_available
+
+        if not triton_available():
+            raise ValueError("backend='triton' needs triton (install torch-dad[gpu]); use backend='auto' or 'eager'")
+    return backend
 
 
 def _inside_backward() -> bool:
@@ -240,6 +253,20 @@ class DADAutogradLinear(nn.Module):
             With ``update="inplace"`` the step is plain SGD (``p -= lr * (g @ M^-1)``, decoupled
             weight decay, no momentum): use ``lr`` near 1.
         precondition_damping, precondition_window: its relative damping and forgetting window.
+        backend: ``"auto"`` (default), ``"eager"`` or ``"triton"``: how a hidden layer forms its
+            local error. ``"triton"`` runs the fused kernel of
+            :func:`torch_dad.kernels.local_error.local_error` (two launches for the local-head
+            logits, ``softmax - onehot``, ``d_z`` and the bias/head gradients) and raises if it
+            cannot run here (no triton, or a CPU tensor without ``TRITON_INTERPRET=1``);
+            ``"eager"`` is plain PyTorch and never imports triton; ``"auto"`` picks the kernel
+            for CUDA tensors when triton is importable (CPU tensors: PyTorch, even under
+            ``TRITON_INTERPRET=1``). The kernel applies to relu/tanh/identity, ``label_smoothing=0``,
+            at most 256 classes and fp32/bf16/fp16 compute; anything else (and the head role, and
+            CUDA-graph capture) runs the PyTorch path under every backend.
+            Rows labelled ``ignore_index`` are dropped before the kernel (one host sync per
+            backward for the count), which is the same math as the eager path. Results match
+            the eager path up to float rounding (the kernel accumulates logits and ``g_b`` in
+            fp32; on CUDA its atomic sums may vary in the last bits). Settable later.
 
     Attributes:
         early_gradients: ``None`` (default) forms the local gradients in forward when they are
@@ -248,6 +275,7 @@ class DADAutogradLinear(nn.Module):
         grad_scaler: with ``update="grad"`` under fp16, set it to the ``torch.amp.GradScaler``
             in use so the local gradients land in ``.grad`` scaled like backprop's.
         last_local_loss: the local loss of the last backward (a 0-dim tensor, no host sync).
+        last_backend: ``"triton"`` or ``"eager"``: the path that formed the last local gradients.
     """
 
     def __init__(
@@ -273,8 +301,10 @@ class DADAutogradLinear(nn.Module):
         precondition: str | None = None,
         precondition_damping: float = 1e-3,
         precondition_window: float | None = None,
+        backend: str = "auto",
     ) -> None:
         super().__init__()
+        _check_backend(backend)
         self.in_features = _positive_int("in_features", in_features)
         self.out_features = _positive_int("out_features", out_features)
         if num_classes is not None:
@@ -329,6 +359,8 @@ class DADAutogradLinear(nn.Module):
         self._update_count = 0
         self._warned_fp16 = False
         self.early_gradients: bool | None = None
+        self.backend = backend
+        self.last_backend: str | None = None
 
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(out_features, in_features, **kw))
@@ -364,6 +396,15 @@ class DADAutogradLinear(nn.Module):
                 self.config = OptimizerConfig(name="sgd", lr=lr, weight_decay=weight_decay, momentum=0.0)
         self._kept_keys: set[str] = set()
         self.register_load_state_dict_post_hook(DADAutogradLinear._keep_local)
+
+    @property
+    def backend(self) -> str:
+        """``"auto" | "eager" | "triton"``: the local-error path (see the class docstring)."""
+        return self._backend
+
+    @backend.setter
+    def backend(self, value: str) -> None:
+        self._backend = _check_backend(value)  # raises before anything changes
 
     # ------------------------------------------------------------------ construction
     def reset_parameters(self) -> None:
@@ -401,6 +442,7 @@ class DADAutogradLinear(nn.Module):
             f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
             f"role={self.role!r}, num_classes={self.num_classes}, activation={self.activation!r}, "
             f"update={self.update!r}, backprop_gradients={self.backprop_gradients}"
+            + ("" if self._backend == "auto" else f", backend={self._backend!r}")
         )
 
     def _load_from_state_dict(
@@ -550,12 +592,15 @@ class DADAutogradLinear(nn.Module):
         dtype = output.dtype
         a = inputs if inputs.dtype == dtype else inputs.to(dtype)
         kw = {"ignore_index": self.ignore_index, "label_smoothing": self.label_smoothing}
+        self.last_backend = "eager"
         if self.role == "head":
             loss, d_out = cross_entropy_grad(output, labels, **kw)  # type: ignore[arg-type]
             d_out = d_out.to(dtype)
             grads = [d_out.T @ a]
             if self.bias is not None:
                 grads.append(d_out.sum(0))
+        elif (fused := self._fused_local_gradients(a, output, labels)) is not None:
+            loss, grads = fused
         else:
             assert self.head_weight is not None and self.head_bias is not None
             w_head = self.head_weight.detach().to(dtype)
@@ -574,6 +619,63 @@ class DADAutogradLinear(nn.Module):
             grads += [d_logits.T @ output, d_logits.sum(0)]
         self.last_local_loss = loss.detach()
         return [g if g.dtype == master else g.to(master) for g in grads]
+
+    def _fused_applies(self, output: Tensor) -> bool:
+        """Whether this hidden layer's local error goes through the Triton kernel (see ``backend``)."""
+        if self._backend == "eager" or self.role != "hidden":
+            return False
+        from .kernels.local_error import _MAX_TRITON_CLASSES, FUSED_ACTIVATIONS
+
+        if (
+            self.activation not in FUSED_ACTIVATIONS  # gelu: its derivative needs z
+            or self.label_smoothing  # the kernel's target is a plain one-hot
+            or self.num_classes > _MAX_TRITON_CLASSES  # the kernel's accumulator stops fitting
+            or output.dtype not in (torch.float32, torch.bfloat16, torch.float16)
+            or (output.is_cuda and torch.cuda.is_current_stream_capturing())  # the row count syncs
+        ):
+            return False
+        from .kernels import _interpreting, triton_available
+
+        # "auto" on CPU stays PyTorch even under TRITON_INTERPRET=1 (set for other kernels' tests)
+        on_device = output.is_cuda or (self._backend == "triton" and _interpreting())
+        runnable = on_device and triton_available()
+        if self._backend == "triton" and not runnable:
+            raise ValueError(
+                "DADAutogradLinear(backend='triton') needs triton and a CUDA tensor (or TRITON_INTERPRET=1); "
+                f"got a {output.device.type} tensor. Set layer.backend = 'auto' or 'eager'"
+            )
+        return runnable
+
+    def _fused_local_gradients(
+        self, inputs: Tensor, output: Tensor, labels: Tensor
+    ) -> tuple[Tensor, list[Tensor]] | None:
+        """The hidden-role local loss and gradients from the fused kernel, or ``None`` (use eager).
+
+        The kernel takes class ids in ``[0, C)`` and divides by its row count, so the rows
+        labelled ``ignore_index`` are dropped first: the eager path gives them a zero error and
+        divides by the labelled count, the same sums. Gradients come back in the compute dtype
+        (``g_W = d_z.T @ x``) or float32 (the rest); the caller casts them to the parameters'.
+        """
+        if not self._fused_applies(output):
+            return None
+        from .kernels.local_error import local_error
+
+        assert self.head_weight is not None and self.head_bias is not None
+        keep = (labels != self.ignore_index).nonzero().squeeze(1)  # one host sync: the kernel grid
+        if keep.numel() == 0:
+            return None  # no labelled row: zero gradients, loss 0, as the eager path gives them
+        if keep.numel() < labels.shape[0]:
+            inputs, output, labels = inputs[keep], output[keep], labels[keep]
+        err = local_error(
+            output, self.head_weight.detach(), self.head_bias.detach(), labels, self.activation, backend="triton"
+        )
+        assert err.d_z is not None and err.grad_bias is not None
+        grads = [err.d_z.T @ inputs]
+        if self.bias is not None:
+            grads.append(err.grad_bias)
+        grads += [err.grad_head_weight, err.grad_head_bias]
+        self.last_backend = "triton"
+        return err.loss, grads
 
     def _precondition(self, inputs: Tensor, labels: Tensor, grads: list[Tensor]) -> list[Tensor]:
         """``precondition="gram"``: add the labelled rows of ``inputs`` to the running Gram ``S``,

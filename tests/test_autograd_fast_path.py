@@ -1,0 +1,363 @@
+"""``DADAutogradLinear(backend=...)``: the fused Triton local error against eager and float64.
+
+A hidden layer's local error (local-head logits, ``softmax - onehot``, ``d_z``, the bias and
+local-head gradients) can run through :func:`torch_dad.kernels.local_error.local_error`. Both
+paths are compared with the float64 oracle :func:`torch_dad.functional.local_loss_and_gradients`
+on fresh random inputs and odd shapes, with some rows labelled ``ignore_index``; tolerance per
+dtype as in ``tests/gpu/test_kernels.py``: the reference's own error in that dtype plus a margin
+(fp32 1e-5, bf16/fp16 1e-2), relative in the 2-norm. Kernel cases run on CUDA, or on CPU under
+``TRITON_INTERPRET=1`` (tiny shapes, fp16 for bf16: the interpreter has no bf16 arithmetic).
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+
+from tests.conftest import relative_error
+from tests.gpu.conftest import DEVICE, requires_cuda, requires_kernels
+from torch_dad import DADAutogradLinear
+from torch_dad import functional as F
+
+IGNORE = F.IGNORE_INDEX
+LOW = torch.bfloat16 if DEVICE == "cuda" else torch.float16
+MARGIN = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
+# (rows, in_features, out_features, classes): tiny, for the interpreter
+SHAPES = [(1, 5, 3, 2), (17, 33, 65, 10), (9, 5, 65, 2)]
+CUDA_SHAPES = [(1000, 257, 513, 100), (4099, 384, 1024, 10), (33, 1025, 300, 256)]
+
+
+def _labels(rows: int, classes: int, device: torch.device | str | None, ignore_every: int = 3) -> torch.Tensor:
+    y = torch.randint(0, classes, (rows,), device=device)
+    if rows > 1:
+        y[1::ignore_every] = IGNORE  # some ignored rows, never all
+    return y
+
+
+def _layer(shape, activation, bias, dtype, backend, device, update="grad", **kw):  # type: ignore[no-untyped-def]
+    _, k, n, c = shape
+    layer = DADAutogradLinear(
+        k,
+        n,
+        bias=bias,
+        num_classes=c,
+        activation=activation,
+        update=update,
+        backend=backend,
+        device=device,
+        dtype=dtype,
+        **kw,
+    )
+    with torch.no_grad():  # a local head large enough that d_z is not tiny
+        layer.head_weight.normal_(0.0, 1.0 / n**0.5)  # type: ignore[union-attr]
+        layer.head_bias.normal_(0.0, 0.1)  # type: ignore[union-attr]
+    return layer
+
+
+def _copy(src: DADAutogradLinear, dst: DADAutogradLinear) -> None:
+    with torch.no_grad():
+        for a, b in zip(src._trained_tensors(), dst._trained_tensors()):
+            b.copy_(a)
+
+
+def _oracle(layer: DADAutogradLinear, x: torch.Tensor, y: torch.Tensor, dtype: torch.dtype = torch.float64):
+    """``functional.local_loss_and_gradients`` on the layer's current tensors, cast to ``dtype``."""
+    t = [p.detach().to(dtype) for p in (layer.weight, layer.bias, layer.head_weight, layer.head_bias) if p is not None]
+    w, rest = t[0], t[1:]
+    b = rest.pop(0) if layer.bias is not None else None
+    return F.local_loss_and_gradients(
+        x.reshape(-1, x.shape[-1]).to(dtype),
+        w,
+        b,
+        rest[0],
+        rest[1],
+        y.reshape(-1),
+        layer.activation,
+        ignore_index=layer.ignore_index,
+    )
+
+
+def _grads(layer: DADAutogradLinear, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+    """The local gradients ``update="grad"`` accumulates into ``.grad`` after one backward."""
+    for p in layer.parameters():
+        p.grad = None
+    layer.set_y_context(y)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the float16 GradScaler hint
+        layer(x).sum().backward()
+    return [p.grad for p in layer._trained_tensors()]  # type: ignore[misc]
+
+
+def _check_against_oracle(layer, x, y, got, dtype):  # type: ignore[no-untyped-def]
+    ref = _oracle(layer, x, y)
+    own = _oracle(layer, x, y, dtype)  # the reference's own error in this dtype
+    names = ["grad_weight", "grad_bias", "grad_head_weight", "grad_head_bias"]
+    if layer.bias is None:
+        names.remove("grad_bias")
+    assert len(got) == len(names)
+    for name, value in zip(names, got):
+        want, low = getattr(ref, name), getattr(own, name)
+        assert value.dtype == dtype and torch.isfinite(value).all(), name
+        tol = MARGIN[dtype] + 2 * relative_error(low, want)
+        assert relative_error(value, want) <= tol, (name, relative_error(value, want), tol)
+    assert layer.last_local_loss is not None
+    tol = MARGIN[dtype] + 2 * relative_error(own.loss.reshape(1), ref.loss.reshape(1))
+    assert relative_error(layer.last_local_loss.reshape(1), ref.loss.reshape(1)) <= tol
+
+
+# ---------------------------------------------------------------------------------- kernel cases
+@requires_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, LOW])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("activation", ["relu", "tanh", "identity"])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_triton_and_eager_gradients_match_oracle(shape, activation, bias, dtype):  # type: ignore[no-untyped-def]
+    torch.manual_seed(hash((shape, activation, bias, str(dtype))) % 2**31)
+    fast = _layer(shape, activation, bias, dtype, "triton", DEVICE)
+    slow = _layer(shape, activation, bias, dtype, "eager", DEVICE)
+    _copy(fast, slow)
+    x = torch.randn(shape[0], shape[1], device=DEVICE).to(dtype)
+    y = _labels(shape[0], shape[3], DEVICE)
+    got_fast, got_slow = _grads(fast, x, y), _grads(slow, x, y)
+    assert fast.last_backend == "triton" and slow.last_backend == "eager"
+    _check_against_oracle(fast, x, y, got_fast, dtype)
+    _check_against_oracle(slow, x, y, got_slow, dtype)
+
+
+@requires_kernels
+@pytest.mark.parametrize("early", [True, False])
+def test_triton_path_with_sequence_input_and_early_gradients(early):  # type: ignore[no-untyped-def]
+    # (B, T, D) input, labels (B, T) with ignored tokens; gradients formed in forward or backward
+    torch.manual_seed(3)
+    shape = (2 * 7, 6, 11, 5)
+    fast = _layer(shape, "relu", True, torch.float32, "triton", DEVICE)
+    fast.early_gradients = early
+    x = torch.randn(2, 7, 6, device=DEVICE)
+    y = _labels(14, 5, DEVICE, ignore_every=4).reshape(2, 7)
+    got = _grads(fast, x, y)
+    assert fast.last_backend == "triton"
+    _check_against_oracle(fast, x, y, got, torch.float32)
+
+
+@requires_kernels
+def test_all_rows_ignored_falls_back_to_zero_gradients():  # type: ignore[no-untyped-def]
+    shape = (5, 4, 6, 3)
+    layer = _layer(shape, "relu", True, torch.float32, "triton", DEVICE)
+    y = torch.full((5,), IGNORE, device=DEVICE)
+    got = _grads(layer, torch.randn(5, 4, device=DEVICE), y)
+    assert layer.last_backend == "eager"
+    assert all(torch.equal(g, torch.zeros_like(g)) for g in got)
+    assert float(layer.last_local_loss) == 0.0  # type: ignore[arg-type]
+
+
+def _adamw_reference(params, grads, state, step, lr, betas, eps, wd):  # type: ignore[no-untyped-def]
+    """``torch.optim.AdamW``'s update written out, in float64."""
+    b1, b2 = betas
+    for i, (p, g) in enumerate(zip(params, grads)):
+        m, v = state.setdefault(i, (torch.zeros_like(p), torch.zeros_like(p)))
+        p.mul_(1 - lr * wd)
+        m.mul_(b1).add_(g, alpha=1 - b1)
+        v.mul_(b2).addcmul_(g, g, value=1 - b2)
+        p.sub_(lr * (m / (1 - b1**step)) / ((v / (1 - b2**step)).sqrt() + eps))
+
+
+def _adamw_trajectory(shape, activation, bias, device, steps=3, tol=1e-5):  # type: ignore[no-untyped-def]
+    torch.manual_seed(hash((shape, activation, bias)) % 2**31)
+    # eps well above the fp32 rounding of g: AdamW's first step is ~lr * sign(g), and eps keeps
+    # it continuous where g is a rounding error away from 0
+    kw = {"lr": 1e-2, "weight_decay": 0.05, "eps": 1e-6}
+    fast = _layer(shape, activation, bias, torch.float32, "triton", device, update="inplace", **kw)
+    slow = _layer(shape, activation, bias, torch.float32, "eager", device, update="inplace", **kw)
+    _copy(fast, slow)
+    ref = [t.detach().double().clone() for t in fast._trained_tensors()]
+    start = [t.clone() for t in ref]
+    state: dict = {}
+    for step in range(1, steps + 1):
+        x = torch.randn(shape[0], shape[1], device=device)
+        y = _labels(shape[0], shape[3], device)
+        w, *rest = ref
+        b = rest.pop(0) if bias else None
+        oracle = F.local_loss_and_gradients(x.double(), w, b, rest[0], rest[1], y, activation)
+        g = [oracle.grad_weight, oracle.grad_bias, oracle.grad_head_weight, oracle.grad_head_bias]
+        g = [t for t in g if t is not None]
+        _adamw_reference(ref, g, state, step, kw["lr"], fast.config.betas, fast.config.eps, kw["weight_decay"])
+        for layer in (fast, slow):
+            layer.set_y_context(y)
+            layer(x).sum().backward()
+        assert fast.last_backend == "triton" and slow.last_backend == "eager"
+    assert float(fast.optim_state.step) == float(slow.optim_state.step) == steps  # type: ignore[union-attr]
+    for i, (p_fast, p_slow, p_ref, p0) in enumerate(zip(fast._trained_tensors(), slow._trained_tensors(), ref, start)):
+        # compared on the change: the parameters themselves would hide an error in the update
+        want = p_ref - p0
+        assert relative_error(p_fast.detach().double() - p0, want) <= tol, (i, "triton")
+        assert relative_error(p_slow.detach().double() - p0, want) <= tol, (i, "eager")
+
+
+@requires_kernels
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("activation", ["relu", "tanh", "identity"])
+def test_inplace_adamw_trajectory_matches_oracle(activation, bias):  # type: ignore[no-untyped-def]
+    _adamw_trajectory((17, 33, 65, 10), activation, bias, DEVICE)
+
+
+@requires_kernels
+def test_inplace_update_is_one_fused_adamw_launch(monkeypatch):  # type: ignore[no-untyped-def]
+    calls: list[int] = []
+    fused = torch._fused_adamw_
+
+    def counting(params, *args, **kwargs):  # type: ignore[no-untyped-def]
+        calls.append(len(params))
+        return fused(params, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "_fused_adamw_", counting)
+    layer = _layer((9, 5, 7, 3), "relu", True, torch.float32, "triton", DEVICE, update="inplace")
+    layer.set_y_context(_labels(9, 3, DEVICE))
+    layer(torch.randn(9, 5, device=DEVICE)).sum().backward()
+    assert layer.last_backend == "triton"
+    assert calls == [4]  # weight, bias, local head weight and bias in one multi-tensor launch
+
+
+# ---------------------------------------------------------------------------------- CUDA, larger
+@requires_cuda
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("activation", ["relu", "tanh", "identity"])
+@pytest.mark.parametrize("shape", CUDA_SHAPES)
+def test_cuda_triton_gradients_match_oracle(shape, activation, dtype):  # type: ignore[no-untyped-def]
+    torch.manual_seed(hash((shape, activation, str(dtype))) % 2**31)
+    fast = _layer(shape, activation, True, dtype, "auto", "cuda")
+    slow = _layer(shape, activation, True, dtype, "eager", "cuda")
+    _copy(fast, slow)
+    x = torch.randn(shape[0], shape[1], device="cuda").to(dtype)
+    y = _labels(shape[0], shape[3], "cuda", ignore_every=7)
+    got_fast, got_slow = _grads(fast, x, y), _grads(slow, x, y)
+    assert fast.last_backend == "triton" and slow.last_backend == "eager"
+    _check_against_oracle(fast, x, y, got_fast, dtype)
+    _check_against_oracle(slow, x, y, got_slow, dtype)
+
+
+@requires_cuda
+@pytest.mark.parametrize("activation", ["relu", "tanh"])
+def test_cuda_autocast_bf16_with_fp32_masters(activation):  # type: ignore[no-untyped-def]
+    torch.manual_seed(11)
+    shape = (2048, 256, 512, 10)
+    fast = _layer(shape, activation, True, torch.float32, "auto", "cuda")
+    x = torch.randn(shape[0], shape[1], device="cuda")
+    y = _labels(shape[0], shape[3], "cuda", ignore_every=5)
+    fast.set_y_context(y)
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        out = fast(x)
+    out.float().sum().backward()
+    assert fast.last_backend == "triton"
+    got = [p.grad for p in fast._trained_tensors()]
+    assert all(g is not None and g.dtype == torch.float32 for g in got)
+    # the oracle on the bf16-rounded operands autocast hands the layer
+    ref = _oracle(fast, x, y)
+    own = _oracle(fast, x, y, torch.bfloat16)
+    for name, value in zip(["grad_weight", "grad_bias", "grad_head_weight", "grad_head_bias"], got):
+        want = getattr(ref, name)
+        tol = MARGIN[torch.bfloat16] + 2 * relative_error(getattr(own, name), want)
+        assert relative_error(value, want) <= tol, name  # type: ignore[arg-type]
+
+
+@requires_cuda
+@pytest.mark.parametrize("activation", ["relu", "tanh", "identity"])
+def test_cuda_inplace_adamw_trajectory_matches_oracle(activation):  # type: ignore[no-untyped-def]
+    _adamw_trajectory((1000, 257, 513, 100), activation, True, "cuda", tol=1e-4)
+
+
+@requires_cuda
+def test_cuda_auto_picks_triton_and_eager_where_it_does_not_apply():  # type: ignore[no-untyped-def]
+    shape = (64, 16, 32, 10)
+    x, y = torch.randn(64, 16, device="cuda"), _labels(64, 10, "cuda")
+    layer = _layer(shape, "relu", True, torch.float32, "auto", "cuda")
+    _grads(layer, x, y)
+    assert layer.last_backend == "triton"
+    for kw in ({"activation": "gelu"}, {"label_smoothing": 0.1}):
+        layer = _layer(shape, kw.pop("activation", "relu"), True, torch.float32, "auto", "cuda", **kw)
+        _grads(layer, x, y)
+        assert layer.last_backend == "eager", kw
+
+
+# ---------------------------------------------------------------------------------- no kernel needed
+def test_bad_backend_raises_and_leaves_the_layer_unchanged():  # type: ignore[no-untyped-def]
+    with pytest.raises(ValueError, match="backend"):
+        DADAutogradLinear(4, 3, num_classes=2, activation="relu", backend="cuda")
+    layer = DADAutogradLinear(4, 3, num_classes=2, activation="relu", backend="eager")
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    text = repr(layer)
+    for bad in ("torch", "Triton", None, 1):
+        with pytest.raises(ValueError, match="backend"):
+            layer.backend = bad  # type: ignore[assignment]
+        assert layer.backend == "eager" and repr(layer) == text
+    after = layer.state_dict()
+    assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
+    layer.backend = "auto"
+    assert layer.backend == "auto" and "backend" not in repr(layer)
+
+
+@pytest.mark.parametrize("interpret", ["0", "1"])
+def test_cpu_auto_and_eager_stay_pure_pytorch(monkeypatch, interpret):  # type: ignore[no-untyped-def]
+    # "auto" takes the kernel for CUDA tensors only: TRITON_INTERPRET=1 (set for kernel tests)
+    # does not send CPU layers through the interpreter; only backend="triton" does
+    monkeypatch.setenv("TRITON_INTERPRET", interpret)
+    for backend in ("auto", "eager"):
+        layer = _layer((6, 4, 5, 3), "relu", True, torch.float32, backend, "cpu")
+        _grads(layer, torch.randn(6, 4), _labels(6, 3, "cpu"))
+        assert layer.last_backend == "eager"
+
+
+def test_eager_backend_never_imports_triton():  # type: ignore[no-untyped-def]
+    # "eager" (even with TRITON_INTERPRET=1), "auto" on CPU tensors and the head role never
+    # import triton; "eager" and the head role do not even import torch_dad.kernels
+    code = (
+        "import sys, torch\n"
+        "import torch_dad as td\n"
+        "layer = td.DADAutogradLinear(4, 3, num_classes=3, activation='relu', backend='auto')\n"
+        "layer.set_y_context(torch.tensor([0, 2, -100, 1, 1]))\n"
+        "layer(torch.randn(5, 4)).sum().backward()\n"
+        "assert layer.last_backend == 'eager' and not any(m.split('.')[0] == 'triton' for m in sys.modules)\n"
+        "del sys.modules['torch_dad.kernels'], sys.modules['torch_dad.kernels.local_error']\n"
+        "for backend, role in (('eager', 'hidden'), ('auto', 'head')):\n"
+        "    kw = dict(num_classes=3, activation='relu') if role == 'hidden' else {}\n"
+        "    layer = td.DADAutogradLinear(4, 3, backend=backend, **kw)\n"
+        "    for update in range(2):\n"
+        "        layer.set_y_context(torch.tensor([0, 2, -100, 1, 1]))\n"
+        "        layer(torch.randn(5, 4)).sum().backward()\n"
+        "    assert layer.last_backend == 'eager'\n"
+        "print(sorted(m for m in sys.modules if m.split('.')[0] == 'triton' or m == 'torch_dad.kernels'))\n"
+    )
+    src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
+    for interpret in ("1", "0"):
+        env = {**os.environ, "TRITON_INTERPRET": interpret, "PYTHONPATH": src}
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
+        assert out.stdout.strip() == "[]", (interpret, out.stdout, out.stderr)
+
+
+def test_triton_backend_falls_back_where_the_kernel_does_not_apply(monkeypatch):  # type: ignore[no-untyped-def]
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # a kernel launch here would raise instead
+    x, y = torch.randn(6, 4), _labels(6, 3, "cpu")
+    cases = [
+        ((6, 4, 5, 3), "gelu", {}),  # its derivative needs z
+        ((6, 4, 5, 3), "relu", {"label_smoothing": 0.1}),
+        ((6, 4, 5, 300), "relu", {}),  # more classes than the kernel holds
+    ]
+    for shape, activation, kw in cases:
+        layer = _layer(shape, activation, True, torch.float32, "triton", "cpu", **kw)
+        _grads(layer, x, y if shape[3] == 3 else torch.randint(0, 300, (6,)))
+        assert layer.last_backend == "eager", (activation, kw, shape)
+    head = DADAutogradLinear(4, 3, update="grad", backend="triton")  # the head role: eager math
+    _grads(head, x, y)
+    assert head.last_backend == "eager"
+    # where the kernel applies but cannot run (CPU, no interpreter): a clear error, no update
+    layer = _layer((6, 4, 5, 3), "relu", True, torch.float32, "triton", "cpu", update="inplace")
+    before = [t.clone() for t in layer._trained_tensors()]
+    layer.set_y_context(y)
+    with pytest.raises(ValueError, match="backend='triton'"):
+        layer(x).sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(before, layer._trained_tensors()))
