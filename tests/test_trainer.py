@@ -264,4 +264,4 @@ def test_input_reservoir_equals_sequential_algorithm_r():
                     ref_inputs[slot], ref_labels[slot] = x[direct + i], y[direct + i]
         seen += batch
     assert sample.size == capacity and int(sample.seen) == seen
-    assert torch.equal(sample.inputs, ref_inputs) and torch.equal(sample.labels, ref_labels)
+    assert torch.equal(sample.inputs[:capacity], ref_inputs) and torch.equal(sample.labels[:capacity], ref_labels)

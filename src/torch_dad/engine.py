@@ -27,6 +27,8 @@ the fp32 summation order of the atomically added gradients.
 
 from __future__ import annotations
 
+import gc
+
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -161,6 +163,8 @@ class FusedStep:
         if t.head_state is not None:
             steps.append(_tensor(t.head_state.step))
         torch._foreach_add_(steps, 1.0)
+        if t.head_sample is not None and x.is_cuda:
+            t.head_sample.add_on_device(x, y)  # in the graph: ~200 us of launches a step outside it
         lr = self._lr if x.is_cuda else self._lr_value
         small_p: list[Tensor] = []
         small_g: list[Tensor] = []
@@ -262,6 +266,12 @@ class FusedStep:
         if lr != self._lr_value:
             self._lr_value = lr
             self._lr.fill_(lr)
+        sample = self.trainer.head_sample
+        if sample is not None:
+            if x.is_cuda:
+                sample.count_rows(x.shape[0])  # _body adds the rows on the device
+            else:
+                sample.add(x, y)
         if not self.graphed:
             logits, loss = self._body(x, y, compute, overlap=False)
             return logits, loss
@@ -297,8 +307,17 @@ class FusedStep:
         static_y.copy_(y)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool):
-            out_logits, out_loss = self._body(static_x, static_y, compute, overlap=True)
+        # No garbage collection during capture: collecting an unreachable trainer's graph
+        # (trainer <-> engine is a reference cycle) resets a CUDAGraph mid-capture, which
+        # invalidates this capture (seen on the H200: "operation not permitted when stream is
+        # capturing (function reset)" after several trainers were built in one process).
+        gc.collect()
+        gc.disable()
+        try:
+            with torch.cuda.graph(graph, pool=self._pool):
+                out_logits, out_loss = self._body(static_x, static_y, compute, overlap=True)
+        finally:
+            gc.enable()
         entry = (graph, static_x, static_y, out_logits, out_loss)
         self._graphs[key] = entry
         return entry

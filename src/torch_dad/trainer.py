@@ -244,10 +244,11 @@ class DADTrainer:
         ``lr`` overrides the learning rate for this step; ``amp_dtype`` the compute dtype.
         Invalid input raises before anything is modified.
         """
-        x, y, rate, compute = self._begin_step(inputs, labels, lr, amp_dtype)
         # the fused/graphed engine checks nothing per layer: value checks and the non-finite
         # guard (opted into with check_values=True on CUDA) take the eager path
-        if self._engine is not None and self.gradient_reducer is None and self.on_nonfinite == "ignore":
+        fused = self._engine is not None and self.gradient_reducer is None and self.on_nonfinite == "ignore"
+        x, y, rate, compute = self._begin_step(inputs, labels, lr, amp_dtype, sample=not fused)
+        if fused:
             logits, loss = self._engine(x, y, rate, compute)
             self.step_count += 1
             self._loss_batches += 1
@@ -268,9 +269,12 @@ class DADTrainer:
         return self._end_step(logits, loss)
 
     def _begin_step(
-        self, inputs: Tensor, labels: Tensor, lr: float | None, amp_dtype: torch.dtype | None
+        self, inputs: Tensor, labels: Tensor, lr: float | None, amp_dtype: torch.dtype | None, sample: bool = True
     ) -> tuple[Tensor, Tensor, float, torch.dtype | None]:
-        """Validate a step's arguments: ``(x, y, lr, compute dtype or None for the master dtype)``."""
+        """Validate a step's arguments: ``(x, y, lr, compute dtype or None for the master dtype)``.
+
+        With ``sample``, the rows are also offered to the head sample (the fused engine does
+        that itself, inside its graph)."""
         if lr is not None and (not isinstance(lr, (int, float)) or not lr >= 0):
             raise ValueError(f"lr={lr!r} must be a finite float >= 0")
         compute = amp_dtype if amp_dtype is not None else self.amp_dtype
@@ -278,7 +282,7 @@ class DADTrainer:
         if compute == torch.float32:
             compute = None
         x, y = self._prepare(inputs, labels)
-        if self.head_sample is not None:
+        if sample and self.head_sample is not None:
             self.head_sample.add(x, y)
         return x, y, self.config.lr if lr is None else float(lr), compute
 

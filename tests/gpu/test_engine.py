@@ -95,3 +95,28 @@ def test_bad_input_leaves_graphed_trainer_unchanged():  # type: ignore[no-untype
     for k, v in fused.model.state_dict().items():
         assert torch.equal(v, before[k]), k
     assert fused.step_count == 2
+
+
+@requires_cuda
+@pytest.mark.parametrize("backend", ["fused", "cuda-graph"])
+def test_head_sample_is_filled_inside_the_fused_step(backend):  # type: ignore[no-untyped-def]
+    """The engine adds the rows to the head sample on the device (inside the graph): after 2,048
+    rows the 64-row sample holds 64 distinct rows of the stream, spread over all of it, and
+    solve_head() fits the classifier on them."""
+    torch.manual_seed(0)
+    trainer = td.DADTrainer(Net([45, 33, 21]), device=DEVICE, backend=backend, head_sample_size=64)
+    stream = torch.randn(2048, 45, device=DEVICE)
+    stream[:, 0] = torch.arange(2048, device=DEVICE, dtype=torch.float32)  # the row index, exact in fp32
+    labels = torch.randint(0, 7, (2048,), device=DEVICE)
+    for start in range(0, 2048, 128):
+        trainer.step(stream[start : start + 128], labels[start : start + 128])
+    sample = trainer.head_sample
+    assert sample.size == 64 and int(sample.seen) == 2048
+    index = sample.inputs[:64, 0].long()
+    assert len(set(index.tolist())) == 64
+    assert torch.equal(sample.inputs[:64], stream[index]) and torch.equal(sample.labels[:64], labels[index])
+    assert int(index.min()) < 512 and int(index.max()) > 1536  # not just the last rows
+    if backend == "cuda-graph":
+        assert len(trainer._engine._graphs) == 1
+    trainer.solve_head()
+    assert sample.size == 0 and int(sample.seen) == 0
