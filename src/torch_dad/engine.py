@@ -28,7 +28,6 @@ the fp32 summation order of the atomically added gradients.
 from __future__ import annotations
 
 import gc
-
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
