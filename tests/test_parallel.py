@@ -331,11 +331,13 @@ def test_pipeline_equals_sequential(ranks, name, bounds):
     else:
         from torch_dad.ridge import GramAccumulator
 
-        stats = GramAccumulator(trainer.model.classifier.in_features, trainer.model.classifier.out_features)
+        stats = GramAccumulator(
+            trainer.model.classifier.in_features, trainer.model.classifier.out_features, device=trainer.device
+        )
         with torch.no_grad():
             x_stream, y_stream = make_data()[:2]
             stats.update(trainer.model.features(x_stream.to(trainer.device)), y_stream.to(trainer.device))
-        eig = torch.linalg.eigvalsh(stats.centred()[0])
+        eig = torch.linalg.eigvalsh(stats.centred()[0].cpu())
         cond = float((eig.max() + 0.1) / (eig.min().clamp_min(0) + 0.1))
         error = relative_error(r1["streamed_solution"].weight, streamed.weight.cpu())
         assert error <= 10 * TOL * cond, (error, cond)
