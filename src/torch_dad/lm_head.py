@@ -195,10 +195,11 @@ def _triton_runnable(device: torch.device) -> str | None:
 
     if "triton" in UNUSABLE:
         return UNUSABLE["triton"]
-    if not triton_available():
-        return "triton is not importable (install torch-dad[gpu])"
+    # the device first: on CPU the answer must not depend on whether triton happens to be installed
     if device.type != "cuda" and not _interpreting():
         return f"runs on CUDA only (or on CPU under TRITON_INTERPRET=1), not on {device.type}"
+    if not triton_available():
+        return "triton is not importable (install torch-dad[gpu])"
     return None
 
 
