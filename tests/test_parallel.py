@@ -326,6 +326,7 @@ def test_pipeline_equals_sequential(ranks, name, bounds):
     # atomics (index_add_), and a ridge solve moves a relative input perturbation e by up to
     # cond(G + lambda I) * e: the bound below is that, with e = 10 * TOL. Measured over NCCL on
     # 2 x H200 (2026-11-30): 4.0e-5 against a former fixed 1e-5.
+    cond = 0.0
     if ranks.device == "cpu":
         assert torch.equal(r1["streamed_solution"].weight, streamed.weight.cpu())
     else:
@@ -347,8 +348,13 @@ def test_pipeline_equals_sequential(ranks, name, bounds):
         assert abs(r["evaluate"]["loss"] - metrics["loss"]) <= 1e-5 * metrics["loss"]
     # after synchronize() every rank holds the whole sequentially trained model
     final = full_state(trainer)
+    # on CUDA the classifier now holds the streamed ridge solution, bounded above by the conditioning
+    # (it differed by 3.5e-5 / 5.5e-5 over NCCL, 2026-11-30); everything else stays within 1e-5
+    solved = () if ranks.device == "cpu" else ("model.classifier.",)
     for r in (r0, r1):
-        assert_close_states(r["synced"], final, 1e-5)
+        assert_close_states(r["synced"], final, 1e-5, skip=solved)
+        for k in [k for k in final if solved and k.startswith(solved)]:
+            assert relative_error(r["synced"][k], final[k]) <= 10 * TOL * cond, (k, cond)
 
 
 def test_pipeline_bad_configuration(ranks):
