@@ -119,12 +119,16 @@ def main() -> None:
         net = backprop_mlp(widths)
         opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
 
-        def bp_step() -> None:
+        def bp_step(net: torch.nn.Module = net, opt: torch.optim.Optimizer = opt, x: torch.Tensor = x,
+                    y: torch.Tensor = y) -> None:
             opt.zero_grad(set_to_none=True)
             torch.nn.functional.cross_entropy(net(x), y).backward()
             opt.step()
 
-        systems: dict[str, Callable[[], None]] = {"dad-step": lambda: trainer.step(x, y), "backprop-step": bp_step}
+        def dad_step(trainer: td.DADTrainer = trainer, x: torch.Tensor = x, y: torch.Tensor = y) -> None:
+            trainer.step(x, y)
+
+        systems: dict[str, Callable[[], None]] = {"dad-step": dad_step, "backprop-step": bp_step}
         systems |= gemm_sets(widths, batch) | adamw_sets(trainer, net)
         times: dict[str, list[float]] = {k: [] for k in systems}
         for _ in range(rounds):  # interleaved, so drift hits every part alike
