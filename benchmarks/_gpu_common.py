@@ -103,6 +103,21 @@ def backprop_eager(n_in: int, widths: Sequence[int], classes: int, device: torch
     return step
 
 
+def capture(body: Callable[[], None], warmup: int = 3) -> Callable[[], None]:
+    """``body`` run ``warmup`` times on a side stream (allocations, fused-kernel selection, as CUDA
+    graphs require; these runs do their work, e.g. train), then captured; returns the graph's replay."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            body()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    return graph.replay
+
+
 def backprop_graphed(n_in: int, widths: Sequence[int], classes: int, device: torch.device,
                      amp: torch.dtype | None, batch: int) -> Callable[[torch.Tensor, torch.Tensor], Any]:
     """Tuned backprop: forward, backward and fused AdamW (capturable) in one CUDA graph."""
@@ -118,19 +133,11 @@ def backprop_graphed(n_in: int, widths: Sequence[int], classes: int, device: tor
         loss.backward()
         opt.step()
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for _ in range(3):
-            body()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        body()
+    replay = capture(body)
 
     def step(xb: torch.Tensor, yb: torch.Tensor) -> None:
         static_x.copy_(xb)
         static_y.copy_(yb)
-        graph.replay()
+        replay()
 
     return step

@@ -308,18 +308,9 @@ def time_to_target(args: argparse.Namespace, data: tuple[torch.Tensor, ...], tar
                 for _ in range(3):  # first sight runs eagerly, the second captures
                     step()
             else:
-                # warm-up on a side stream (allocations, fused-kernel selection), as CUDA graphs
-                # require; these 3 steps train too, so both systems get 3 extra steps
-                side = torch.cuda.Stream()
-                side.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(side):
-                    for _ in range(3):
-                        step()
-                torch.cuda.current_stream().wait_stream(side)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph):
-                    step()
-                replay = graph.replay
+                from _gpu_common import capture
+
+                replay = capture(step)  # its 3 warm-up steps train too: both systems get 3 extra steps
             elapsed, reached, epochs_run = 0.0, None, 0
             reached_ridge, ridge_acc, solve_s = None, None, 0.0
             features = model.features if system == "dad" else model[:-1]

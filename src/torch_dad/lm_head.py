@@ -358,6 +358,20 @@ def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
 
+def _add_chunk_gradient(
+    grad_logits: Tensor, h: Tensor, w: Tensor, gw: Tensor | None, gb: Tensor | None, gi: Tensor | None,
+    start: int, stop: int,
+) -> None:
+    """One chunk's products from its logit gradient ``g``: ``dW += g.T @ h``, ``db += g.sum(0)``,
+    ``dh[start:stop] = g @ W`` (``g`` may carry zero padding rows past ``stop - start``)."""
+    if gw is not None:
+        _accumulate_mm(gw, grad_logits.T, h)
+        if gb is not None:
+            gb += grad_logits.sum(0, dtype=gb.dtype)
+    if gi is not None:
+        gi[start:stop] = grad_logits[: stop - start] @ w
+
+
 def _torch_linear_cross_entropy(
     hidden: Tensor,
     weight: Tensor,
@@ -417,12 +431,7 @@ def _torch_linear_cross_entropy(
             del probs, wide
         else:
             grad_logits = probs
-        if gw is not None:
-            _accumulate_mm(gw, grad_logits.T, h)
-            if gb is not None:
-                gb += grad_logits.sum(0, dtype=acc)
-        if gi is not None:
-            gi[start:stop] = grad_logits @ w
+        _add_chunk_gradient(grad_logits, h, w, gw, gb, gi, start, stop)
     loss = -log_probs.sum() * scale
     return LinearCrossEntropyResult(
         loss=loss.float() if acc != torch.float64 else loss,
@@ -481,14 +490,9 @@ def _triton_linear_cross_entropy(
         )
         if not need_grad:
             continue
-        grad_logits = logits  # now (softmax - onehot) * scale, 0 on ignored rows
-        if gw is not None:
-            _accumulate_mm(gw, grad_logits.T, h)
-            if gb is not None:
-                gb += grad_logits.sum(0, dtype=acc)
-        if gi is not None:
-            gi[start:stop] = grad_logits @ w
-        del logits, grad_logits
+        # the logits buffer now holds (softmax - onehot) * scale, 0 on ignored rows
+        _add_chunk_gradient(logits, h, w, gw, gb, gi, start, stop)
+        del logits
     loss = -log_probs.sum() * scale
     return LinearCrossEntropyResult(
         loss=loss.float() if acc != torch.float64 else loss, grad_weight=gw, grad_bias=gb, grad_input=gi,
@@ -558,12 +562,7 @@ def _compiled_linear_cross_entropy(
         grad, log_p = fused(logits, t, m, scale_t)
         del logits
         log_probs[start:stop] = log_p[:k]
-        if gw is not None:
-            _accumulate_mm(gw, grad.T, h)
-            if gb is not None:
-                gb += grad.sum(0, dtype=torch.float32)
-        if gi is not None:
-            gi[start:stop] = grad[:k] @ w
+        _add_chunk_gradient(grad, h, w, gw, gb, gi, start, stop)
     loss = -log_probs.sum() * scale
     return LinearCrossEntropyResult(
         loss=loss, grad_weight=gw, grad_bias=gb, grad_input=gi, log_probs=log_probs, entropy=None, is_top1=None,

@@ -45,3 +45,8 @@ def use_triton(tensor: torch.Tensor, backend: str) -> bool:
             "install torch-dad[gpu] or pass backend='torch'"
         )
     return runnable
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (a Triton block size)."""
+    return 1 << max(0, (n - 1).bit_length())

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from . import use_triton
+from . import next_pow2, use_triton
 
 __all__ = ["cross_entropy_rows_"]
 
@@ -106,10 +106,6 @@ def _cross_entropy_rows_torch(
 
 
 # ---------------------------------------------------------------------------------- Triton
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 @functools.lru_cache(maxsize=1)
 def _kernel() -> Any:
     import triton
@@ -181,7 +177,7 @@ def _cross_entropy_rows_triton(
 ) -> None:
     kernel = _kernel()
     rows, vocab = logits.shape
-    block = min(_MAX_BLOCK_V, max(16, _next_pow2(vocab)))
+    block = min(_MAX_BLOCK_V, max(16, next_pow2(vocab)))
     target = target.contiguous()
     top1 = None if is_top1 is None else (is_top1.view(torch.uint8) if is_top1.dtype == torch.bool else is_top1)
     kernel[(rows,)](

@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from .. import functional as F
-from . import use_triton
+from . import next_pow2, use_triton
 
 __all__ = ["LocalError", "local_error", "FUSED_ACTIVATIONS"]
 
@@ -119,10 +119,6 @@ def _local_error_torch(
 
 
 # ---------------------------------------------------------------------------------- Triton
-def _next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
-
-
 @functools.lru_cache(maxsize=1)
 def _kernels() -> Any:
     import triton
@@ -241,7 +237,7 @@ def _local_error_triton(
     head_weight = head_weight.contiguous()
     M, N = h.shape
     C = head_weight.shape[0]
-    CP = max(16, _next_pow2(C))
+    CP = max(16, next_pow2(C))
     dev = h.device
     ieee = h.dtype == torch.float32
     # one flat fp32 block for every accumulator: the row kernel zeroes it in the same launch
