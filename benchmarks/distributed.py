@@ -175,9 +175,10 @@ def main() -> None:
     common = {"gpus": world if cuda else 0, "topology": topology, "amp_dtype": str(amp), **env}
     records: list[dict[str, Any]] = []
 
-    # where DADTrainer has a `backend` (fused / CUDA-graph step), data parallelism and the
-    # pipeline still run the per-layer eager path, so `single` is measured both ways and the
-    # speed-ups compare like with like (eager single); the default backend is reported too
+    # every mode runs twice: with the default backend (single GPU: the CUDA-graphed fused step;
+    # data parallel and pipeline: the same fused engine, uncaptured, with per-layer all-reduce or
+    # on the stage's span) and with backend="eager" (the per-layer reference path).
+    # speedup_vs_single_default compares with the default single-GPU step, the fastest one
     has_backend = "backend" in inspect.signature(td.DADTrainer.__init__).parameters
     eager = {"backend": "eager"} if has_backend else {}
 
@@ -224,12 +225,15 @@ def main() -> None:
         records[:], costs = box
 
         # ------------------------------------------------------------ data parallel
-        for overlap in (True, False):
-            trainer = build(parallel.DataParallelTrainer, overlap=overlap, **eager)
+        dp_variants = [("default", {}, True)] if has_backend else []
+        dp_variants += [("eager", eager, True), ("eager", eager, False)]
+        for backend, kw, overlap in dp_variants:
+            trainer = build(parallel.DataParallelTrainer, overlap=overlap, **kw)
             pool = data_pool(batch, d_in, device)
             seconds = timed_windows(lambda i, t=trainer, p=pool: t.step(*p[i % len(p)]), device, warmup,
                                     args.steps, args.repeats, group=cpu_group)
-            save({"mode": "data-parallel", "variant": "overlapped all-reduce" if overlap else "blocking all-reduce",
+            variant = "overlapped all-reduce" if overlap else "blocking all-reduce"
+            save({"mode": "data-parallel", "variant": f"{variant} ({backend} backend)", "backend": backend,
                   "batch": batch * world, "per_gpu_batch": batch,
                   "img_per_s": batch * world * args.steps / seconds, "step_ms": seconds / args.steps * 1e3})
             del trainer, pool
@@ -237,7 +241,11 @@ def main() -> None:
                 torch.cuda.empty_cache()
 
         # ------------------------------------------------------------ pipeline
-        trainer = build(**eager)
+        for backend, kw in ([("default", {})] if has_backend else []) + [("eager", eager)]:
+            pipeline_run(backend, kw, costs, batch)
+
+    def pipeline_run(backend: str, kw: dict[str, Any], costs: list[float], batch: int) -> None:
+        trainer = build(**kw)
         balance = [b - a for a, b in parallel.partition_layers(costs, world)]
         pipe = parallel.Pipeline(trainer, balance=balance)
         pool = data_pool(batch, d_in, device) if pipe.is_first else []
@@ -258,7 +266,8 @@ def main() -> None:
         box = [timer.seconds() if pipe.is_last else []]
         dist.broadcast_object_list(box, src=world - 1, group=cpu_group)
         seconds = statistics.median(box[0])
-        save({"mode": "pipeline", "variant": "decoupled layer stages", "batch": batch, "per_gpu_batch": batch,
+        save({"mode": "pipeline", "variant": f"decoupled layer stages ({backend} backend)", "backend": backend,
+              "batch": batch, "per_gpu_batch": batch,
               "img_per_s": batch * args.steps / seconds, "img_per_s_end_to_end": batch * total / end_to_end,
               "step_ms": seconds / args.steps * 1e3, "balance": balance,
               "stage_ms_measured_single": [sum(costs[a:b]) * 1e3 for a, b in pipe.bounds]})

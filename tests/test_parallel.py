@@ -31,10 +31,14 @@ TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() >= 2
 TOL = 1e-6
 
 
+# the fused engine (backend="fused": Triton kernels on CUDA, their PyTorch twins on CPU)
+# implements these activations; gelu takes the eager path
+FUSED_ACTS = ("relu", "tanh", "identity", "relu")
+
+
 class Net(td.DADModel):
-    def __init__(self, widths=(D_IN, 37, 19, 13), classifier=True):
+    def __init__(self, widths=(D_IN, 37, 19, 13), classifier=True, acts=("relu", "gelu", "tanh", "relu")):
         super().__init__()
-        acts = ["relu", "gelu", "tanh", "relu"]
         self.layers = torch.nn.ModuleList(
             td.DADLinear(a, b, num_classes=CLASSES, activation=acts[i % 4])
             for i, (a, b) in enumerate(zip(widths[:-1], widths[1:]))
@@ -93,6 +97,27 @@ def _data_parallel(rank, out, overlap, epochs):
     good = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(x, y), batch_size=8, sampler=sampler)
     out["sampler_records"] = trainer.fit(good, epochs=2, progress=False)
     out["sampler_epoch"] = sampler.epoch
+
+
+def _data_parallel_fused(rank, out):
+    torch.manual_seed(100 + rank)
+    trainer = parallel.DataParallelTrainer(Net(acts=FUSED_ACTS), DEVICE, backend="fused", **trainer_kwargs())
+    out["engine"] = type(trainer._engine).__name__
+    x, y, xt, yt = make_data()
+    out["records"] = trainer.fit((x, y), epochs=2, batch_size=24, progress=False, eval=(xt, yt))
+    out["local_state"] = full_state(trainer)
+
+
+def _pipeline_fused(rank, out):
+    torch.manual_seed(200 + rank)
+    trainer = td.DADTrainer(Net(acts=FUSED_ACTS), DEVICE, backend="fused", **trainer_kwargs())
+    out["engine"] = type(trainer._engine).__name__
+    pipe = parallel.Pipeline(trainer, balance=[1, 2])
+    x, y, xt, yt = make_data()
+    out["records"] = pipe.fit((x, y) if rank == 0 else None, epochs=2, batch_size=16, progress=False,
+                              eval=(xt, yt) if rank == 0 else None)
+    pipe.synchronize()
+    out["synced"] = full_state(trainer)
 
 
 def _pipeline(rank, out, balance):
@@ -178,6 +203,8 @@ def _worker(rank, world, port, outdir, backend):
             ("dp_blocking", lambda o: _data_parallel(rank, o, False, 1)),
             ("pipe_auto", lambda o: _pipeline(rank, o, None)),
             ("pipe_1_2", lambda o: _pipeline(rank, o, [1, 2])),
+            ("dp_fused", lambda o: _data_parallel_fused(rank, o)),
+            ("pipe_fused", lambda o: _pipeline_fused(rank, o)),
             ("errors", lambda o: _errors(rank, o)),
             ("ddp_autograd", lambda o: _ddp_autograd(rank, o)),
         ]:
@@ -227,9 +254,12 @@ def _one_thread():
     torch.set_num_threads(threads)
 
 
-def reference(epochs, batch_size, seed_rank0, device="cpu"):
+def reference(epochs, batch_size, seed_rank0, device="cpu", fused=False):
     torch.manual_seed(seed_rank0)
-    trainer = td.DADTrainer(Net(), device, **trainer_kwargs())
+    if fused:
+        trainer = td.DADTrainer(Net(acts=FUSED_ACTS), device, backend="fused", **trainer_kwargs())
+    else:
+        trainer = td.DADTrainer(Net(), device, **trainer_kwargs())
     x, y, xt, yt = make_data()
     records = trainer.fit((x, y), epochs=epochs, batch_size=batch_size, progress=False, eval=(xt, yt))
     return trainer, records
@@ -355,6 +385,34 @@ def test_pipeline_equals_sequential(ranks, name, bounds):
         assert_close_states(r["synced"], final, 1e-5, skip=solved)
         for k in [k for k in final if solved and k.startswith(solved)]:
             assert relative_error(r["synced"][k], final[k]) <= 10 * TOL * cond, (k, cond)
+
+
+def test_fused_engine_data_parallel_and_pipeline_equal_single_process(ranks):
+    # the fused engine's distributed paths: data parallel (per-layer all-reduce, AdamW one
+    # layer later) and a pipeline stage span, against the fused single-process step
+    for res in ranks:
+        assert res["dp_fused"]["engine"] == res["pipe_fused"]["engine"] == "FusedStep"
+    trainer, records = reference(2, 24, seed_rank0=100, device=ranks.device, fused=True)
+    want = full_state(trainer)
+    r0, r1 = ranks[0]["dp_fused"], ranks[1]["dp_fused"]
+    worst = assert_close_states(r0["local_state"], want, TOL, skip=("stats.",))
+    print(f"fused data parallel: worst relative error vs single process {worst:.1e}")
+    for k, v in r0["local_state"].items():
+        if not k.startswith("stats."):
+            assert torch.equal(v, r1["local_state"][k]), k
+    for k in [k for k in want if k.startswith("stats.")]:
+        assert relative_error(r0["local_state"][k] + r1["local_state"][k], want[k]) <= TOL, k
+    for got, ref in zip(r0["records"], records):
+        assert got["accuracy"] == ref["accuracy"]
+    # pipeline: the same kernels on the same rows in the same order as the sequential fused run
+    trainer, records = reference(2, 16, seed_rank0=200, device=ranks.device, fused=True)
+    want = full_state(trainer)
+    for res in ranks:
+        worst = assert_close_states(res["pipe_fused"]["synced"], want, 0.0 if ranks.device == "cpu" else TOL)
+        print(f"fused pipeline: worst relative error vs sequential {worst:.1e}")
+    for got, ref in zip(ranks[0]["pipe_fused"]["records"], records):
+        assert got["accuracy"] == ref["accuracy"]
+        assert abs(got["loss"] - ref["loss"]) <= 1e-6 * ref["loss"]
 
 
 def test_pipeline_bad_configuration(ranks):

@@ -152,19 +152,40 @@ class FusedStep:
         self._tracked = None
 
     # ------------------------------------------------------------------ the step
-    def _body(self, x: Tensor, y: Tensor, compute: torch.dtype | None, overlap: bool) -> tuple[Tensor, Tensor]:
+    def _body(
+        self,
+        x: Tensor,
+        y: Tensor,
+        compute: torch.dtype | None,
+        overlap: bool,
+        *,
+        span: tuple[int, int] | None = None,
+        with_head: bool = True,
+        reducer: Any = None,
+        count_loss: bool = True,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The step on layers ``span`` (default: all), then the classifier if ``with_head``.
+
+        Returns ``(logits, loss, features)``: the last trained part's logits and loss, and the
+        span's output (the next stage's input in a pipeline). ``count_loss`` adds the loss to
+        the trainer's running sum (callers that use ``DADTrainer._end_step`` pass ``False``). With ``reducer`` (a
+        :class:`torch_dad.parallel.GradientAllReduce`) every gradient is all-reduced before
+        its update: a layer's weight gradient starts reducing as soon as it exists and its
+        AdamW waits one layer, so the collective runs under the next layer's GEMMs.
+        """
         t = self.trainer
         config = t.config
-        layers = t.model.dad_layers
-        head = t.model.head
+        lo, hi = span if span is not None else (0, len(t.model.dad_layers))
+        layers = t.model.dad_layers[lo:hi]
+        head = t.model.head if with_head else None
         low = compute is not None and compute != torch.float32
-        shadows = self._shadow_list(compute) if low and compute is not None else None
+        shadows = self._shadow_list(compute)[lo:hi] if low and compute is not None else None
         steps = [_tensor(layer.optim_state.step) for layer in layers]
-        if t.head_state is not None:
+        if head is not None and t.head_state is not None:
             steps.append(_tensor(t.head_state.step))
         torch._foreach_add_(steps, 1.0)
         sample_stream = None
-        if t.head_sample is not None and x.is_cuda:
+        if t.head_sample is not None and x.is_cuda and lo == 0:
             if overlap:
                 # on its own stream, beside the layers: on the critical path the ~14 small
                 # kernels cost 40-90 us a step (mnist-medium-3 at B=1024: 186 us vs 99 us)
@@ -187,6 +208,7 @@ class FusedStep:
         side = self._side
         a = x if compute is None or x.dtype == compute else x.to(compute)
         result = None
+        pending: list[tuple[list[Tensor], Any, list[Tensor], list[Tensor], list[Tensor], list[Tensor | None], Tensor]] = []
         for i, layer in enumerate(layers):
             if shadows is not None:
                 w, b = shadows[i]
@@ -209,18 +231,15 @@ class FusedStep:
                 grad_w = _mm_fp32(err.d_z.T, a)
                 grads = [grad_w, err.grad_bias][:nb]
                 shadow: list[Tensor | None] = [w, b][:nb] if shadows is not None else [None] * nb
-                adamw_with_shadow_(
-                    [p.data for p in params[:nb]],
-                    grads,
-                    exp_avg[:nb],
-                    exp_avg_sq[:nb],
-                    shadow,
-                    step_t,
-                    self._lr,
-                    betas=config.betas,
-                    eps=config.eps,
-                    weight_decay=config.weight_decay,
-                )
+                update = ([p.data for p in params[:nb]], None, grads, exp_avg[:nb], exp_avg_sq[:nb], shadow, step_t)
+                if reducer is None:
+                    self._adamw(update)
+                else:
+                    # launch() copies the gradients into its buffer at once; the update uses that buffer
+                    _, work, views = reducer.launch(grads)
+                    pending.append((update[0], work, views, *update[3:]))
+                    while len(pending) > 1:
+                        self._adamw(pending.pop(0))
                 if overlap:
                     keep.append(grad_w)
             small_p += [head_w, head_b]
@@ -251,6 +270,10 @@ class FusedStep:
             small_v += t.head_state.moments("exp_avg_sq")
             small_s += [_tensor(t.head_state.step)] * len(hp)
             logits, loss = err.logits, err.loss
+        if reducer is not None:
+            reducer(small_g)  # every local head and the classifier: one small blocking all-reduce
+            for item in pending:
+                self._adamw(item)
         torch._fused_adamw_(
             small_p,
             small_g,
@@ -266,27 +289,60 @@ class FusedStep:
             eps=config.eps,
             maximize=False,
         )
-        t._loss_sum += loss
+        if count_loss:
+            t._loss_sum += loss
         if overlap and side is not None and main is not None:
             main.wait_stream(side)
         if sample_stream is not None:
             torch.cuda.current_stream().wait_stream(sample_stream)
         del keep
-        return logits, loss
+        return logits, loss, a
 
-    def __call__(self, x: Tensor, y: Tensor, lr: float, compute: torch.dtype | None) -> tuple[Tensor, Tensor]:
-        """One step on validated ``x`` (B, in) and int64 ``y``; returns fresh ``(logits, loss)``."""
+    def _adamw(self, item: tuple[list[Tensor], Any, list[Tensor], list[Tensor], list[Tensor], list[Tensor | None], Tensor]) -> None:
+        """One layer's AdamW (weight and bias, and their low-precision copies), after its all-reduce if any."""
+        params, work, grads, exp_avg, exp_avg_sq, shadow, step_t = item
+        if work is not None:
+            work.wait()
+        config = self.trainer.config
+        adamw_with_shadow_(
+            params, grads, exp_avg, exp_avg_sq, shadow, step_t, self._lr,
+            betas=config.betas, eps=config.eps, weight_decay=config.weight_decay,
+        )
+
+    def set_lr(self, lr: float) -> None:
+        """The learning rate the next step uses (a device tensor the graphs read)."""
         if lr != self._lr_value:
             self._lr_value = lr
             self._lr.fill_(lr)
+
+    def run_span(
+        self, x: Tensor, y: Tensor, lr: float, compute: torch.dtype | None, *, span: tuple[int, int] | None = None,
+        with_head: bool = True, reducer: Any = None,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The fused step, uncaptured, on layers ``span`` (a pipeline stage) and/or with a gradient
+        ``reducer`` (data parallelism): ``(logits, loss, span output)``. Large distributed
+        batches are bound by GEMMs, not launches, so no graph is needed there."""
+        self.set_lr(lr)
+        if span is None or span[0] == 0:
+            self._offer_sample(x, y)
+        return self._body(x, y, compute, overlap=False, span=span, with_head=with_head, reducer=reducer,
+                          count_loss=False)
+
+    def _offer_sample(self, x: Tensor, y: Tensor) -> None:
+        """Count the batch's rows for the head sample (``_body`` adds them on CUDA; on CPU here)."""
         sample = self.trainer.head_sample
         if sample is not None:
             if x.is_cuda:
-                sample.count_rows(x.shape[0])  # _body adds the rows on the device
+                sample.count_rows(x.shape[0])
             else:
                 sample.add(x, y)
+
+    def __call__(self, x: Tensor, y: Tensor, lr: float, compute: torch.dtype | None) -> tuple[Tensor, Tensor]:
+        """One step on validated ``x`` (B, in) and int64 ``y``; returns fresh ``(logits, loss)``."""
+        self.set_lr(lr)
+        self._offer_sample(x, y)
         if not self.graphed:
-            logits, loss = self._body(x, y, compute, overlap=False)
+            logits, loss, _ = self._body(x, y, compute, overlap=False)
             return logits, loss
         key = (tuple(x.shape), x.dtype, compute, self.trainer.accumulate_head_statistics, self._signature())
         entry = self._graphs.get(key)
@@ -295,7 +351,7 @@ class FusedStep:
                 # first sight of a shape: run eagerly (compiles the Triton kernels, warms cuBLAS);
                 # a shape seen twice is captured, so a ragged last batch costs no capture
                 self._seen.add(key)
-                logits, loss = self._body(x, y, compute, overlap=False)
+                logits, loss, _ = self._body(x, y, compute, overlap=False)
                 return logits, loss
             entry = self._capture(key, x, y, compute)
         graph, static_x, static_y, out_logits, out_loss = entry
@@ -328,7 +384,7 @@ class FusedStep:
         gc.disable()
         try:
             with torch.cuda.graph(graph, pool=self._pool):
-                out_logits, out_loss = self._body(static_x, static_y, compute, overlap=True)
+                out_logits, out_loss, _ = self._body(static_x, static_y, compute, overlap=True)
         finally:
             gc.enable()
         entry = (graph, static_x, static_y, out_logits, out_loss)

@@ -224,7 +224,18 @@ class DataParallelTrainer(DADTrainer):
             # options that change DADTrainer.step's layer loop (e.g. dropout between layers)
             # take the hook path, which runs that loop itself
             return super().step(inputs, labels, lr, amp_dtype)
+        if self._engine is not None and self.on_nonfinite == "ignore":
+            return self._fused_step(inputs, labels, lr, amp_dtype)
         return self._overlapped_step(inputs, labels, lr, amp_dtype)
+
+    @torch.no_grad()
+    def _fused_step(self, inputs: Tensor, labels: Tensor, lr: float | None,
+                    amp_dtype: torch.dtype | None) -> tuple[Tensor, Tensor]:
+        # the trainer's fused engine (Triton local error, AdamW with bf16 copies), uncaptured,
+        # with each layer's all-reduce under the next layer's GEMMs as in _overlapped_step
+        x, y, rate, compute = self._begin_step(inputs, labels, lr, amp_dtype, sample=False)
+        logits, loss, _ = self._engine.run_span(x, y, rate, compute, reducer=self._reducer)
+        return self._end_step(logits, loss)
 
     @torch.no_grad()
     def _overlapped_step(self, inputs: Tensor, labels: Tensor, lr: float | None,
@@ -515,10 +526,18 @@ class Pipeline:
 
     # -------------------------------------------------------------- streaming
     @torch.no_grad()
-    def _stage_train(self, h: Tensor, y: Tensor, rate: float, compute: torch.dtype | None) -> tuple[Tensor, Any]:
+    def _stage_train(self, h: Tensor, y: Tensor, rate: float,
+                     compute: torch.dtype | None) -> tuple[Tensor, tuple[Tensor, Tensor]]:
+        """Train this stage's layers (and, on the last stage, the classifier): ``(output, (logits, loss))``."""
+        trainer = self.trainer
         last = None
         dropout = float(getattr(self.trainer, "dropout", 0.0))  # as DADTrainer.step, where it exists
         start, stop = self.bounds[self.stage]
+        if trainer._engine is not None and trainer.on_nonfinite == "ignore" and not dropout:
+            # the fused engine on this stage's span; its output is a fresh tensor, safe to send
+            logits, loss, out = trainer._engine.run_span(h, y, rate, compute, span=(start, stop),
+                                                         with_head=self.is_last)
+            return out, (logits, loss)
         workspaces = self.trainer._workspaces[start:stop]
         for i, layer in enumerate(self.layers):
             # the stage's output leaves with an asynchronous send, so it must not live in a
@@ -529,7 +548,9 @@ class Pipeline:
             if dropout:
                 h = torch.nn.functional.dropout(h, dropout, training=True)
         assert last is not None
-        return h, last
+        if self.is_last and trainer.model.head is not None:
+            return h, trainer._head_step(h, y, rate, compute)
+        return h, (last.logits, last.loss)
 
     def _stream(self, batches: Iterable[tuple[Tensor, Tensor]] | None, kind: float, lr: float | None,
                 on_output: Callable[[int, Tensor, Tensor, Any], None] | None) -> int:
@@ -560,20 +581,15 @@ class Pipeline:
     def _process(self, kind: float, h: Tensor, y: Tensor, rate: float, compute: torch.dtype | None, index: int,
                  on_output: Callable[[int, Tensor, Tensor, Any], None] | None) -> None:
         trainer = self.trainer
+        result: Any = None
         if kind == _TRAIN:
-            h, last = self._stage_train(h, y, rate, compute)
+            h, result = self._stage_train(h, y, rate, compute)
         else:
             for layer in self.layers:
                 h = layer(h)
-            last = None
         if not self.is_last:
             self._send(kind, h, y, rate, compute)
         if kind == _TRAIN and self.is_last:
-            if trainer.model.head is None:
-                assert last is not None
-                result: Any = (last.logits, last.loss)
-            else:
-                result = trainer._head_step(h, y, rate, compute)
             result = trainer._end_step(*result)
         else:
             result = None
