@@ -120,6 +120,33 @@ def _pipeline_fused(rank, out):
     out["synced"] = full_state(trainer)
 
 
+def _data_parallel_sampled(rank, out):
+    # the default head_sample_size: each rank samples its own rows for solve_head()
+    torch.manual_seed(100 + rank)
+    trainer = parallel.DataParallelTrainer(Net(), DEVICE, lr=3e-2, weight_decay=0.01)
+    x, y, _, _ = make_data()
+    trainer.fit((x, y), epochs=2, batch_size=24, progress=False)
+    sample = trainer.head_sample
+    out["sample"] = (sample.inputs[: sample.size].cpu().clone(), sample.labels[: sample.size].cpu().clone())
+    out["gram_count"] = float(trainer.head_statistics.count)
+    out["model"] = {k: v.cpu().clone() for k, v in trainer.model.state_dict().items()}
+    out["solution"] = trainer.solve_head(lambda_reg=0.1)
+    out["sample_after"] = sample.size
+
+
+def _pipeline_sampled(rank, out):
+    torch.manual_seed(200 + rank)
+    trainer = td.DADTrainer(Net(), DEVICE, lr=3e-2, weight_decay=0.01, head_sample_size=50)
+    pipe = parallel.Pipeline(trainer, balance=[1, 2])
+    x, y, _, _ = make_data()
+    pipe.fit((x, y) if rank == 0 else None, epochs=2, batch_size=16, progress=False)
+    out["has_sample"] = trainer.head_sample is not None
+    out["evaluate"] = pipe.evaluate((x, y) if rank == 0 else None, batch_size=10)  # must not feed the sample
+    out["gram_count"] = float(trainer.head_statistics.count)
+    out["solution"] = pipe.solve_head(lambda_reg=0.1)
+    out["again"] = _catch(lambda: pipe.solve_head(lambda_reg=0.1))  # the sample was reset by the solve
+
+
 def _pipeline(rank, out, balance):
     torch.manual_seed(200 + rank)
     trainer = td.DADTrainer(Net(), DEVICE, **trainer_kwargs())
@@ -205,6 +232,8 @@ def _worker(rank, world, port, outdir, backend):
             ("pipe_1_2", lambda o: _pipeline(rank, o, [1, 2])),
             ("dp_fused", lambda o: _data_parallel_fused(rank, o)),
             ("pipe_fused", lambda o: _pipeline_fused(rank, o)),
+            ("dp_sampled", lambda o: _data_parallel_sampled(rank, o)),
+            ("pipe_sampled", lambda o: _pipeline_sampled(rank, o)),
             ("errors", lambda o: _errors(rank, o)),
             ("ddp_autograd", lambda o: _ddp_autograd(rank, o)),
         ]:
@@ -413,6 +442,35 @@ def test_fused_engine_data_parallel_and_pipeline_equal_single_process(ranks):
     for got, ref in zip(ranks[0]["pipe_fused"]["records"], records):
         assert got["accuracy"] == ref["accuracy"]
         assert abs(got["loss"] - ref["loss"]) <= 1e-6 * ref["loss"]
+
+
+def test_solve_head_from_input_samples(ranks):
+    # data parallel: each rank's sample, features recomputed with the current weights, the Gram
+    # statistics summed: the single-process solve on the union of both samples, with the same
+    # weights (training itself is checked above; a ridge solve magnifies its 1e-7 rounding)
+    r0, r1 = ranks[0]["dp_sampled"], ranks[1]["dp_sampled"]
+    trainer = td.DADTrainer(Net(), ranks.device)
+    trainer.model.load_state_dict(r0["model"])
+    x, y, _, _ = make_data()
+    assert r0["gram_count"] == r1["gram_count"] == 0  # no Gram statistics streamed per step
+    assert r0["sample"][0].shape[0] > 0 and not torch.equal(r0["sample"][0], r1["sample"][0])
+    union = [tuple(t.to(ranks.device) for t in r["sample"]) for r in (r0, r1)]
+    want = trainer.solve_head(lambda_reg=0.1, loader=union)
+    assert want.num_samples == r0["solution"].num_samples == r0["sample"][0].shape[0] + r1["sample"][0].shape[0]
+    for r in (r0, r1):
+        assert relative_error(r["solution"].weight, want.weight.cpu()) <= 1e-5
+        assert r["sample_after"] == 0
+    # pipeline: stage 0's sample streamed through the stages = DADTrainer.solve_head()'s own sample
+    torch.manual_seed(200)
+    trainer = td.DADTrainer(Net(), ranks.device, lr=3e-2, weight_decay=0.01, head_sample_size=50)
+    trainer.fit((x, y), epochs=2, batch_size=16, progress=False)
+    p0, p1 = ranks[0]["pipe_sampled"], ranks[1]["pipe_sampled"]
+    want = trainer.solve_head(lambda_reg=0.1)
+    assert p0["has_sample"] and not p1["has_sample"] and p1["gram_count"] == 0
+    assert p0["solution"] is None and p1["solution"].num_samples == want.num_samples == 50
+    assert relative_error(p1["solution"].weight, want.weight.cpu()) <= 1e-5
+    for p in (p0, p1):
+        assert p["again"].startswith("ValueError") and "sampled no rows" in p["again"]
 
 
 def test_pipeline_bad_configuration(ranks):

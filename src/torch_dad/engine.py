@@ -163,12 +163,14 @@ class FusedStep:
         with_head: bool = True,
         reducer: Any = None,
         count_loss: bool = True,
+        sample: bool = True,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """The step on layers ``span`` (default: all), then the classifier if ``with_head``.
 
         Returns ``(logits, loss, features)``: the last trained part's logits and loss, and the
         span's output (the next stage's input in a pipeline). ``count_loss`` adds the loss to
-        the trainer's running sum (callers that use ``DADTrainer._end_step`` pass ``False``). With ``reducer`` (a
+        the trainer's running sum (callers that use ``DADTrainer._end_step`` pass ``False``);
+        ``sample`` adds the rows to the head sample on CUDA (``False``: the caller did). With ``reducer`` (a
         :class:`torch_dad.parallel.GradientAllReduce`) every gradient is all-reduced before
         its update: a layer's weight gradient starts reducing as soon as it exists and its
         AdamW waits one layer, so the collective runs under the next layer's GEMMs.
@@ -185,7 +187,7 @@ class FusedStep:
             steps.append(_tensor(t.head_state.step))
         torch._foreach_add_(steps, 1.0)
         sample_stream = None
-        if t.head_sample is not None and x.is_cuda and lo == 0:
+        if sample and t.head_sample is not None and x.is_cuda and lo == 0:
             if overlap:
                 # on its own stream, beside the layers: on the critical path the ~14 small
                 # kernels cost 40-90 us a step (mnist-medium-3 at B=1024: 186 us vs 99 us)
@@ -321,12 +323,11 @@ class FusedStep:
     ) -> tuple[Tensor, Tensor, Tensor]:
         """The fused step, uncaptured, on layers ``span`` (a pipeline stage) and/or with a gradient
         ``reducer`` (data parallelism): ``(logits, loss, span output)``. Large distributed
-        batches are bound by GEMMs, not launches, so no graph is needed there."""
+        batches are bound by GEMMs, not launches, so no graph is needed there. The caller
+        offers the rows to the head sample (``DADTrainer._begin_step``) and counts the loss."""
         self.set_lr(lr)
-        if span is None or span[0] == 0:
-            self._offer_sample(x, y)
         return self._body(x, y, compute, overlap=False, span=span, with_head=with_head, reducer=reducer,
-                          count_loss=False)
+                          count_loss=False, sample=False)
 
     def _offer_sample(self, x: Tensor, y: Tensor) -> None:
         """Count the batch's rows for the head sample (``_body`` adds them on CUDA; on CPU here)."""
