@@ -265,3 +265,33 @@ def test_input_reservoir_equals_sequential_algorithm_r():
         seen += batch
     assert sample.size == capacity and int(sample.seen) == seen
     assert torch.equal(sample.inputs[:capacity], ref_inputs) and torch.equal(sample.labels[:capacity], ref_labels)
+
+
+def test_input_reservoir_device_path_equals_sequential_algorithm_r():
+    """add_on_device (the CUDA graph's path, here on CPU tensors with the PyTorch twin of its copy
+    kernel) keeps exactly the rows the one-row-at-a-time rule keeps with the same uniform draws."""
+    from torch_dad.ridge import InputReservoir
+
+    capacity, width = 6, 4
+    sample = InputReservoir(capacity, width)
+    ref_inputs, ref_labels, seen = torch.zeros(capacity, width), torch.zeros(capacity, dtype=torch.long), 0
+    stream = torch.Generator().manual_seed(2)
+    torch.manual_seed(5)
+    for batch in (4, 5, 9, 1, 30, 7):
+        x = torch.randn(batch, width, generator=stream)
+        y = torch.randint(0, 10, (batch,), generator=stream)
+        state = torch.get_rng_state()
+        sample.add_on_device(x, y)
+        sample.count_rows(batch)
+        after = torch.get_rng_state()
+        torch.set_rng_state(state)
+        draws = torch.rand(batch, dtype=torch.float64)  # the draws add_on_device made
+        assert torch.equal(torch.get_rng_state(), after)
+        for i in range(batch):
+            count = seen + i + 1
+            slot = count - 1 if count <= capacity else int(draws[i] * count)
+            if slot < capacity:
+                ref_inputs[slot], ref_labels[slot] = x[i], y[i]
+        seen += batch
+    assert sample.size == capacity and int(sample.seen) == seen
+    assert torch.equal(sample.inputs[:capacity], ref_inputs) and torch.equal(sample.labels[:capacity], ref_labels)

@@ -138,3 +138,38 @@ def test_gram_update_matches_accumulator(dims, dtype):  # type: ignore[no-untype
         gram_update_(got, h, y, backend="triton")
     for (name, want), (_, value) in zip(ref.named_buffers(), got.named_buffers()):
         assert relative_error(value, want) <= 1e-6, name
+
+
+@requires_kernels
+@pytest.mark.parametrize("width", [1, 45, 1025])
+@pytest.mark.parametrize("dtype", [torch.float32, LOW])
+def test_reservoir_store_matches_twin_and_definition(width, dtype):  # type: ignore[no-untyped-def]
+    """``sample[s] = batch[winner[s]]`` where ``winner[s] >= 0``, nothing else touched: the Triton
+    kernel against its PyTorch twin and the plain loop, fresh inputs, a sample in float32."""
+    from torch_dad.kernels.reservoir import reservoir_store_
+
+    torch.manual_seed(width)
+    slots, batch = 37, 53
+    inputs = torch.randn(batch, width, device=DEVICE).to(dtype)
+    labels = torch.randint(0, 10, (batch,), device=DEVICE)
+    winner = torch.randint(-1, batch, (slots,), device=DEVICE)
+    winner[::3] = -1
+    start = torch.randn(slots + 1, width, device=DEVICE), torch.randint(0, 10, (slots + 1,), device=DEVICE)
+    want_x, want_y = start[0].clone(), start[1].clone()
+    for s, row in enumerate(winner.tolist()):
+        if row >= 0:
+            want_x[s], want_y[s] = inputs[row].float(), labels[row]
+    for backend in ("triton", "torch"):
+        got_x, got_y = start[0].clone(), start[1].clone()
+        reservoir_store_(got_x, got_y, inputs, labels, winner, backend=backend)
+        assert torch.equal(got_x, want_x) and torch.equal(got_y, want_y), backend
+
+
+def test_reservoir_store_rejects_bad_shapes():  # type: ignore[no-untyped-def]
+    from torch_dad.kernels.reservoir import reservoir_store_
+
+    x, y = torch.zeros(4, 3), torch.zeros(4, dtype=torch.long)
+    with pytest.raises(ValueError, match="same number of columns"):
+        reservoir_store_(torch.zeros(5, 2), torch.zeros(5, dtype=torch.long), x, y, torch.zeros(5, dtype=torch.long))
+    with pytest.raises(ValueError, match="at least that many rows"):
+        reservoir_store_(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), x, y, torch.zeros(5, dtype=torch.long))
