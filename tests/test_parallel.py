@@ -476,7 +476,10 @@ def test_solve_head_from_input_samples(ranks):
     want = trainer.solve_head(lambda_reg=0.1)
     assert p0["has_sample"] and not p1["has_sample"] and p1["gram_count"] == 0
     assert p0["solution"] is None and p1["solution"].num_samples == want.num_samples == 50
-    assert relative_error(p1["solution"].weight, want.weight.cpu()) <= 1e-5
+    # CUDA: the stages' weights agree to TOL, the solve magnifies that by up to the conditioning
+    # (NCCL, 2 x H200, 2026-11-30: 1.1e-5)
+    tol = 1e-5 if ranks.device == "cpu" else 10 * TOL * ridge_condition(trainer, [(x, y)])
+    assert relative_error(p1["solution"].weight, want.weight.cpu()) <= tol, tol
     for p in (p0, p1):
         assert p["again"].startswith("ValueError") and "sampled no rows" in p["again"]
 
