@@ -1,7 +1,7 @@
 """Multi-GPU DAD throughput: ``single`` GPU vs ``data-parallel`` vs ``pipeline`` (torch.distributed).
 
 Model (``deep-16x4096``): a CIFAR-shaped input (3072) into 16 DAD layers of width 4096 and
-a 4096->10 classifier, bf16 compute, AdamW, Gram statistics on. Why this one: every layer
+a 4096->10 classifier, bf16 compute, AdamW, the trainers' defaults. Why this one: every layer
 is the same 4096x4096 GEMM pair (0.55 TFLOP per layer at B=16384, compute-bound on an
 H200), so both GPUs are busy with real work, 16 layers split into 2 pipeline stages of
 near-equal cost, and each layer's gradient (64 MiB fp32) is small next to its compute,
@@ -133,7 +133,7 @@ def layer_step_seconds(trainer: td.DADTrainer, x: torch.Tensor, y: torch.Tensor,
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run (gloo, world size 1 unless torchrun)")
-    parser.add_argument("--batch", type=int, nargs="+", default=[8192, 16384, 32768], help="rows per GPU per step")
+    parser.add_argument("--batch", type=int, nargs="+", default=[16384, 65536], help="rows per GPU per step")
     parser.add_argument("--budget-s", type=float, default=110.0,
                         help="start no new batch size after this many seconds (the whole run must stay < 4 min)")
     parser.add_argument("--width", type=int, default=4096)
