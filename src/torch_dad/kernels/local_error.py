@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from .. import functional as F
-from . import _interpreting, next_pow2, use_triton
+from . import next_pow2, use_triton
 
 __all__ = ["LocalError", "local_error", "FUSED_ACTIVATIONS"]
 
@@ -119,37 +119,6 @@ def _local_error_torch(
 
 
 # ---------------------------------------------------------------------------------- Triton
-# Tile sizes are picked by measurement (triton.autotune) per (N, padded classes, batch rounded up
-# to a power of two, dtype), once per process. The fixed tiles used before were 5x off the
-# bandwidth floor at deep-8x1024, B=4096 on an H200: 15 + 15 us per layer for ~24 MB
-# (device call 10, notes/gpu-2026-11-30/call10-*). The first configuration of each list is
-# that former fixed choice, and the one the interpreter (TRITON_INTERPRET=1) runs.
-_ROWS_TILES = [  # (BM, BN, num_warps, num_stages)
-    (32, 128, 4, 3), (16, 64, 4, 4), (16, 128, 4, 3), (16, 256, 4, 3), (32, 256, 8, 3), (64, 128, 8, 3),
-]
-_COLS_TILES = [  # (BM, BN, num_warps, num_stages)
-    (64, 32, 4, 3), (32, 64, 4, 3), (64, 64, 4, 3), (64, 128, 4, 3), (32, 128, 4, 3), (128, 64, 8, 3),
-]
-# a program's fp32 accumulator tile, (BM or CP) x (CP or BN) floats, must fit in registers
-_MAX_ACC = 64 * 128
-
-
-def _rows_fits(bm: int, bn: int, cp: int) -> bool:
-    return bm * cp <= _MAX_ACC and bn * cp <= 2 * _MAX_ACC
-
-
-def _cols_fits(bm: int, bn: int, cp: int) -> bool:
-    return cp * bn <= _MAX_ACC and bm * cp <= _MAX_ACC
-
-
-def _fixed_rows_tile(cp: int) -> tuple[int, int, int, int]:
-    return (16, 64, 4, 4) if cp > 64 else _ROWS_TILES[0]
-
-
-def _fixed_cols_tile(n: int, cp: int) -> tuple[int, int, int, int]:
-    return (32 if cp > 64 else 64, 64 if n >= 2048 else 32, 4, 3)
-
-
 @functools.lru_cache(maxsize=1)
 def _kernels() -> Any:
     import triton
@@ -158,12 +127,11 @@ def _kernels() -> Any:
     @triton.jit
     def rows_kernel(
         h_ptr, w_ptr, b_ptr, y_ptr, logits_ptr, dl_ptr, rowloss_ptr, zero_ptr,
-        M, N, C, stride_h, inv_count, zero_numel, M_BUCKET,
+        M, N, C, stride_h, inv_count, zero_numel, zero_chunk,
         BM: tl.constexpr, BN: tl.constexpr, CP: tl.constexpr, IEEE: tl.constexpr, ZBLOCK: tl.constexpr,
     ):
         pid = tl.program_id(0)
         # zero this program's share of the gradient accumulators the column kernel adds into
-        zero_chunk = tl.cdiv(zero_numel, tl.num_programs(0))
         zstart = pid * zero_chunk
         for z0 in range(0, zero_chunk, ZBLOCK):
             zo = zstart + z0 + tl.arange(0, ZBLOCK)
@@ -202,14 +170,12 @@ def _kernels() -> Any:
     @triton.jit
     def cols_kernel(
         h_ptr, dl_ptr, w_ptr, rowloss_ptr, dz_ptr, gw_ptr, gb_ptr, gbloc_ptr, loss_ptr,
-        M, N, C, stride_h, M_BUCKET,
+        M, N, C, stride_h, rows_per_split,
         BM: tl.constexpr, BN: tl.constexpr, CP: tl.constexpr, ACT: tl.constexpr,
         WRITE_DZ: tl.constexpr, IEEE: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
-        # the rows are split into num_programs(1) contiguous ranges of whole BM blocks
-        rows_per_split = tl.cdiv(tl.cdiv(M, BM), tl.num_programs(1)) * BM
         cols = pid_n * BN + tl.arange(0, BN)
         nmask = cols < N
         cls = tl.arange(0, CP)
@@ -254,26 +220,7 @@ def _kernels() -> Any:
             tl.atomic_add(gbloc_ptr + cls, acc_gbloc, mask=cmask)
             tl.atomic_add(loss_ptr, tl.sum(acc_loss, axis=0))
 
-    def configs(tiles: list[tuple[int, int, int, int]]) -> list[Any]:
-        return [triton.Config({"BM": bm, "BN": bn}, num_warps=nw, num_stages=ns) for bm, bn, nw, ns in tiles]
-
-    def prune(fits: Any) -> Any:
-        def early(configs: list[Any], named_args: dict[str, Any], **kwargs: Any) -> list[Any]:
-            cp = kwargs["CP"]
-            kept = [c for c in configs if fits(c.kwargs["BM"], c.kwargs["BN"], cp)]
-            return kept or configs[:1]
-
-        return {"early_config_prune": early}
-
-    # short benchmarks: tuning runs once per key, on the first (eager) call, never inside a capture
-    rows_tuned = triton.autotune(
-        configs(_ROWS_TILES), key=["N", "M_BUCKET", "CP"], prune_configs_by=prune(_rows_fits), warmup=5, rep=20,
-    )(rows_kernel)
-    cols_tuned = triton.autotune(
-        configs(_COLS_TILES), key=["N", "M_BUCKET", "CP", "WRITE_DZ"], prune_configs_by=prune(_cols_fits),
-        reset_to_zero=["gw_ptr", "gb_ptr", "gbloc_ptr", "loss_ptr"], warmup=5, rep=20,
-    )(cols_kernel)
-    return rows_kernel, cols_kernel, rows_tuned, cols_tuned
+    return rows_kernel, cols_kernel
 
 
 def _num_sms(device: torch.device) -> int:
@@ -282,20 +229,10 @@ def _num_sms(device: torch.device) -> int:
     return 8
 
 
-def _cols_grid(M: int, N: int, bm: int, bn: int, sms: int) -> tuple[int, int]:
-    # split the rows so that about two programs per SM run: at N=256, B=1024 a single
-    # split would leave 8 programs on 132 SMs
-    col_blocks = triton_cdiv(N, bn)
-    m_blocks = triton_cdiv(M, bm)
-    split = max(1, min(m_blocks, (2 * sms) // col_blocks))
-    rows_per_split = triton_cdiv(m_blocks, split) * bm
-    return col_blocks, triton_cdiv(M, rows_per_split)
-
-
 def _local_error_triton(
     h: Tensor, head_weight: Tensor, head_bias: Tensor, target: Tensor, activation: str, with_dz: bool
 ) -> LocalError:
-    rows_kernel, cols_kernel, rows_tuned, cols_tuned = _kernels()
+    rows_kernel, cols_kernel = _kernels()
     h = h if h.stride(1) == 1 else h.contiguous()
     head_weight = head_weight.contiguous()
     M, N = h.shape
@@ -312,24 +249,29 @@ def _local_error_triton(
     logits = torch.empty(M, C, device=dev, dtype=torch.float32)
     dl = torch.empty(M, CP, device=dev, dtype=torch.float32)
     rowloss = torch.empty(M, device=dev, dtype=torch.float32)
+    bm_rows = 16 if CP > 64 else 32
+    grid_rows = triton_cdiv(M, bm_rows)
+    zero_chunk = triton_cdiv(flat.numel(), grid_rows)
+    rows_kernel[(grid_rows,)](
+        h, head_weight, head_bias, target, logits, dl, rowloss, flat,
+        M, N, C, h.stride(0), 1.0 / M, flat.numel(), zero_chunk,
+        BM=bm_rows, BN=64 if CP > 64 else 128, CP=CP, IEEE=ieee, ZBLOCK=256,
+    )
     dz = torch.empty(M, N, device=dev, dtype=h.dtype) if with_dz else h
-    bucket = next_pow2(M)
-    sms = _num_sms(dev)
-    rows_args = (h, head_weight, head_bias, target, logits, dl, rowloss, flat,
-                 M, N, C, h.stride(0), 1.0 / M, flat.numel(), bucket)
-    cols_args = (h, dl, head_weight, rowloss, dz, gw, gb, gbloc, loss, M, N, C, h.stride(0), bucket)
-    if _interpreting():
-        bm, bn, _, _ = _fixed_rows_tile(CP)
-        rows_kernel[(triton_cdiv(M, bm),)](*rows_args, BM=bm, BN=bn, CP=CP, IEEE=ieee, ZBLOCK=256)
-        bm, bn, _, _ = _fixed_cols_tile(N, CP)
-        cols_kernel[_cols_grid(M, N, bm, bn, sms)](
-            *cols_args, BM=bm, BN=bn, CP=CP, ACT=_ACT_CODE[activation], WRITE_DZ=with_dz, IEEE=ieee
-        )
-    else:
-        rows_tuned[lambda meta: (triton_cdiv(M, meta["BM"]),)](*rows_args, CP=CP, IEEE=ieee, ZBLOCK=256)
-        cols_tuned[lambda meta: _cols_grid(M, N, meta["BM"], meta["BN"], sms)](
-            *cols_args, CP=CP, ACT=_ACT_CODE[activation], WRITE_DZ=with_dz, IEEE=ieee
-        )
+    BN = 64 if N >= 2048 else 32
+    BM = 64 if CP <= 64 else 32
+    col_blocks = triton_cdiv(N, BN)
+    m_blocks = triton_cdiv(M, BM)
+    # split the rows so that about two programs per SM run: at N=256, B=1024 a single
+    # split would leave 8 programs on 132 SMs
+    split = max(1, min(m_blocks, (2 * _num_sms(dev)) // col_blocks))
+    rows_per_split = triton_cdiv(m_blocks, split) * BM
+    split = triton_cdiv(M, rows_per_split)
+    cols_kernel[(col_blocks, split)](
+        h, dl, head_weight, rowloss, dz, gw, gb, gbloc, loss,
+        M, N, C, h.stride(0), rows_per_split,
+        BM=BM, BN=BN, CP=CP, ACT=_ACT_CODE[activation], WRITE_DZ=with_dz, IEEE=ieee,
+    )
     if with_dz:
         return LocalError(logits, loss, gw, gbloc, dz, gb)
     return LocalError(logits, loss, gw, gbloc, None, None)
