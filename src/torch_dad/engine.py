@@ -210,7 +210,7 @@ class FusedStep:
         side = self._side
         a = x if compute is None or x.dtype == compute else x.to(compute)
         result = None
-        pending: list[tuple[list[Tensor], Any, list[Tensor], list[Tensor], list[Tensor], list[Tensor | None], Tensor]] = []
+        pending: list[tuple[Any, list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[Tensor | None], Tensor]] = []
         for i, layer in enumerate(layers):
             if shadows is not None:
                 w, b = shadows[i]
@@ -233,15 +233,15 @@ class FusedStep:
                 grad_w = _mm_fp32(err.d_z.T, a)
                 grads = [grad_w, err.grad_bias][:nb]
                 shadow: list[Tensor | None] = [w, b][:nb] if shadows is not None else [None] * nb
-                update = ([p.data for p in params[:nb]], None, grads, exp_avg[:nb], exp_avg_sq[:nb], shadow, step_t)
+                targets = [p.data for p in params[:nb]]
                 if reducer is None:
-                    self._adamw(update)
+                    self._adamw(None, targets, grads, exp_avg[:nb], exp_avg_sq[:nb], shadow, step_t)
                 else:
                     # launch() copies the gradients into its buffer at once; the update uses that buffer
                     _, work, views = reducer.launch(grads)
-                    pending.append((update[0], work, views, *update[3:]))
+                    pending.append((work, targets, views, exp_avg[:nb], exp_avg_sq[:nb], shadow, step_t))
                     while len(pending) > 1:
-                        self._adamw(pending.pop(0))
+                        self._adamw(*pending.pop(0))
                 if overlap:
                     keep.append(grad_w)
             small_p += [head_w, head_b]
@@ -275,7 +275,7 @@ class FusedStep:
         if reducer is not None:
             reducer(small_g)  # every local head and the classifier: one small blocking all-reduce
             for item in pending:
-                self._adamw(item)
+                self._adamw(*item)
         torch._fused_adamw_(
             small_p,
             small_g,
@@ -300,9 +300,10 @@ class FusedStep:
         del keep
         return logits, loss, a
 
-    def _adamw(self, item: tuple[list[Tensor], Any, list[Tensor], list[Tensor], list[Tensor], list[Tensor | None], Tensor]) -> None:
-        """One layer's AdamW (weight and bias, and their low-precision copies), after its all-reduce if any."""
-        params, work, grads, exp_avg, exp_avg_sq, shadow, step_t = item
+    def _adamw(self, work: Any, params: list[Tensor], grads: list[Tensor], exp_avg: list[Tensor],
+               exp_avg_sq: list[Tensor], shadow: list[Tensor | None], step_t: Tensor) -> None:
+        """One layer's AdamW (weight and bias, and their low-precision copies), after ``work`` (its
+        all-reduce), if any, has finished."""
         if work is not None:
             work.wait()
         config = self.trainer.config
@@ -329,19 +330,15 @@ class FusedStep:
         return self._body(x, y, compute, overlap=False, span=span, with_head=with_head, reducer=reducer,
                           count_loss=False, sample=False)
 
-    def _offer_sample(self, x: Tensor, y: Tensor) -> None:
-        """Count the batch's rows for the head sample (``_body`` adds them on CUDA; on CPU here)."""
-        sample = self.trainer.head_sample
-        if sample is not None:
-            if x.is_cuda:
-                sample.count_rows(x.shape[0])
-            else:
-                sample.add(x, y)
-
     def __call__(self, x: Tensor, y: Tensor, lr: float, compute: torch.dtype | None) -> tuple[Tensor, Tensor]:
         """One step on validated ``x`` (B, in) and int64 ``y``; returns fresh ``(logits, loss)``."""
         self.set_lr(lr)
-        self._offer_sample(x, y)
+        sample = self.trainer.head_sample
+        if sample is not None:
+            if x.is_cuda:
+                sample.count_rows(x.shape[0])  # _body adds the rows on the device
+            else:
+                sample.add(x, y)
         if not self.graphed:
             logits, loss, _ = self._body(x, y, compute, overlap=False)
             return logits, loss

@@ -229,7 +229,7 @@ class DataParallelTrainer(DADTrainer):
             # options that change DADTrainer.step's layer loop (e.g. dropout between layers)
             # take the hook path, which runs that loop itself
             return super().step(inputs, labels, lr, amp_dtype)
-        if self._engine is not None and self.on_nonfinite == "ignore":
+        if self._engine_applies():
             return self._fused_step(inputs, labels, lr, amp_dtype)
         return self._overlapped_step(inputs, labels, lr, amp_dtype)
 
@@ -544,7 +544,7 @@ class Pipeline:
         last = None
         dropout = float(getattr(self.trainer, "dropout", 0.0))  # as DADTrainer.step, where it exists
         start, stop = self.bounds[self.stage]
-        if trainer._engine is not None and trainer.on_nonfinite == "ignore" and not dropout:
+        if trainer._engine_applies():
             # the fused engine on this stage's span; its output is a fresh tensor, safe to send
             logits, loss, out = trainer._engine.run_span(h, y, rate, compute, span=(start, stop),
                                                          with_head=self.is_last)

@@ -246,7 +246,7 @@ class DADTrainer:
         """
         # the fused/graphed engine checks nothing per layer: value checks and the non-finite
         # guard (opted into with check_values=True on CUDA) take the eager path
-        fused = self._engine is not None and self.gradient_reducer is None and self.on_nonfinite == "ignore"
+        fused = self._engine_applies() and self.gradient_reducer is None
         x, y, rate, compute = self._begin_step(inputs, labels, lr, amp_dtype, sample=not fused)
         if fused:
             logits, loss = self._engine(x, y, rate, compute)
@@ -267,6 +267,11 @@ class DADTrainer:
         else:
             logits, loss = self._head_step(h, y, rate, compute)
         return self._end_step(logits, loss)
+
+    def _engine_applies(self) -> bool:
+        """Whether this step can run the fused engine: one exists, and neither the per-layer
+        non-finite guard nor dropout (both in the eager layer loop only) is asked for."""
+        return self._engine is not None and self.on_nonfinite == "ignore" and not self.dropout
 
     def _begin_step(
         self, inputs: Tensor, labels: Tensor, lr: float | None, amp_dtype: torch.dtype | None, sample: bool = True
