@@ -32,10 +32,36 @@ def _reference(a, w, b, hw, hb, y, act):  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("activation", ["relu", "tanh", "identity"])
 @pytest.mark.parametrize("shape", SHAPES)
 def test_local_error_matches_functional(shape, activation, dtype):  # type: ignore[no-untyped-def]
-    from torch_dad.kernels.local_error import local_error
-
     if DEVICE == "cpu" and shape[0] * shape[1] > 100_000:
         pytest.skip("too slow for the interpreter")
+    _check_local_error(shape, activation, dtype)
+
+
+# both launch configurations default_tiles() picks from, and others
+TILES = [
+    dict(rows_bm=32, rows_bn=512, rows_warps=4, rows_stages=4, cols_bm=32, cols_bn=128, cols_warps=8, cols_stages=2,
+         cols_programs_per_sm=2),
+    dict(rows_bm=64, rows_bn=128, rows_warps=4, rows_stages=2, cols_bm=128, cols_bn=32, cols_warps=4, cols_stages=2,
+         cols_programs_per_sm=4),
+    dict(rows_bm=32, rows_bn=128, rows_warps=4, rows_stages=4, cols_bm=32, cols_bn=128, cols_warps=8, cols_stages=2,
+         cols_programs_per_sm=2),
+    dict(rows_bm=16, rows_bn=64, rows_warps=2, rows_stages=2, cols_bm=64, cols_bn=64, cols_warps=4, cols_stages=3,
+         cols_programs_per_sm=1),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, LOW])
+@pytest.mark.parametrize("shape", [(77, 53, 10), (300, 517, 10), (130, 300, 7)])
+@pytest.mark.parametrize("tiles", range(len(TILES)))
+def test_local_error_launch_configurations(tiles, shape, dtype):  # type: ignore[no-untyped-def]
+    from torch_dad.kernels.local_error import Tiles
+
+    _check_local_error(shape, "relu", dtype, Tiles(**TILES[tiles]))
+
+
+def _check_local_error(shape, activation, dtype, tiles=None):  # type: ignore[no-untyped-def]
+    from torch_dad.kernels.local_error import _local_error_triton, local_error
+
     m, n, c = shape
     k = 29
     dev = DEVICE
@@ -49,7 +75,10 @@ def test_local_error_matches_functional(shape, activation, dtype):  # type: igno
     # the reference's own error in this dtype: the same math on inputs rounded to it
     low = _reference(a.to(dtype), w.to(dtype), b.to(dtype), hw.to(dtype), hb.to(dtype), y, activation)
     h = ref.output.to(dtype)
-    got = local_error(h, hw, hb, y, activation, backend="triton")
+    if tiles is None:
+        got = local_error(h, hw, hb, y, activation, backend="triton")
+    else:
+        got = _local_error_triton(h, hw, hb, y, activation, True, tiles)
     assert got.d_z is not None and got.grad_bias is not None and got.d_z.dtype == dtype
     pairs = {
         "logits": (got.logits, ref.logits, low.logits),

@@ -229,8 +229,60 @@ def _num_sms(device: torch.device) -> int:
     return 8
 
 
+@dataclass(frozen=True)
+class Tiles:
+    """Launch configuration of the two kernels: tile sizes, warps and pipeline stages, and how
+    many column-kernel programs to aim for per SM (the rows are split to get there)."""
+
+    rows_bm: int
+    rows_bn: int
+    rows_warps: int
+    rows_stages: int
+    cols_bm: int
+    cols_bn: int
+    cols_warps: int
+    cols_stages: int
+    cols_programs_per_sm: int
+
+
+def default_tiles(M: int, N: int, CP: int) -> Tiles:
+    """The launch configuration for an (M, N) layer output with CP padded classes.
+
+    Chosen by a sweep of 36 row-kernel x 162 column-kernel configurations on an H200, bf16,
+    10 classes, each call timed inside a CUDA graph (device calls 12-13 of 2026-11-30,
+    ``notes/gpu-2026-11-30/call12-*``). Against the previous fixed tiles (the ``else``
+    branch), per call: 4096 x 1024 21.5 -> 16.1 us, 4096 x 4096 60.8 -> 45.7 us,
+    1024 x 4096 25.0 -> 21.9 us, 4096 x 512 14.6 -> 12.5 us; at N = 256 and at 1024 x 512
+    the old tiles stay best (8.6 vs 9.1 us). Computing the logits by a cuBLAS GEMM instead of
+    in the row kernel was slower everywhere: the cast and padding of ``W_loc`` alone are
+    two launches of ~3 us each in a graph.
+    """
+    if CP <= 64 and (N >= 1024 or (N >= 512 and M >= 2048)):
+        return Tiles(
+            rows_bm=32, rows_bn=512 if N >= 2048 else 128, rows_warps=4, rows_stages=4,
+            cols_bm=32, cols_bn=128, cols_warps=8, cols_stages=2, cols_programs_per_sm=2,
+        )
+    return Tiles(
+        rows_bm=16 if CP > 64 else 32,
+        rows_bn=64 if CP > 64 else 128,
+        rows_warps=4,
+        rows_stages=3,
+        cols_bm=64 if CP <= 64 else 32,
+        cols_bn=64 if N >= 2048 else 32,
+        cols_warps=4,
+        cols_stages=3,
+        cols_programs_per_sm=2,
+    )
+
+
 def _local_error_triton(
-    h: Tensor, head_weight: Tensor, head_bias: Tensor, target: Tensor, activation: str, with_dz: bool
+    h: Tensor,
+    head_weight: Tensor,
+    head_bias: Tensor,
+    target: Tensor,
+    activation: str,
+    with_dz: bool,
+    tiles: Tiles | None = None,
 ) -> LocalError:
     rows_kernel, cols_kernel = _kernels()
     h = h if h.stride(1) == 1 else h.contiguous()
@@ -238,6 +290,7 @@ def _local_error_triton(
     M, N = h.shape
     C = head_weight.shape[0]
     CP = max(16, next_pow2(C))
+    t = tiles or default_tiles(M, N, CP)
     dev = h.device
     ieee = h.dtype == torch.float32
     # one flat fp32 block for every accumulator: the row kernel zeroes it in the same launch
@@ -249,28 +302,27 @@ def _local_error_triton(
     logits = torch.empty(M, C, device=dev, dtype=torch.float32)
     dl = torch.empty(M, CP, device=dev, dtype=torch.float32)
     rowloss = torch.empty(M, device=dev, dtype=torch.float32)
-    bm_rows = 16 if CP > 64 else 32
-    grid_rows = triton_cdiv(M, bm_rows)
+    grid_rows = triton_cdiv(M, t.rows_bm)
     zero_chunk = triton_cdiv(flat.numel(), grid_rows)
     rows_kernel[(grid_rows,)](
         h, head_weight, head_bias, target, logits, dl, rowloss, flat,
         M, N, C, h.stride(0), 1.0 / M, flat.numel(), zero_chunk,
-        BM=bm_rows, BN=64 if CP > 64 else 128, CP=CP, IEEE=ieee, ZBLOCK=256,
+        BM=t.rows_bm, BN=t.rows_bn, CP=CP, IEEE=ieee, ZBLOCK=256,
+        num_warps=t.rows_warps, num_stages=t.rows_stages,
     )
     dz = torch.empty(M, N, device=dev, dtype=h.dtype) if with_dz else h
-    BN = 64 if N >= 2048 else 32
-    BM = 64 if CP <= 64 else 32
-    col_blocks = triton_cdiv(N, BN)
-    m_blocks = triton_cdiv(M, BM)
-    # split the rows so that about two programs per SM run: at N=256, B=1024 a single
-    # split would leave 8 programs on 132 SMs
-    split = max(1, min(m_blocks, (2 * _num_sms(dev)) // col_blocks))
-    rows_per_split = triton_cdiv(m_blocks, split) * BM
+    col_blocks = triton_cdiv(N, t.cols_bn)
+    m_blocks = triton_cdiv(M, t.cols_bm)
+    # split the rows so that about `cols_programs_per_sm` programs per SM run: at N=256,
+    # B=1024 a single split would leave 8 programs on 132 SMs
+    split = max(1, min(m_blocks, (t.cols_programs_per_sm * _num_sms(dev)) // col_blocks))
+    rows_per_split = triton_cdiv(m_blocks, split) * t.cols_bm
     split = triton_cdiv(M, rows_per_split)
     cols_kernel[(col_blocks, split)](
         h, dl, head_weight, rowloss, dz, gw, gb, gbloc, loss,
         M, N, C, h.stride(0), rows_per_split,
-        BM=BM, BN=BN, CP=CP, ACT=_ACT_CODE[activation], WRITE_DZ=with_dz, IEEE=ieee,
+        BM=t.cols_bm, BN=t.cols_bn, CP=CP, ACT=_ACT_CODE[activation], WRITE_DZ=with_dz, IEEE=ieee,
+        num_warps=t.cols_warps, num_stages=t.cols_stages,
     )
     if with_dz:
         return LocalError(logits, loss, gw, gbloc, dz, gb)
