@@ -14,6 +14,7 @@ import torch
 from tests.conftest import relative_error
 from tests.gpu.conftest import DEVICE, requires_kernels
 from torch_dad import functional as F
+from torch_dad.kernels.local_error import Tiles, default_tiles
 from torch_dad.optim import adamw_
 from torch_dad.ridge import GramAccumulator
 
@@ -37,16 +38,16 @@ def test_local_error_matches_functional(shape, activation, dtype):  # type: igno
     _check_local_error(shape, activation, dtype)
 
 
-# both launch configurations default_tiles() picks from, and others
+# the launch configurations default_tiles() picks (for wide layers, mid-sized ones and narrow
+# ones, in the dtype under test), and two others, each applied to small odd shapes
 TILES = [
-    dict(rows_bm=32, rows_bn=512, rows_warps=4, rows_stages=4, cols_bm=32, cols_bn=128, cols_warps=8, cols_stages=2,
-         cols_programs_per_sm=2),
-    dict(rows_bm=64, rows_bn=128, rows_warps=4, rows_stages=2, cols_bm=128, cols_bn=32, cols_warps=4, cols_stages=2,
-         cols_programs_per_sm=4),
-    dict(rows_bm=32, rows_bn=128, rows_warps=4, rows_stages=4, cols_bm=32, cols_bn=128, cols_warps=8, cols_stages=2,
-         cols_programs_per_sm=2),
-    dict(rows_bm=16, rows_bn=64, rows_warps=2, rows_stages=2, cols_bm=64, cols_bn=64, cols_warps=4, cols_stages=3,
-         cols_programs_per_sm=1),
+    lambda element_size: default_tiles(4096, 4096, 16, element_size),
+    lambda element_size: default_tiles(4096, 1024, 16, element_size),
+    lambda element_size: default_tiles(1024, 256, 16, element_size),
+    lambda element_size: Tiles(rows_bm=64, rows_bn=128, rows_warps=4, rows_stages=2, cols_bm=128, cols_bn=32,
+                               cols_warps=4, cols_stages=2, cols_programs_per_sm=4),
+    lambda element_size: Tiles(rows_bm=16, rows_bn=64, rows_warps=2, rows_stages=2, cols_bm=64, cols_bn=64,
+                               cols_warps=4, cols_stages=3, cols_programs_per_sm=1),
 ]
 
 
@@ -54,9 +55,7 @@ TILES = [
 @pytest.mark.parametrize("shape", [(77, 53, 10), (300, 517, 10), (130, 300, 7)])
 @pytest.mark.parametrize("tiles", range(len(TILES)))
 def test_local_error_launch_configurations(tiles, shape, dtype):  # type: ignore[no-untyped-def]
-    from torch_dad.kernels.local_error import Tiles
-
-    _check_local_error(shape, "relu", dtype, Tiles(**TILES[tiles]))
+    _check_local_error(shape, "relu", dtype, TILES[tiles](torch.empty((), dtype=dtype).element_size()))
 
 
 def _check_local_error(shape, activation, dtype, tiles=None):  # type: ignore[no-untyped-def]

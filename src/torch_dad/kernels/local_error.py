@@ -245,8 +245,9 @@ class Tiles:
     cols_programs_per_sm: int
 
 
-def default_tiles(M: int, N: int, CP: int) -> Tiles:
-    """The launch configuration for an (M, N) layer output with CP padded classes.
+def default_tiles(M: int, N: int, CP: int, element_size: int = 2) -> Tiles:
+    """The launch configuration for an (M, N) layer output with CP padded classes whose ``h``
+    has ``element_size`` bytes per entry.
 
     Chosen by a sweep of 36 row-kernel x 162 column-kernel configurations on an H200, bf16,
     10 classes, each call timed inside a CUDA graph (device calls 12-13 of 2026-11-30,
@@ -255,11 +256,12 @@ def default_tiles(M: int, N: int, CP: int) -> Tiles:
     1024 x 4096 25.0 -> 21.9 us, 4096 x 512 14.6 -> 12.5 us; at N = 256 and at 1024 x 512
     the old tiles stay best (8.6 vs 9.1 us). Computing the logits by a cuBLAS GEMM instead of
     in the row kernel was slower everywhere: the cast and padding of ``W_loc`` alone are
-    two launches of ~3 us each in a graph.
+    two launches of ~3 us each in a graph. The 512-wide row tiles are for 2-byte ``h`` only:
+    in fp32 their pipeline needs 288 KiB of shared memory (the H200 has 227 KiB).
     """
     if CP <= 64 and (N >= 1024 or (N >= 512 and M >= 2048)):
         return Tiles(
-            rows_bm=32, rows_bn=512 if N >= 2048 else 128, rows_warps=4, rows_stages=4,
+            rows_bm=32, rows_bn=512 if N >= 2048 and element_size <= 2 else 128, rows_warps=4, rows_stages=4,
             cols_bm=32, cols_bn=128, cols_warps=8, cols_stages=2, cols_programs_per_sm=2,
         )
     return Tiles(
@@ -290,7 +292,7 @@ def _local_error_triton(
     M, N = h.shape
     C = head_weight.shape[0]
     CP = max(16, next_pow2(C))
-    t = tiles or default_tiles(M, N, CP)
+    t = tiles or default_tiles(M, N, CP, h.element_size())
     dev = h.device
     ieee = h.dtype == torch.float32
     # one flat fp32 block for every accumulator: the row kernel zeroes it in the same launch
