@@ -48,6 +48,10 @@ TILES = [
                                cols_warps=4, cols_stages=2, cols_programs_per_sm=4),
     lambda element_size: Tiles(rows_bm=16, rows_bn=64, rows_warps=2, rows_stages=2, cols_bm=64, cols_bn=64,
                                cols_warps=4, cols_stages=3, cols_programs_per_sm=1),
+    lambda element_size: Tiles(rows_bm=32, rows_bn=64, rows_warps=4, rows_stages=2, cols_bm=32, cols_bn=64,
+                               cols_warps=4, cols_stages=2, cols_programs_per_sm=2, rows_split=3),
+    lambda element_size: Tiles(rows_bm=16, rows_bn=32, rows_warps=4, rows_stages=3, cols_bm=64, cols_bn=32,
+                               cols_warps=4, cols_stages=2, cols_programs_per_sm=2, rows_split=8),
 ]
 
 

@@ -126,22 +126,25 @@ def _kernels() -> Any:
 
     @triton.jit
     def rows_kernel(
-        h_ptr, w_ptr, b_ptr, y_ptr, logits_ptr, dl_ptr, rowloss_ptr, zero_ptr,
-        M, N, C, stride_h, inv_count, zero_numel, zero_chunk,
+        h_ptr, w_ptr, b_ptr, y_ptr, logits_ptr, dl_ptr, rowloss_ptr, zero_ptr, part_ptr, count_ptr,
+        M, N, C, stride_h, inv_count, zero_numel, zero_chunk, split_cols,
         BM: tl.constexpr, BN: tl.constexpr, CP: tl.constexpr, IEEE: tl.constexpr, ZBLOCK: tl.constexpr,
+        SPLIT: tl.constexpr,
     ):
-        pid = tl.program_id(0)
+        pid_m = tl.program_id(0)
+        pid_s = tl.program_id(1)
         # zero this program's share of the gradient accumulators the column kernel adds into
-        zstart = pid * zero_chunk
+        zstart = (pid_m * SPLIT + pid_s) * zero_chunk
         for z0 in range(0, zero_chunk, ZBLOCK):
             zo = zstart + z0 + tl.arange(0, ZBLOCK)
             tl.store(zero_ptr + zo, tl.zeros((ZBLOCK,), tl.float32), mask=(zo < zero_numel) & (z0 + tl.arange(0, ZBLOCK) < zero_chunk))
-        rows = pid * BM + tl.arange(0, BM)
+        rows = pid_m * BM + tl.arange(0, BM)
         rmask = rows < M
         cls = tl.arange(0, CP)
         cmask = cls < C
         acc = tl.zeros((BM, CP), dtype=tl.float32)
-        for n0 in range(0, N, BN):
+        n_start = pid_s * split_cols
+        for n0 in range(n_start, n_start + split_cols, BN):
             cols = n0 + tl.arange(0, BN)
             nmask = cols < N
             h = tl.load(h_ptr + rows[:, None] * stride_h + cols[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
@@ -151,9 +154,20 @@ def _kernels() -> Any:
                 acc = tl.dot(h, tl.trans(w), acc, input_precision="ieee")
             else:
                 acc = tl.dot(h, tl.trans(w), acc)
+        if SPLIT > 1:
+            # split over the columns: add the partial logits, and let the row block's last
+            # program to arrive (its counter's acq_rel atomic orders the others' adds before
+            # it) read the sums from L2 and go on to the softmax
+            # (the others compute on partial sums too, but store nothing: no early return)
+            tl.atomic_add(part_ptr + rows[:, None] * CP + cls[None, :], acc, mask=rmask[:, None])
+            arrived = tl.atomic_add(count_ptr + pid_m, 1.0)
+            store = rmask & ((tl.zeros((BM,), tl.int32) + arrived.to(tl.int32)) == SPLIT - 1)
+            acc = tl.load(part_ptr + rows[:, None] * CP + cls[None, :], mask=rmask[:, None], other=0.0, cache_modifier=".cg")
+        else:
+            store = rmask
         bias = tl.load(b_ptr + cls, mask=cmask, other=0.0).to(tl.float32)
         logits = acc + bias[None, :]
-        tl.store(logits_ptr + rows[:, None] * C + cls[None, :], logits, mask=rmask[:, None] & cmask[None, :])
+        tl.store(logits_ptr + rows[:, None] * C + cls[None, :], logits, mask=store[:, None] & cmask[None, :])
         masked = tl.where(cmask[None, :], logits, float("-inf"))
         row_max = tl.max(masked, axis=1)
         e = tl.exp(masked - row_max[:, None])
@@ -162,10 +176,10 @@ def _kernels() -> Any:
         onehot = cls[None, :] == y[:, None]
         d_logits = (e / denom[:, None] - tl.where(onehot, 1.0, 0.0)) * inv_count
         d_logits = tl.where(rmask[:, None] & cmask[None, :], d_logits, 0.0)
-        tl.store(dl_ptr + rows[:, None] * CP + cls[None, :], d_logits, mask=rmask[:, None])
+        tl.store(dl_ptr + rows[:, None] * CP + cls[None, :], d_logits, mask=store[:, None])
         logit_y = tl.sum(tl.where(onehot, logits, 0.0), axis=1)
         row_loss = (row_max + tl.log(denom) - logit_y) * inv_count
-        tl.store(rowloss_ptr + rows, row_loss, mask=rmask)
+        tl.store(rowloss_ptr + rows, row_loss, mask=store)
 
     @triton.jit
     def cols_kernel(
@@ -243,6 +257,8 @@ class Tiles:
     cols_warps: int
     cols_stages: int
     cols_programs_per_sm: int
+    #: programs per row block of the row kernel, each over a slice of the columns (1: none)
+    rows_split: int = 1
 
 
 def default_tiles(M: int, N: int, CP: int, element_size: int = 2) -> Tiles:
@@ -304,12 +320,17 @@ def _local_error_triton(
     logits = torch.empty(M, C, device=dev, dtype=torch.float32)
     dl = torch.empty(M, CP, device=dev, dtype=torch.float32)
     rowloss = torch.empty(M, device=dev, dtype=torch.float32)
-    grid_rows = triton_cdiv(M, t.rows_bm)
-    zero_chunk = triton_cdiv(flat.numel(), grid_rows)
-    rows_kernel[(grid_rows,)](
-        h, head_weight, head_bias, target, logits, dl, rowloss, flat,
-        M, N, C, h.stride(0), 1.0 / M, flat.numel(), zero_chunk,
-        BM=t.rows_bm, BN=t.rows_bn, CP=CP, IEEE=ieee, ZBLOCK=256,
+    row_blocks = triton_cdiv(M, t.rows_bm)
+    split = max(1, min(t.rows_split, triton_cdiv(N, t.rows_bn)))
+    split_cols = triton_cdiv(triton_cdiv(N, split), t.rows_bn) * t.rows_bn
+    split = triton_cdiv(N, split_cols)
+    # the split path's partial logits and per-row-block arrival counters: one memset
+    scratch = torch.zeros(M * CP + row_blocks, device=dev, dtype=torch.float32) if split > 1 else rowloss
+    zero_chunk = triton_cdiv(flat.numel(), row_blocks * split)
+    rows_kernel[(row_blocks, split)](
+        h, head_weight, head_bias, target, logits, dl, rowloss, flat, scratch, scratch[M * CP :] if split > 1 else scratch,
+        M, N, C, h.stride(0), 1.0 / M, flat.numel(), zero_chunk, split_cols,
+        BM=t.rows_bm, BN=t.rows_bn, CP=CP, IEEE=ieee, ZBLOCK=256, SPLIT=split,
         num_warps=t.rows_warps, num_stages=t.rows_stages,
     )
     dz = torch.empty(M, N, device=dev, dtype=h.dtype) if with_dz else h
