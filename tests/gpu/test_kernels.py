@@ -38,9 +38,10 @@ def test_local_error_matches_functional(shape, activation, dtype):  # type: igno
     _check_local_error(shape, activation, dtype)
 
 
-# the launch configurations default_tiles() picks (for wide layers, mid-sized ones and narrow
-# ones, in the dtype under test), and two others, each applied to small odd shapes
+# the launch configurations default_tiles() picks (for wide layers with few and many rows,
+# mid-sized ones and narrow ones, in the dtype under test), and others, each on small odd shapes
 TILES = [
+    lambda element_size: default_tiles(1024, 4096, 16, element_size),
     lambda element_size: default_tiles(4096, 4096, 16, element_size),
     lambda element_size: default_tiles(4096, 1024, 16, element_size),
     lambda element_size: default_tiles(1024, 256, 16, element_size),
