@@ -34,17 +34,30 @@ def test_cuda_graph_on_cpu_and_unsupported_models_raise():
         td.DADTrainer(Net("gelu"), backend="fused")
 
 
+def test_fused_backend_with_nonfinite_guard_warns_and_runs_eager():
+    with pytest.warns(UserWarning, match="on_nonfinite='raise'.*eager"):
+        trainer = td.DADTrainer(Net(), backend="fused")  # CPU: value checks on, guard "raise"
+    assert trainer._engine is not None and not trainer._engine_applies()
+
+
 def test_auto_on_cpu_is_eager():
     assert td.DADTrainer(Net(), backend="auto")._engine is None
 
 
+@pytest.mark.parametrize("chunked", [False, True])
 @pytest.mark.parametrize("amp,tol", [(None, 1e-5), (torch.bfloat16, 3e-2)])
-def test_fused_cpu_step_matches_eager(amp, tol):
+def test_fused_cpu_step_matches_eager(amp, tol, chunked, monkeypatch):
+    if chunked:  # every layer's weight gradient and AdamW in row blocks (19 and 13 rows: ragged)
+        from torch_dad.engine import FusedStep
+
+        monkeypatch.setattr(FusedStep, "update_chunk_numel", 1)
     torch.manual_seed(0)
     ref, new = Net(), Net()
     new.load_state_dict(ref.state_dict())
     eager = td.DADTrainer(ref, backend="eager", amp_dtype=amp)
-    fused = td.DADTrainer(new, backend="fused", amp_dtype=amp)
+    # on CPU the non-finite guard defaults to "raise", which only the eager layer loop runs
+    fused = td.DADTrainer(new, backend="fused", amp_dtype=amp, on_nonfinite="ignore")
+    assert fused._engine_applies()
     for _ in range(4):
         x, y = torch.randn(37, 23), torch.randint(0, 5, (37,))
         l1, s1 = eager.step(x, y)

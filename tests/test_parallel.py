@@ -65,6 +65,12 @@ def trainer_kwargs():
     return {"lr": 3e-2, "weight_decay": 0.01, "head_sample_size": 0}
 
 
+def fused_kwargs():
+    # the non-finite guard (default "raise" on CPU) runs only in the eager layer loop: without
+    # "ignore" a CPU trainer with backend="fused" would take the eager path
+    return {**trainer_kwargs(), "on_nonfinite": "ignore"}
+
+
 # ---------------------------------------------------------------------------- worker
 def _catch(fn):
     try:
@@ -101,8 +107,8 @@ def _data_parallel(rank, out, overlap, epochs):
 
 def _data_parallel_fused(rank, out):
     torch.manual_seed(100 + rank)
-    trainer = parallel.DataParallelTrainer(Net(acts=FUSED_ACTS), DEVICE, backend="fused", **trainer_kwargs())
-    out["engine"] = type(trainer._engine).__name__
+    trainer = parallel.DataParallelTrainer(Net(acts=FUSED_ACTS), DEVICE, backend="fused", **fused_kwargs())
+    out["engine"] = type(trainer._engine).__name__ if trainer._engine_applies() else "not applied"
     x, y, xt, yt = make_data()
     out["records"] = trainer.fit((x, y), epochs=2, batch_size=24, progress=False, eval=(xt, yt))
     out["local_state"] = full_state(trainer)
@@ -110,8 +116,8 @@ def _data_parallel_fused(rank, out):
 
 def _pipeline_fused(rank, out):
     torch.manual_seed(200 + rank)
-    trainer = td.DADTrainer(Net(acts=FUSED_ACTS), DEVICE, backend="fused", **trainer_kwargs())
-    out["engine"] = type(trainer._engine).__name__
+    trainer = td.DADTrainer(Net(acts=FUSED_ACTS), DEVICE, backend="fused", **fused_kwargs())
+    out["engine"] = type(trainer._engine).__name__ if trainer._engine_applies() else "not applied"
     pipe = parallel.Pipeline(trainer, balance=[1, 2])
     x, y, xt, yt = make_data()
     out["records"] = pipe.fit((x, y) if rank == 0 else None, epochs=2, batch_size=16, progress=False,
@@ -286,7 +292,8 @@ def _one_thread():
 def reference(epochs, batch_size, seed_rank0, device="cpu", fused=False):
     torch.manual_seed(seed_rank0)
     if fused:
-        trainer = td.DADTrainer(Net(acts=FUSED_ACTS), device, backend="fused", **trainer_kwargs())
+        trainer = td.DADTrainer(Net(acts=FUSED_ACTS), device, backend="fused", **fused_kwargs())
+        assert trainer._engine_applies()
     else:
         trainer = td.DADTrainer(Net(), device, **trainer_kwargs())
     x, y, xt, yt = make_data()

@@ -85,6 +85,12 @@ def _forward(a: Tensor, weight: Tensor, bias: Tensor | None, activation: str) ->
 class FusedStep:
     """The fused step for one trainer; :meth:`__call__` runs it, eagerly or as a CUDA graph."""
 
+    #: a layer whose weight has at least this many entries gets its weight gradient and AdamW
+    #: in ``update_chunks`` row blocks, each block's AdamW (on its own stream under overlap)
+    #: running beside the next block's GEMM instead of after the whole GEMM
+    update_chunk_numel: int = 8 * 2**20
+    update_chunks: int = 4
+
     def __init__(self, trainer: DADTrainer, graphed: bool) -> None:
         self.trainer = trainer
         self.graphed = graphed
@@ -95,6 +101,7 @@ class FusedStep:
         self._graphs: dict[tuple[Any, ...], tuple[Any, Tensor, Tensor, Tensor, Tensor]] = {}
         self._seen: set[tuple[Any, ...]] = set()
         self._side: torch.cuda.Stream | None = None
+        self._update_stream: torch.cuda.Stream | None = None
         self._sample_stream: torch.cuda.Stream | None = None
         self._pool: Any = None
         self._tracked: list[Tensor] | None = None
@@ -230,13 +237,20 @@ class FusedStep:
             else:
                 ctx = _Null()
             with ctx:
-                grad_w = _mm_fp32(err.d_z.T, a)
-                grads = [grad_w, err.grad_bias][:nb]
                 shadow: list[Tensor | None] = [w, b][:nb] if shadows is not None else [None] * nb
                 targets = [p.data for p in params[:nb]]
-                if reducer is None:
+                if reducer is None and layer.weight.numel() >= self.update_chunk_numel:
+                    grad_w = self._chunked_update(
+                        err.d_z, a, err.grad_bias, targets, exp_avg[:nb], exp_avg_sq[:nb], shadow, step_t, overlap, keep
+                    )
+                    grads = []
+                elif reducer is None:
+                    grad_w = _mm_fp32(err.d_z.T, a)
+                    grads = [grad_w, err.grad_bias][:nb]
                     self._adamw(None, targets, grads, exp_avg[:nb], exp_avg_sq[:nb], shadow, step_t)
                 else:
+                    grad_w = _mm_fp32(err.d_z.T, a)
+                    grads = [grad_w, err.grad_bias][:nb]
                     # launch() copies the gradients into its buffer at once; the update uses that buffer
                     _, work, views = reducer.launch(grads)
                     pending.append((work, targets, views, exp_avg[:nb], exp_avg_sq[:nb], shadow, step_t))
@@ -295,10 +309,43 @@ class FusedStep:
             t._loss_sum += loss
         if overlap and side is not None and main is not None:
             main.wait_stream(side)
+            if self._update_stream is not None:
+                main.wait_stream(self._update_stream)
         if sample_stream is not None:
             torch.cuda.current_stream().wait_stream(sample_stream)
         del keep
         return logits, loss, a
+
+    def _chunked_update(
+        self, d_z: Tensor, a: Tensor, grad_bias: Tensor, params: list[Tensor], exp_avg: list[Tensor],
+        exp_avg_sq: list[Tensor], shadow: list[Tensor | None], step_t: Tensor, overlap: bool, keep: list[Tensor],
+    ) -> Tensor:
+        """``W -= AdamW(d_z.T @ a)`` (and the bias) in row blocks of the weight; returns the
+        last block's gradient. Per block: ``g = d_z[:, rows].T @ a``, then AdamW on
+        ``W[rows]``, ``b[rows]`` and their moments and copies, elementwise as in one launch.
+        Under ``overlap`` (called on the side stream) each block's AdamW runs on an update
+        stream, beside the next block's GEMM."""
+        out_features = d_z.shape[1]
+        rows = -(-out_features // self.update_chunks)
+        side = torch.cuda.current_stream() if overlap else None
+        if overlap and self._update_stream is None:
+            self._update_stream = torch.cuda.Stream(device=self.device)
+        grad = d_z
+        for r0 in range(0, out_features, rows):
+            r1 = min(out_features, r0 + rows)
+            grad = _mm_fp32(d_z[:, r0:r1].T, a)
+            block = [p[r0:r1] for p in params]
+            block_grads = [grad, grad_bias[r0:r1]][: len(params)]
+            moments = [m[r0:r1] for m in exp_avg], [v[r0:r1] for v in exp_avg_sq]
+            copies = [c[r0:r1] if c is not None else None for c in shadow]
+            if overlap and side is not None and self._update_stream is not None:
+                self._update_stream.wait_stream(side)
+                keep.append(grad)
+                with torch.cuda.stream(self._update_stream):
+                    self._adamw(None, block, block_grads, *moments, copies, step_t)
+            else:
+                self._adamw(None, block, block_grads, *moments, copies, step_t)
+        return grad
 
     def _adamw(self, work: Any, params: list[Tensor], grads: list[Tensor], exp_avg: list[Tensor],
                exp_avg_sq: list[Tensor], shadow: list[Tensor | None], step_t: Tensor) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -77,7 +78,9 @@ class DADTrainer:
         backend: how :meth:`step` runs (see :mod:`torch_dad.engine`): ``"eager"`` (reference
             PyTorch), ``"fused"`` (Triton kernels on CUDA, their twins on CPU),
             ``"cuda-graph"`` (the fused step captured per input shape) or ``"auto"``
-            (``"cuda-graph"`` on CUDA where supported, else ``"eager"``).
+            (``"cuda-graph"`` on CUDA where supported, else ``"eager"``). The fused step has
+            no per-layer non-finite guard: with ``on_nonfinite`` other than ``"ignore"`` (the
+            CPU default), ``step`` runs the eager loop, and a warning says so.
         local_loss: ``"ce"``, ``"predsim"`` or ``"drtp"`` sets every layer's local rule
             (:meth:`DADLinear.set_local_loss`); ``None`` keeps each layer's own.
         dropout: in ``step``, drop each hidden output with this probability (scaled by
@@ -187,6 +190,14 @@ class DADTrainer:
         self.history: list[dict[str, float]] = []
         self._engine = self._make_engine(backend)
         self.backend = backend
+        if self._engine is not None and self.on_nonfinite != "ignore":
+            warnings.warn(
+                f"backend={backend!r} with on_nonfinite={self.on_nonfinite!r}: the fused step has no per-layer "
+                "non-finite guard, so step() runs the eager layer loop. Pass on_nonfinite='ignore' (or "
+                "check_values=False) to run the fused step",
+                UserWarning,
+                stacklevel=2,
+            )
 
     # ------------------------------------------------------------------ helpers
     def _make_engine(self, backend: str) -> Any:
