@@ -81,7 +81,8 @@ def dad_system(n_in: int, widths: Sequence[int], classes: int, device: torch.dev
     if head not in ("sample", "gram", "none"):
         raise ValueError(f"head={head!r} must be 'sample', 'gram' or 'none'")
     model = SeedMLP([n_in, *widths], num_classes=classes)
-    trainer = td.DADTrainer(model, device=device, lr=1e-3, amp_dtype=amp, backend=backend,
+    # on_nonfinite='ignore' (the CUDA default) so that CPU smoke runs take the fused step too
+    trainer = td.DADTrainer(model, device=device, lr=1e-3, amp_dtype=amp, backend=backend, on_nonfinite="ignore",
                             accumulate_head_statistics=head == "gram",
                             head_sample_size=4096 if head == "sample" else 0)
     return trainer, trainer.step
