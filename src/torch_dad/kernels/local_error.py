@@ -20,6 +20,10 @@ The Triton version is two launches instead of the ~12 PyTorch ops of the twin:
    ``h`` again, write ``d_z`` and accumulate ``g_W_loc``, ``g_b`` (and ``g_b_loc``, loss).
    When the rows are split over several programs (to fill the GPU at small widths) the partial
    sums are added atomically, so the fp32 summation order, and the last bits, may vary.
+
+With few rows and wide layers (see :func:`default_tiles`) the row kernel also splits the columns
+over several programs per row block: their partial logits are added atomically into a zeroed
+buffer (one more launch, a memset), and the last program to arrive does the softmax.
 """
 
 from __future__ import annotations
