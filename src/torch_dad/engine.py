@@ -241,18 +241,18 @@ class FusedStep:
             with ctx:
                 shadow: list[Tensor | None] = [w, b][:nb] if shadows is not None else [None] * nb
                 targets = [p.data for p in params[:nb]]
-                if reducer is None and layer.weight.numel() >= self.update_chunk_numel:
+                chunked = reducer is None and layer.weight.numel() >= self.update_chunk_numel
+                if chunked:  # the GEMM and its AdamW, in row blocks
                     grad_w = self._chunked_update(
                         err.d_z, a, err.grad_bias, targets, exp_avg[:nb], exp_avg_sq[:nb], shadow, step_t, overlap, keep
                     )
                     grads = []
-                elif reducer is None:
-                    grad_w = _mm_fp32(err.d_z.T, a)
-                    grads = [grad_w, err.grad_bias][:nb]
-                    self._adamw(None, targets, grads, exp_avg[:nb], exp_avg_sq[:nb], shadow, step_t)
                 else:
                     grad_w = _mm_fp32(err.d_z.T, a)
                     grads = [grad_w, err.grad_bias][:nb]
+                if reducer is None and not chunked:
+                    self._adamw(None, targets, grads, exp_avg[:nb], exp_avg_sq[:nb], shadow, step_t)
+                elif reducer is not None:
                     # launch() copies the gradients into its buffer at once; the update uses that buffer
                     _, work, views = reducer.launch(grads)
                     pending.append((work, targets, views, exp_avg[:nb], exp_avg_sq[:nb], shadow, step_t))
