@@ -10,7 +10,8 @@ Selected by ``DADTrainer(..., backend=...)``:
   installed, else ``"eager"``.
 
 Per DAD layer the fused step launches: the forward ``addmm`` with bias and ReLU fused by
-cuBLASLt, two local-error kernels, the ``d_z^T a`` GEMM with fp32 output, and one AdamW kernel
+cuBLASLt, two local-error kernels, the ``d_z^T a`` GEMM (output in the compute dtype, as the
+eager step rounds it), and one AdamW kernel
 that updates weight and bias and rewrites their bf16 copies (the copies the next forward reads,
 so no per-step casts). The heads' small AdamW is one ``torch._fused_adamw_`` launch for all layers.
 The measured reason: on an H200 at B=1024 an MLP step is bound by launches, not FLOPs
@@ -92,6 +93,11 @@ class FusedStep:
     #: running beside the next block's GEMM instead of after the whole GEMM
     update_chunk_numel: int = 8 * 2**20
     update_chunks: int = 4
+    #: on CUDA, the weight-gradient GEMM writes its output in the compute dtype (bf16/fp16,
+    #: accumulated in fp32), rounded as the eager step rounds it; ``True`` keeps it in fp32.
+    #: The AdamW kernel reads it and widens it, so a 2-byte gradient saves 4 of the ~34 bytes
+    #: a weight's update moves (GEMM write + AdamW read)
+    fp32_weight_grads: bool = False
 
     def __init__(self, trainer: DADTrainer, graphed: bool) -> None:
         self.trainer = trainer
@@ -248,7 +254,7 @@ class FusedStep:
                     )
                     grads = []
                 else:
-                    grad_w = _mm_fp32(err.d_z.T, a)
+                    grad_w = self._weight_grad(err.d_z.T, a, exact=reducer is not None)
                     grads = [grad_w, err.grad_bias][:nb]
                 if reducer is None and not chunked:
                     self._adamw(None, targets, grads, exp_avg[:nb], exp_avg_sq[:nb], shadow, step_t)
@@ -335,7 +341,7 @@ class FusedStep:
         grad = d_z
         for r0 in range(0, out_features, rows):
             r1 = min(out_features, r0 + rows)
-            grad = _mm_fp32(d_z[:, r0:r1].T, a)
+            grad = self._weight_grad(d_z[:, r0:r1].T, a, exact=False)
             block = [p[r0:r1] for p in params]
             block_grads = [grad, grad_bias[r0:r1]][: len(params)]
             moments = [m[r0:r1] for m in exp_avg], [v[r0:r1] for v in exp_avg_sq]
@@ -348,6 +354,14 @@ class FusedStep:
             else:
                 self._adamw(None, block, block_grads, *moments, copies, step_t)
         return grad
+
+    def _weight_grad(self, d_z_t: Tensor, a: Tensor, exact: bool) -> Tensor:
+        """``d_z.T @ a``, fp32-accumulated: in the compute dtype on CUDA (see
+        ``fp32_weight_grads``), in fp32 when ``exact`` (an all-reduce sums it across processes)
+        and on CPU (whose AdamW twin needs the master dtype)."""
+        if exact or self.fp32_weight_grads or not d_z_t.is_cuda or d_z_t.dtype == torch.float32:
+            return _mm_fp32(d_z_t, a)
+        return d_z_t @ a
 
     def _adamw(self, work: Any, params: list[Tensor], grads: list[Tensor], exp_avg: list[Tensor],
                exp_avg_sq: list[Tensor], shadow: list[Tensor | None], step_t: Tensor) -> None:
