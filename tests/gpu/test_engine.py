@@ -40,15 +40,18 @@ AMPS = [None] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("amp", AMPS)
-@pytest.mark.parametrize("activation,classifier,chunked", [
-    ("relu", True, False), ("tanh", False, False), ("identity", True, False),
-    ("relu", True, True),  # every layer's weight gradient and AdamW in row blocks
+@pytest.mark.parametrize("activation,classifier,chunked,fp32_grads", [
+    ("relu", True, False, False), ("tanh", False, False, False), ("identity", True, False, False),
+    ("relu", True, True, False),  # every layer's weight gradient and AdamW in row blocks
+    ("relu", True, True, True),  # ... with the weight gradients kept in fp32 (FusedStep.fp32_weight_grads)
+    ("tanh", True, False, True),
 ])
-def test_fused_step_matches_eager(backend, amp, activation, classifier, chunked, monkeypatch):  # type: ignore[no-untyped-def]
-    if chunked:
-        from torch_dad.engine import FusedStep
+def test_fused_step_matches_eager(backend, amp, activation, classifier, chunked, fp32_grads, monkeypatch):  # type: ignore[no-untyped-def]
+    from torch_dad.engine import FusedStep
 
+    if chunked:
         monkeypatch.setattr(FusedStep, "update_chunk_numel", 1)
+    monkeypatch.setattr(FusedStep, "fp32_weight_grads", fp32_grads)
     eager, fused = _pair(backend, amp, activation, classifier)
     tol = 1e-4 if amp is None else 3e-2
     for i in range(5):
