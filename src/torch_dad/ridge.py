@@ -230,6 +230,7 @@ class InputReservoir(torch.nn.Module):
     inputs: Tensor
     labels: Tensor
     seen: Tensor
+    _winner: Tensor
 
     def __init__(self, capacity: int, num_features: int, device=None, dtype=None, seed: int = 0) -> None:
         super().__init__()
@@ -242,6 +243,8 @@ class InputReservoir(torch.nn.Module):
         self.register_buffer("labels", torch.zeros(capacity + 1, dtype=torch.long, device=device))
         # rows seen, on the device too: the device path reads it inside a captured CUDA graph
         self.register_buffer("seen", torch.zeros((), dtype=torch.long, device=device))
+        # the device path's scratch: the batch row each slot keeps, -1 between calls (not state)
+        self.register_buffer("_winner", torch.full((capacity,), -1, dtype=torch.int32, device=device), persistent=False)
         # the CPU path's draws (the device path uses the default CUDA generator, graph-safe)
         self._generator = torch.Generator().manual_seed(seed)
         self._seen = 0
@@ -283,28 +286,16 @@ class InputReservoir(torch.nn.Module):
         Row t (1-based count) goes to slot ``t - 1`` while ``t <= capacity``, else to a uniform
         slot of ``[0, t)`` when that is ``< capacity``, else it is dropped. Of two rows of one
         batch drawing the same slot the later is kept, as in the sequential rule; only kept rows
-        are copied (:func:`torch_dad.kernels.reservoir.reservoir_store_`). Uses the default
-        CUDA generator (graph-safe). The caller advances the host count (:meth:`count_rows`).
+        are copied (:func:`torch_dad.kernels.reservoir.reservoir_add_`: two kernels on CUDA). Uses
+        the default CUDA generator (graph-safe). The caller advances the host count (:meth:`count_rows`).
         Measured on the H200 (graphed mnist-medium-3 step, B=1024): drawing on the host and
         uploading the kept indices cost 2.2x the step; outside the graph, these device ops
         cost ~200 us a step; inside it, a few us.
         """
-        from .kernels.reservoir import reservoir_store_  # lazily: kernels imports this module
+        from .kernels.reservoir import reservoir_add_  # lazily: kernels imports this module
 
-        n = inputs.shape[0]
-        device = self.seen.device
-        count = self.seen + torch.arange(1, n + 1, device=device)
-        draw = (torch.rand(n, device=device, dtype=torch.float64) * count).long()
-        slot = torch.where(count <= self.capacity, count - 1, draw)
-        order = torch.arange(n, device=device)
-        # Two rows drawing one slot would race in a plain scatter (a stored row mixing two
-        # inputs, seen on the H200): the later row wins, as in the sequential rule. Each dropped
-        # row gets its own index past the slots, so no index collects thousands of them.
-        slot = torch.where(slot < self.capacity, slot, self.capacity + order)
-        winner = torch.full((self.capacity + n,), -1, dtype=torch.long, device=device)
-        winner.scatter_reduce_(0, slot, order, reduce="amax")
-        reservoir_store_(self.inputs, self.labels, inputs, labels, winner[: self.capacity])
-        self.seen.add_(n)
+        draws = torch.rand(inputs.shape[0], device=self.seen.device, dtype=torch.float64)
+        reservoir_add_(self.inputs, self.labels, self.seen, self._winner, inputs, labels, draws)
 
     def _add_on_host(self, inputs: Tensor, labels: Tensor) -> None:
         n = inputs.shape[0]

@@ -198,6 +198,48 @@ def test_reservoir_store_matches_twin_and_definition(width, dtype):  # type: ign
         assert torch.equal(got_x, want_x) and torch.equal(got_y, want_y), backend
 
 
+@requires_kernels
+@pytest.mark.parametrize("capacity,width", [(7, 3), (64, 45), (1500, 5)])
+def test_reservoir_add_matches_twin(capacity, width):  # type: ignore[no-untyped-def]
+    """The two-kernel device step of Algorithm R keeps exactly the rows its PyTorch twin keeps (the twin
+    equals the sequential rule: tests/test_trainer.py), from the same draws: direct fills, a batch
+    straddling the fill, batches over 1024 rows (several draw programs) and many rows per slot (later
+    row wins); ``seen`` advances and the winner scratch is all -1 again after every call."""
+    from torch_dad.kernels.reservoir import reservoir_add_
+
+    torch.manual_seed(capacity)
+    samples = {}
+    for backend in ("triton", "torch"):
+        samples[backend] = (torch.zeros(capacity + 1, width, device=DEVICE), torch.zeros(capacity + 1, dtype=torch.long,
+                            device=DEVICE), torch.zeros((), dtype=torch.long, device=DEVICE),
+                            torch.full((capacity,), -1, dtype=torch.int32, device=DEVICE))
+    gen = torch.Generator().manual_seed(1)
+    for batch in (5, capacity, 2049, 3, 1100):
+        x = torch.randn(batch, width, generator=gen).to(DEVICE)
+        y = torch.randint(0, 10, (batch,), generator=gen).to(DEVICE)
+        draws = torch.rand(batch, generator=gen, dtype=torch.float64).to(DEVICE)
+        for backend, (si, sl, seen, winner) in samples.items():
+            reservoir_add_(si, sl, seen, winner, x, y, draws, backend=backend)
+            assert bool((winner == -1).all()), backend
+    (ti, tl_, tseen, _), (ri, rl, rseen, _) = samples["triton"], samples["torch"]
+    assert int(tseen) == int(rseen) == 5 + capacity + 2049 + 3 + 1100
+    assert torch.equal(ti, ri) and torch.equal(tl_, rl)
+
+
+def test_reservoir_add_rejects_bad_arguments():  # type: ignore[no-untyped-def]
+    from torch_dad.kernels.reservoir import reservoir_add_
+
+    x, y = torch.zeros(4, 3), torch.zeros(4, dtype=torch.long)
+    sample = torch.zeros(6, 3), torch.zeros(6, dtype=torch.long), torch.zeros((), dtype=torch.long)
+    with pytest.raises(ValueError, match="draws must have shape"):
+        reservoir_add_(*sample, torch.full((5,), -1, dtype=torch.int32), x, y, torch.rand(3, dtype=torch.float64))
+    with pytest.raises(ValueError, match="winner int32"):
+        reservoir_add_(*sample, torch.full((5,), -1), x, y, torch.rand(4, dtype=torch.float64))
+    with pytest.raises(ValueError, match="same number of columns"):
+        reservoir_add_(torch.zeros(6, 2), *sample[1:], torch.full((5,), -1, dtype=torch.int32), x, y,
+                       torch.rand(4, dtype=torch.float64))
+
+
 def test_reservoir_store_rejects_bad_shapes():  # type: ignore[no-untyped-def]
     from torch_dad.kernels.reservoir import reservoir_store_
 
