@@ -13,7 +13,8 @@ rotated over 8 batches), bf16 compute, fp32 master weights, AdamW:
 - ``backprop-eager``: the same, op by op;
 - ``wheel-2026.5.24``: the published wheel's compiled ``DADTrainer.step`` (``--wheel PATH``).
 
-Timing: CUDA events around 50 steps, median of 5 repeats after 20 warm-up steps (the graph is
+Timing: CUDA events around 50 steps, median of 5 repeats, in 3 interleaved rounds (median of rounds),
+each preceded by 20 steps and 0.3 s of warm-up (the graph is
 captured during warm-up). Writes ``results/gpu_throughput.json``. ``--smoke``: CPU, tiny sizes.
 
 Run: python benchmarks/gpu_throughput.py [--wheel .whl/torch_dad-2026.5.24-py3-none-any.whl]
@@ -24,6 +25,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -83,12 +85,12 @@ def main() -> None:
         topologies = {"smoke": (64, [48, 32], 10)}
         batches = [32]
         amp = None
-        steps, repeats, warmup = 3, 2, 2
+        steps, repeats, warmup, warmup_s, rounds = 3, 2, 2, 0.0, 1
     else:
         topologies = TOPOLOGIES
         batches = [int(b) for b in args.batches.split(",")]
         amp = torch.bfloat16
-        steps, repeats, warmup = 50, 5, 20
+        steps, repeats, warmup, warmup_s, rounds = 50, 5, 20, 0.3, 3
     records = []
     for name, (n_in, widths, classes) in topologies.items():
         for batch in batches:
@@ -100,7 +102,8 @@ def main() -> None:
                 return x[j * batch : (j + 1) * batch], y[j * batch : (j + 1) * batch]
 
             systems = ["dad", "dad-gram-stats", "dad-no-head-stats", "backprop-eager"] + (["backprop-graphed"] if cuda else [])
-            for system in systems:
+            steps_of, peak_of = {}, {}
+            for system in systems:  # build, capture and warm each; its peak memory is taken here
                 if cuda:
                     torch.cuda.empty_cache()
                     torch.cuda.reset_peak_memory_stats()
@@ -111,15 +114,23 @@ def main() -> None:
                     fn = backprop_eager(n_in, widths, classes, device, amp)
                 else:
                     fn = backprop_graphed(n_in, widths, classes, device, amp, batch)
-                sec = time_steps(lambda i, fn=fn: fn(*batch_at(i)), steps, repeats, warmup)
+                steps_of[system] = lambda i, fn=fn: fn(*batch_at(i))
+                time_steps(steps_of[system], steps, 1, warmup)
                 cuda_sync()
+                peak_of[system] = torch.cuda.max_memory_allocated() / 2**20 if cuda else float("nan")
+            # interleaved rounds, each system warmed again first: clock and cache state hit all alike
+            seconds: dict[str, list[float]] = {system: [] for system in systems}
+            for _ in range(rounds):
+                for system in systems:
+                    seconds[system].append(time_steps(steps_of[system], steps, repeats, warmup, warmup_s))
+            for system in systems:
+                sec = statistics.median(seconds[system])
                 records.append({
                     "topology": name, "batch": batch, "system": system, "img_per_s": batch / sec,
-                    "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else float("nan"),
-                    "flop_ratio": flop_ratio(n_in, widths, classes), **env,
+                    "peak_mib": peak_of[system], "flop_ratio": flop_ratio(n_in, widths, classes), **env,
                 })
                 print(json.dumps(records[-1]), flush=True)
-                del fn
+            del steps_of
     if args.wheel and cuda:
         jobs = [(name, b) for name in topologies for b in batches]
         for row in run_wheel(args.wheel, jobs, args.wheel_timeout):
