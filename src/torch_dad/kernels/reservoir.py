@@ -93,7 +93,7 @@ def reservoir_add_(
         )
     if batch == 0:
         return
-    if not use_triton(inputs, backend):
+    if not use_triton(inputs, backend) or slots == 0:
         count = seen + torch.arange(1, batch + 1, device=seen.device)
         slot = torch.where(count <= slots, count - 1, (draws * count).long())
         order = torch.arange(batch, device=seen.device)
