@@ -16,7 +16,8 @@ bf16 copies (the copies the next forward reads, so no per-step casts). The heads
 The measured reason: on an H200 at B=1024 an MLP step is bound by launches, not FLOPs
 (see ``docs/benchmarks-gpu.md``). Under ``"cuda-graph"`` the weight GEMM and AdamW of layer
 ``i`` run on a side stream, overlapping the forward of layer ``i + 1``: DAD allows it because
-layer ``i + 1`` never waits for a gradient from above. Layers with at least
+layer ``i + 1`` never waits for a gradient from above. For models no wider than 1024, layer ``i``'s local
+error runs beside that forward too, on a stream of its own (``FusedStep.local_error_off_main``). Layers with at least
 ``FusedStep.update_chunk_numel`` weights compute that GEMM and AdamW in row blocks, each block's
 AdamW beside the next block's GEMM (fmnist-wide-2's 4096 x 4096 layer at B=1024: 367 -> 353 us a step).
 
@@ -46,6 +47,10 @@ if TYPE_CHECKING:
     from .trainer import DADTrainer
 
 __all__ = ["BACKENDS", "FusedStep", "unsupported_reason"]
+
+#: the widest DAD layer for which ``FusedStep.local_error_off_main=None`` takes the local errors
+#: off the main stream (measured at widths 256-1024 and 4096; see that attribute)
+LOCAL_ERROR_OFF_MAIN_MAX_WIDTH = 1024
 
 BACKENDS: tuple[str, ...] = ("auto", "eager", "fused", "cuda-graph")
 
@@ -105,6 +110,16 @@ class FusedStep:
     #: fmnist-wide-2 B=1024 334 vs 386, cifar10-medium-3 B=4096 229 vs 246. Raising the main
     #: stream's priority over the side streams' (or the reverse) gained nothing consistent
     overlap_updates: bool = True
+    #: under ``overlap_updates``, also take each layer's local error off the forward chain: it
+    #: runs on an error stream beside the next layer's forward, and the weight gradient and
+    #: AdamW follow it on the side stream, so the main stream only runs the forwards. ``None``:
+    #: on when no DAD layer is wider than ``LOCAL_ERROR_OFF_MAIN_MAX_WIDTH``. H200, device call 28,
+    #: µs a step, on the main stream vs off it (3 interleaved rounds, each round agreeing):
+    #: cifar10-medium-3 B=1024 145.7 vs 137.4, B=4096 228.5 vs 223.7; mnist-medium-3 B=4096
+    #: 153.1 vs 147.8; deep-8x1024 B=4096 530.2 vs 527.0, B=1024 315.8 vs 318.6; but
+    #: fmnist-wide-2 (4096 wide) B=1024 330.9 vs 339.7: there the error kernels beside the
+    #: 4096 x 4096 forward GEMM slow it more than they save
+    local_error_off_main: bool | None = None
 
     def __init__(self, trainer: DADTrainer, graphed: bool) -> None:
         self.trainer = trainer
@@ -117,6 +132,7 @@ class FusedStep:
         self._seen: set[tuple[Any, ...]] = set()
         self._side: torch.cuda.Stream | None = None
         self._update_stream: torch.cuda.Stream | None = None
+        self._error_stream: torch.cuda.Stream | None = None
         self._sample_stream: torch.cuda.Stream | None = None
         self._pool: Any = None
         self._tracked: list[Tensor] | None = None
@@ -230,6 +246,11 @@ class FusedStep:
         keep: list[Tensor] = []
         main = torch.cuda.current_stream() if overlap else None
         side = self._side
+        error_stream = None
+        if overlap and self._local_error_off_main(layers):
+            if self._error_stream is None:
+                self._error_stream = torch.cuda.Stream(device=self.device)
+            error_stream = self._error_stream
         a = x if compute is None or x.dtype == compute else x.to(compute)
         result = None
         pending: list[tuple[Any, list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[Tensor | None], Tensor]] = []
@@ -241,12 +262,20 @@ class FusedStep:
             h = _forward(a, w, b, layer.activation)
             head_w, head_b = _tensor(layer.head_weight), _tensor(layer.head_bias)
             step_t = _tensor(layer.optim_state.step)
-            err = local_error(h, head_w, head_b, y, layer.activation)
+            if error_stream is not None and main is not None:
+                error_stream.wait_stream(main)
+                keep.append(h)
+                with torch.cuda.stream(error_stream):
+                    err = local_error(h, head_w, head_b, y, layer.activation)
+            else:
+                err = local_error(h, head_w, head_b, y, layer.activation)
             params, exp_avg, exp_avg_sq = self._layer_tensors(layer)
             nb = 2 if layer.bias is not None else 1
             assert err.d_z is not None and err.grad_bias is not None
             if overlap and side is not None and main is not None:
                 side.wait_stream(main)
+                if error_stream is not None:
+                    side.wait_stream(error_stream)
                 ctx: Any = torch.cuda.stream(side)
                 keep += [a, err.d_z, err.grad_bias]
             else:
@@ -286,6 +315,9 @@ class FusedStep:
             del h
         assert result is not None
         logits, loss = result
+        if error_stream is not None and main is not None:
+            # the head gradients, logits and loss of every layer come from the error stream
+            main.wait_stream(error_stream)
         if head is not None:
             assert t.head_state is not None and t.head_statistics is not None
             if t.accumulate_head_statistics:
@@ -330,6 +362,12 @@ class FusedStep:
             torch.cuda.current_stream().wait_stream(sample_stream)
         del keep
         return logits, loss, a
+
+    def _local_error_off_main(self, layers: list[DADLinear]) -> bool:
+        """``local_error_off_main``, with ``None`` resolved by the widest of ``layers``."""
+        if self.local_error_off_main is not None:
+            return self.local_error_off_main
+        return max(layer.out_features for layer in layers) <= LOCAL_ERROR_OFF_MAIN_MAX_WIDTH
 
     def _chunked_update(
         self, d_z: Tensor, a: Tensor, grad_bias: Tensor, params: list[Tensor], exp_avg: list[Tensor],
