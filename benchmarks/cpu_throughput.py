@@ -2,15 +2,30 @@
 
 Same synthetic batches for every system, warm-up, median of repeats. Systems:
 ``dad`` (fp32), ``backprop-eager`` (``torch.optim.AdamW`` defaults), ``backprop-eager-fused``
-(``AdamW(fused=True)``). Writes ``results/cpu_throughput.json``.
+(``AdamW(fused=True)``). Two protocols:
 
-    python benchmarks/cpu_throughput.py            # full (about 2 minutes on 2 cores)
-    python benchmarks/cpu_throughput.py --smoke    # seconds, for CI
+- default: all systems in this process, interleaved in rounds, median round
+  (``results/cpu_throughput.json``);
+- ``--isolated N``: every measurement in a fresh process of its own (one system, one model,
+  as a training script runs), N rounds with the order of the systems rotated each round, and
+  the per-round ratio ``dad img/s / backprop img/s`` summarised by its median and quartiles
+  (``results/cpu_throughput_isolated.json``). In one process the systems share glibc's
+  allocator, whose history changes backprop's page faults (0 to ~3,100 a step at B=1024).
+
+    python benchmarks/cpu_throughput.py                  # in-process (about 2 minutes on 2 cores)
+    python benchmarks/cpu_throughput.py --isolated 24 --batch 1024   # about 6 minutes
+    python benchmarks/cpu_throughput.py --smoke          # seconds, for CI
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import statistics
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -18,40 +33,43 @@ import torch_dad as td
 from _common import SeedMLP, backprop_mlp, environment, median_time, write_records
 
 TOPOLOGIES = {"mnist-medium-3": [784, 1024, 512, 256], "fmnist-wide-2": [784, 4096, 4096]}
+SYSTEMS = ("dad", "backprop-eager", "backprop-eager-fused")
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--batch", type=int, nargs="+", default=[256, 1024])
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--rounds", type=int, default=5)
-    args = parser.parse_args()
-    topologies = {"smoke": [64, 48, 32]} if args.smoke else {"mnist-medium-3": TOPOLOGIES["mnist-medium-3"]}
-    batches = [64] if args.smoke else args.batch
-    repeats, warmup = (3, 1) if args.smoke else (args.repeats, 5)
+def make_step(system: str, widths: Sequence[int], batch: int) -> Callable[[], None]:
+    """One training step of ``system`` on a fixed synthetic batch (seed 0)."""
+    torch.manual_seed(0)
+    x = torch.randn(batch, widths[0])
+    y = torch.randint(0, 10, (batch,))
+    if system == "dad":
+        dad = td.DADTrainer(SeedMLP(widths), device="cpu")
+
+        def dad_step() -> None:
+            dad.step(x, y)
+
+        return dad_step
+    if system not in SYSTEMS:
+        raise ValueError(f"system={system!r} must be one of {', '.join(SYSTEMS)}")
+    net = backprop_mlp(widths)
+    opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.01, fused=True if system.endswith("fused") else None)
+
+    def bp_step() -> None:
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(net(x), y).backward()
+        opt.step()
+
+    return bp_step
+
+
+def in_process(topologies: dict[str, list[int]], batches: list[int], rounds: int, warmup: int, repeats: int) -> list[dict[str, Any]]:
     env = environment()
-    records = []
+    records: list[dict[str, Any]] = []
     for name, widths in topologies.items():
         for batch in batches:
-            torch.manual_seed(0)
-            x = torch.randn(batch, widths[0])
-            y = torch.randint(0, 10, (batch,))
-            dad = td.DADTrainer(SeedMLP(widths), device="cpu")
-            systems = {"dad": lambda dad=dad, x=x, y=y: dad.step(x, y)}
-            for label, fused in (("backprop-eager", None), ("backprop-eager-fused", True)):
-                net = backprop_mlp(widths)
-                opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.01, fused=fused)
-
-                def bp_step(net=net, opt=opt, x=x, y=y) -> None:
-                    opt.zero_grad(set_to_none=True)
-                    torch.nn.functional.cross_entropy(net(x), y).backward()
-                    opt.step()
-
-                systems[label] = bp_step
+            systems = {label: make_step(label, widths, batch) for label in SYSTEMS}
             # interleave systems across rounds so drift on a shared machine hits all alike
             times: dict[str, list[float]] = {k: [] for k in systems}
-            for _ in range(1 if args.smoke else args.rounds):
+            for _ in range(rounds):
                 for label, fn in systems.items():
                     times[label].append(median_time(fn, warmup=warmup, repeats=repeats))
             for label, samples in times.items():
@@ -62,6 +80,73 @@ def main() -> None:
             base = next(r for r in records if r["topology"] == name and r["batch"] == batch and r["system"] == "backprop-eager")
             ours = next(r for r in records if r["topology"] == name and r["batch"] == batch and r["system"] == "dad")
             print(f"  dad / backprop-eager = {ours['img_per_s'] / base['img_per_s']:.3f}")
+    return records
+
+
+def _run_worker(system: str, widths: Sequence[int], batch: int, warmup: int, repeats: int) -> float:
+    """Median step seconds of ``system``, measured in a fresh Python process."""
+    cmd = [sys.executable, __file__, "--worker", system, "--widths", *map(str, widths),
+           "--batch", str(batch), "--warmup", str(warmup), "--repeats", str(repeats)]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    return float(json.loads(done.stdout.strip().splitlines()[-1])["step_s"])
+
+
+def isolated(topologies: dict[str, list[int]], batches: list[int], rounds: int, warmup: int, repeats: int) -> list[dict[str, Any]]:
+    env = environment()
+    records: list[dict[str, Any]] = []
+    for name, widths in topologies.items():
+        for batch in batches:
+            times: dict[str, list[float]] = {k: [] for k in SYSTEMS}
+            for r in range(rounds):
+                order = SYSTEMS[r % len(SYSTEMS):] + SYSTEMS[: r % len(SYSTEMS)]
+                if (r // len(SYSTEMS)) % 2:
+                    order = order[::-1]
+                for label in order:
+                    times[label].append(_run_worker(label, widths, batch, warmup, repeats))
+                print(f"{name} B={batch} round {r + 1}/{rounds}: " + "  ".join(f"{k} {times[k][-1] * 1e3:.1f} ms" for k in SYSTEMS),
+                      flush=True)
+            for label in SYSTEMS:
+                seconds = statistics.median(times[label])
+                record = {"topology": name, "batch": batch, "system": label, "protocol": "isolated",
+                          "img_per_s": batch / seconds, "step_ms": seconds * 1e3,
+                          "round_step_ms": [t * 1e3 for t in times[label]], **env}
+                if label != "dad":
+                    ratios = [b / d for b, d in zip(times[label], times["dad"])]
+                    quartiles = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else [ratios[0]] * 3
+                    record.update({"dad_over_this_per_round": ratios, "dad_over_this_median": statistics.median(ratios),
+                                   "dad_over_this_q1": quartiles[0], "dad_over_this_q3": quartiles[2],
+                                   "rounds_at_or_above_1_2": sum(x >= 1.2 for x in ratios)})
+                    print(f"  dad / {label}: median {statistics.median(ratios):.3f}, quartiles "
+                          f"{quartiles[0]:.3f}-{quartiles[2]:.3f}, {record['rounds_at_or_above_1_2']}/{rounds} rounds >= 1.2")
+                records.append(record)
+    return records
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--batch", type=int, nargs="+", default=[256, 1024])
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--isolated", type=int, default=0, metavar="ROUNDS",
+                        help="measure each system in fresh processes, over this many rounds")
+    parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
+    parser.add_argument("--widths", type=int, nargs="+", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        step = make_step(args.worker, args.widths, args.batch[0])
+        print(json.dumps({"step_s": median_time(step, warmup=args.warmup, repeats=args.repeats)}))
+        return
+    topologies = {"smoke": [64, 48, 32]} if args.smoke else {"mnist-medium-3": TOPOLOGIES["mnist-medium-3"]}
+    batches = [64] if args.smoke else args.batch
+    warmup, repeats = (1, 3) if args.smoke else (args.warmup, args.repeats)
+    if args.isolated or args.smoke:
+        records = isolated(topologies, batches, max(1, args.isolated) if not args.smoke else 1, warmup, repeats)
+        print("wrote", write_records("cpu_throughput_isolated", records, args.smoke))
+        if args.isolated:
+            return
+    records = in_process(topologies, batches, 1 if args.smoke else args.rounds, warmup, repeats)
     print("wrote", write_records("cpu_throughput", records, args.smoke))
 
 
