@@ -44,13 +44,15 @@ def test_auto_on_cpu_is_eager():
     assert td.DADTrainer(Net(), backend="auto")._engine is None
 
 
-@pytest.mark.parametrize("chunked", [False, True])
+@pytest.mark.parametrize("chunked", [False, True, 2])
 @pytest.mark.parametrize("amp,tol", [(None, 1e-5), (torch.bfloat16, 3e-2)])
 def test_fused_cpu_step_matches_eager(amp, tol, chunked, monkeypatch):
     if chunked:  # every layer's weight gradient and AdamW in row blocks (19 and 13 rows: ragged)
         from torch_dad.engine import FusedStep
 
         monkeypatch.setattr(FusedStep, "update_chunk_numel", 1)
+        if chunked is not True:  # 2 blocks, the default above 2048 rows
+            monkeypatch.setattr(FusedStep, "update_chunks", chunked)
     torch.manual_seed(0)
     ref, new = Net(), Net()
     new.load_state_dict(ref.state_dict())
@@ -70,6 +72,17 @@ def test_fused_cpu_step_matches_eager(amp, tol, chunked, monkeypatch):
     with pytest.raises(ValueError, match="labels"):
         fused.step(torch.randn(4, 23), torch.tensor([0, 1, 2, 9]))
     assert fused.step_count == 4
+
+
+def test_update_chunks_default_depends_on_batch(monkeypatch):
+    from torch_dad.engine import UPDATE_CHUNKS_SMALL_BATCH, FusedStep
+
+    fused = td.DADTrainer(Net(), backend="fused", on_nonfinite="ignore")._engine
+    assert fused.update_chunks is None
+    assert fused._update_chunks(1) == fused._update_chunks(UPDATE_CHUNKS_SMALL_BATCH) == 4
+    assert fused._update_chunks(UPDATE_CHUNKS_SMALL_BATCH + 1) == 2
+    monkeypatch.setattr(FusedStep, "update_chunks", 3)
+    assert fused._update_chunks(1) == fused._update_chunks(10**6) == 3
 
 
 def test_import_does_not_import_triton_or_engine():

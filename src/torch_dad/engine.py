@@ -18,8 +18,8 @@ The measured reason: on an H200 at B=1024 an MLP step is bound by launches, not 
 ``i`` run on a side stream, overlapping the forward of layer ``i + 1``: DAD allows it because
 layer ``i + 1`` never waits for a gradient from above. For models no wider than 1024, layer ``i``'s local
 error runs beside that forward too, on a stream of its own (``FusedStep.local_error_off_main``). Layers with at least
-``FusedStep.update_chunk_numel`` weights compute that GEMM and AdamW in row blocks, each block's
-AdamW beside the next block's GEMM (fmnist-wide-2's 4096 x 4096 layer at B=1024: 367 -> 353 us a step).
+``FusedStep.update_chunk_numel`` weights compute that GEMM and AdamW in row blocks (4 up to 2048 rows, else 2),
+each block's AdamW beside the next block's GEMM (fmnist-wide-2's 4096 x 4096 layer at B=1024: 367 -> 353 us a step).
 
 Semantics match the eager step: outputs and losses come from the pre-update weights, every
 layer's optimizer state and step counter advance as in :mod:`torch_dad.optim`, the classifier
@@ -51,6 +51,8 @@ __all__ = ["BACKENDS", "FusedStep", "unsupported_reason"]
 #: the widest DAD layer for which ``FusedStep.local_error_off_main=None`` takes the local errors
 #: off the main stream (measured at widths 256-1024 and 4096; see that attribute)
 LOCAL_ERROR_OFF_MAIN_MAX_WIDTH = 1024
+#: the largest batch for which ``FusedStep.update_chunks=None`` updates a large layer in 4 row blocks (else 2)
+UPDATE_CHUNKS_SMALL_BATCH = 2048
 
 BACKENDS: tuple[str, ...] = ("auto", "eager", "fused", "cuda-graph")
 
@@ -96,7 +98,13 @@ class FusedStep:
     #: in ``update_chunks`` row blocks, each block's AdamW (on its own stream under overlap)
     #: running beside the next block's GEMM instead of after the whole GEMM
     update_chunk_numel: int = 8 * 2**20
-    update_chunks: int = 4
+    #: ``None``: 4 blocks for batches up to ``UPDATE_CHUNKS_SMALL_BATCH`` rows, else 2. At B=1024 the AdamW of a
+    #: block (memory-bound, 470 MB for the whole 4096 x 4096 layer) outlasts its GEMM, so more blocks start it
+    #: sooner; at B=4096 the GEMM is 3.7x longer, and fewer, larger blocks run it faster. H200, device call 33,
+    #: fmnist-wide-2, µs a step by blocks 2 / 4 / 8 / 16: B=1024 352.4 / **330.9** / 351.1 / 398.5, B=4096
+    #: **701.8** / 720.4 / 750.5 / 849.9 (5 rounds each, every round agreeing); lowering ``update_chunk_numel``
+    #: to 2 M or 0.5 M was slower on fmnist-wide-2, cifar10-medium-3 and deep-8x1024
+    update_chunks: int | None = None
     #: on CUDA, the weight-gradient GEMM writes its output in the compute dtype (bf16/fp16,
     #: accumulated in fp32), rounded as the eager step rounds it; ``True`` keeps it in fp32.
     #: The AdamW kernel reads it and widens it, so a 2-byte gradient saves 4 of the ~34 bytes
@@ -379,7 +387,7 @@ class FusedStep:
         Under ``overlap`` (called on the side stream) each block's AdamW runs on an update
         stream, beside the next block's GEMM."""
         out_features = d_z.shape[1]
-        rows = -(-out_features // self.update_chunks)
+        rows = -(-out_features // self._update_chunks(d_z.shape[0]))
         side = torch.cuda.current_stream() if overlap else None
         if overlap and self._update_stream is None:
             self._update_stream = torch.cuda.Stream(device=self.device)
@@ -399,6 +407,12 @@ class FusedStep:
             else:
                 self._adamw(None, block, block_grads, *moments, copies, step_t)
         return grad
+
+    def _update_chunks(self, batch: int) -> int:
+        """``update_chunks``, with ``None`` resolved by the batch's rows."""
+        if self.update_chunks is not None:
+            return self.update_chunks
+        return 4 if batch <= UPDATE_CHUNKS_SMALL_BATCH else 2
 
     def _weight_grad(self, d_z_t: Tensor, a: Tensor, exact: bool) -> Tensor:
         """``d_z.T @ a``, fp32-accumulated: in the compute dtype on CUDA (see

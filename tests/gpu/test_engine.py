@@ -43,6 +43,7 @@ AMPS = [None] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 @pytest.mark.parametrize("activation,classifier,chunked,fp32_grads", [
     ("relu", True, False, False), ("tanh", False, False, False), ("identity", True, False, False),
     ("relu", True, True, False),  # every layer's weight gradient and AdamW in row blocks
+    ("relu", True, 2, False),  # ... in 2 blocks (the default above 2048 rows)
     ("relu", True, True, True),  # ... with the weight gradients kept in fp32 (FusedStep.fp32_weight_grads)
     ("tanh", True, False, True),
 ])
@@ -51,6 +52,8 @@ def test_fused_step_matches_eager(backend, amp, activation, classifier, chunked,
 
     if chunked:
         monkeypatch.setattr(FusedStep, "update_chunk_numel", 1)
+    if chunked is not True and chunked:
+        monkeypatch.setattr(FusedStep, "update_chunks", chunked)
     monkeypatch.setattr(FusedStep, "fp32_weight_grads", fp32_grads)
     eager, fused = _pair(backend, amp, activation, classifier)
     tol = 1e-4 if amp is None else 3e-2
