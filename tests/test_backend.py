@@ -44,10 +44,14 @@ def test_auto_on_cpu_is_eager():
     assert td.DADTrainer(Net(), backend="auto")._engine is None
 
 
-@pytest.mark.parametrize("chunked", [False, True, 2])
+@pytest.mark.parametrize("chunked", [False, True, 2, "fused"])
 @pytest.mark.parametrize("amp,tol", [(None, 1e-5), (torch.bfloat16, 3e-2)])
 def test_fused_cpu_step_matches_eager(amp, tol, chunked, monkeypatch):
-    if chunked:  # every layer's weight gradient and AdamW in row blocks (19 and 13 rows: ragged)
+    if chunked == "fused":  # the twin of the one-kernel weight gradient + AdamW (weight_update.py)
+        from torch_dad.engine import FusedStep
+
+        monkeypatch.setattr(FusedStep, "fused_weight_update", True)
+    elif chunked:  # every layer's weight gradient and AdamW in row blocks (19 and 13 rows: ragged)
         from torch_dad.engine import FusedStep
 
         monkeypatch.setattr(FusedStep, "update_chunk_numel", 1)

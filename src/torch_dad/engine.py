@@ -41,6 +41,7 @@ from .kernels.adamw import adamw_with_shadow_
 from .kernels.gram import gram_update_
 from .kernels.gram import mm_fp32 as _mm_fp32
 from .kernels.local_error import FUSED_ACTIVATIONS, local_error
+from .kernels.weight_update import weight_grad_adamw_
 
 if TYPE_CHECKING:
     from .layers import DADLinear
@@ -112,6 +113,11 @@ class FusedStep:
     #: bf16: fmnist-wide-2 B=1024 353.6 -> 337.1, mnist-medium-3 B=1024 129.4 -> 115.8,
     #: deep-8x1024 B=4096 555.3 -> 538.7
     fp32_weight_grads: bool = False
+    #: compute each layer's weight gradient and AdamW in one kernel
+    #: (:func:`torch_dad.kernels.weight_update.weight_grad_adamw_`), the gradient kept in fp32
+    #: registers and never written; ``None``: on for bf16/fp16 steps on CUDA, where the row
+    #: blocks and ``fp32_weight_grads`` then do not apply. ``False``: cuBLAS GEMM, then AdamW
+    fused_weight_update: bool | None = None
     #: run each layer's weight gradient and AdamW on side streams inside the captured step,
     #: beside the next layer's forward (``False``: one stream, for comparison). Measured on the
     #: H200 (device call 23, µs a step, overlap vs one stream): deep-8x1024 B=4096 536 vs 576,
@@ -291,8 +297,17 @@ class FusedStep:
             with ctx:
                 shadow: list[Tensor | None] = [w, b][:nb] if shadows is not None else [None] * nb
                 targets = [p.data for p in params[:nb]]
-                chunked = reducer is None and layer.weight.numel() >= self.update_chunk_numel
-                if chunked:  # the GEMM and its AdamW, in row blocks
+                fused = reducer is None and self._fuse_update(a)
+                chunked = not fused and reducer is None and layer.weight.numel() >= self.update_chunk_numel
+                grad_w: Tensor | None = None
+                if fused:  # the GEMM with AdamW in its epilogue: no gradient in memory
+                    weight_grad_adamw_(
+                        err.d_z, a, targets, err.grad_bias if nb == 2 else None, exp_avg[:nb], exp_avg_sq[:nb],
+                        shadow, step_t, self._lr, betas=config.betas, eps=config.eps,
+                        weight_decay=config.weight_decay,
+                    )
+                    grads = []
+                elif chunked:  # the GEMM and its AdamW, in row blocks
                     grad_w = self._chunked_update(
                         err.d_z, a, err.grad_bias, targets, exp_avg[:nb], exp_avg_sq[:nb], shadow, step_t, overlap, keep
                     )
@@ -300,7 +315,7 @@ class FusedStep:
                 else:
                     grad_w = self._weight_grad(err.d_z.T, a, exact=reducer is not None)
                     grads = [grad_w, err.grad_bias][:nb]
-                if reducer is None and not chunked:
+                if reducer is None and not chunked and not fused:
                     self._adamw(None, targets, grads, exp_avg[:nb], exp_avg_sq[:nb], shadow, step_t)
                 elif reducer is not None:
                     # launch() copies the gradients into its buffer at once; the update uses that buffer
@@ -308,7 +323,7 @@ class FusedStep:
                     pending.append((work, targets, views, exp_avg[:nb], exp_avg_sq[:nb], shadow, step_t))
                     while len(pending) > 1:
                         self._adamw(*pending.pop(0))
-                if overlap:
+                if overlap and grad_w is not None:
                     keep.append(grad_w)
             small_p += [head_w, head_b]
             small_g += [err.grad_head_weight, err.grad_head_bias]
@@ -407,6 +422,12 @@ class FusedStep:
             else:
                 self._adamw(None, block, block_grads, *moments, copies, step_t)
         return grad
+
+    def _fuse_update(self, a: Tensor) -> bool:
+        """``fused_weight_update``, with ``None`` resolved: on for bf16/fp16 layer inputs on CUDA."""
+        if self.fused_weight_update is not None:
+            return self.fused_weight_update
+        return a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and triton_available()
 
     def _update_chunks(self, batch: int) -> int:
         """``update_chunks``, with ``None`` resolved by the batch's rows."""

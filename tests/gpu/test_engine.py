@@ -40,16 +40,20 @@ AMPS = [None] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("amp", AMPS)
-@pytest.mark.parametrize("activation,classifier,chunked,fp32_grads", [
-    ("relu", True, False, False), ("tanh", False, False, False), ("identity", True, False, False),
-    ("relu", True, True, False),  # every layer's weight gradient and AdamW in row blocks
-    ("relu", True, 2, False),  # ... in 2 blocks (the default above 2048 rows)
-    ("relu", True, True, True),  # ... with the weight gradients kept in fp32 (FusedStep.fp32_weight_grads)
-    ("tanh", True, False, True),
+@pytest.mark.parametrize("activation,classifier,chunked,fp32_grads,fused_update", [
+    # the default: under bf16/fp16 each weight gradient and its AdamW are one kernel
+    ("relu", True, False, False, None), ("tanh", False, False, False, None), ("identity", True, False, False, None),
+    ("relu", True, False, False, False),  # cuBLAS weight gradient, then the AdamW kernel
+    ("relu", True, False, False, True),  # the one kernel forced, also for fp32 steps
+    ("relu", True, True, False, False),  # every layer's weight gradient and AdamW in row blocks
+    ("relu", True, 2, False, False),  # ... in 2 blocks (the default above 2048 rows)
+    ("relu", True, True, True, False),  # ... with the weight gradients kept in fp32 (FusedStep.fp32_weight_grads)
+    ("tanh", True, False, True, False),
 ])
-def test_fused_step_matches_eager(backend, amp, activation, classifier, chunked, fp32_grads, monkeypatch):  # type: ignore[no-untyped-def]
+def test_fused_step_matches_eager(backend, amp, activation, classifier, chunked, fp32_grads, fused_update, monkeypatch):  # type: ignore[no-untyped-def]
     from torch_dad.engine import FusedStep
 
+    monkeypatch.setattr(FusedStep, "fused_weight_update", fused_update)
     if chunked:
         monkeypatch.setattr(FusedStep, "update_chunk_numel", 1)
     if chunked is not True and chunked:

@@ -248,3 +248,75 @@ def test_reservoir_store_rejects_bad_shapes():  # type: ignore[no-untyped-def]
         reservoir_store_(torch.zeros(5, 2), torch.zeros(5, dtype=torch.long), x, y, torch.zeros(5, dtype=torch.long))
     with pytest.raises(ValueError, match="at least that many rows"):
         reservoir_store_(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), x, y, torch.zeros(5, dtype=torch.long))
+
+
+# (batch, out, in): odd sizes in every dimension, one tile-aligned case (the unmasked path), a
+# single row and a single output
+UPDATE_SHAPES = [(1, 3, 5), (77, 53, 130), (130, 257, 129), (128, 256, 128), (1000, 1, 300)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, LOW])
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("shape", UPDATE_SHAPES)
+def test_weight_grad_adamw_matches_float64_reference(shape, bias, dtype):  # type: ignore[no-untyped-def]
+    """The fused kernel equals ``g = d_z.T @ a`` then AdamW, computed in float64 from the same inputs."""
+    from torch_dad.kernels.weight_update import weight_grad_adamw_
+
+    batch, n_out, n_in = shape
+    d_z = (torch.randn(batch, n_out, device=DEVICE) / batch).to(dtype)
+    a = torch.randn(batch, n_in, device=DEVICE).relu().to(dtype)
+    sizes = [(n_out, n_in), (n_out,)][: 2 if bias else 1]
+    params = [torch.randn(s, device=DEVICE) for s in sizes]
+    exp_avg = [torch.randn(s, device=DEVICE) * 1e-3 for s in sizes]
+    exp_avg_sq = [torch.rand(s, device=DEVICE) * 1e-6 for s in sizes]
+    grad_bias = d_z.float().sum(0) if bias else None
+    shadows = [torch.empty(s, device=DEVICE, dtype=LOW) for s in sizes]
+    before = [p.clone() for p in params]
+    exp_avg_before = [t.clone() for t in exp_avg]
+    exp_avg_sq_before = [t.clone() for t in exp_avg_sq]
+    ref_p, ref_m, ref_v = ([t.double() for t in ts] for ts in (params, exp_avg, exp_avg_sq))
+    ref_g = [d_z.double().T @ a.double()] + ([grad_bias.double()] if bias else [])
+    step = torch.tensor(4.0, device=DEVICE)
+    ref_step = torch.tensor(3.0, device=DEVICE, dtype=torch.float64)  # adamw_ increments it to 4
+    hyper = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.05)
+    weight_grad_adamw_(d_z, a, params, grad_bias, exp_avg, exp_avg_sq, shadows, step,
+                       torch.tensor(3e-3, device=DEVICE), backend="triton", **hyper)  # type: ignore[arg-type]
+    adamw_(ref_p, ref_g, ref_m, ref_v, ref_step, lr=3e-3, **hyper)  # type: ignore[arg-type]
+    # the same reference in float32: its own rounding of W's update sets the tolerance's scale
+    own_p = [t.clone() for t in before]
+    own_m = [t.clone() for t in exp_avg_before]
+    own_v = [t.clone() for t in exp_avg_sq_before]
+    adamw_(own_p, [g.float() for g in ref_g], own_m, own_v, torch.tensor(3.0, device=DEVICE), lr=3e-3,
+           **hyper)  # type: ignore[arg-type]
+    for i in range(len(sizes)):
+        # the update, not the weight: ||dW|| is ~1e-3 of ||W||, which would hide its error
+        want = ref_p[i] - before[i].double()
+        own = relative_error(own_p[i] - before[i], want)
+        assert relative_error(params[i] - before[i], want) <= own + MARGIN[torch.float32]
+        assert relative_error(exp_avg[i], ref_m[i]) <= relative_error(own_m[i], ref_m[i]) + MARGIN[torch.float32]
+        assert relative_error(exp_avg_sq[i], ref_v[i]) <= relative_error(own_v[i], ref_v[i]) + MARGIN[torch.float32]
+        assert torch.equal(shadows[i], params[i].to(LOW))
+    assert float(step) == 4.0
+
+
+def test_weight_grad_adamw_rejects_bad_input_and_changes_nothing():  # type: ignore[no-untyped-def]
+    from torch_dad.kernels.weight_update import weight_grad_adamw_
+
+    d_z, a = torch.randn(8, 5, device=DEVICE), torch.randn(8, 3, device=DEVICE)
+    w, m, v = torch.randn(5, 3, device=DEVICE), torch.zeros(5, 3, device=DEVICE), torch.zeros(5, 3, device=DEVICE)
+    snapshot = [t.clone() for t in (w, m, v)]
+    step, lr = torch.tensor(1.0, device=DEVICE), torch.tensor(1e-3, device=DEVICE)
+    hyper = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, backend="triton")
+    cases = [
+        ((d_z, a[:7], [w], None, [m], [v], [None]), ValueError, "must be \\(B, N\\) and \\(B, K\\)"),
+        ((d_z.half(), a, [w], None, [m], [v], [None]), TypeError, "share a dtype"),
+        ((d_z, a, [w.T], None, [m], [v], [None]), ValueError, "params\\[0\\]"),
+        ((d_z, a, [w], torch.zeros(5, device=DEVICE), [m], [v], [None]), ValueError, "grad_bias"),
+        ((d_z.T.contiguous().T, a, [w], None, [m], [v], [None]), ValueError, "unit stride"),
+    ]
+    for args, error, match in cases:
+        with pytest.raises(error, match=match):
+            weight_grad_adamw_(*args, step, lr, **hyper)  # type: ignore[arg-type]
+    for t, s in zip((w, m, v), snapshot):
+        assert torch.equal(t, s)
+    assert float(step) == 1.0

@@ -26,7 +26,7 @@ try:
 except ImportError:  # the CPU path needs no triton
     triton = None
 
-__all__ = ["adamw_with_shadow_"]
+__all__ = ["adamw_with_shadow_", "log_betas"]
 
 
 def adamw_with_shadow_(
@@ -57,7 +57,31 @@ def adamw_with_shadow_(
             s.copy_(p)
 
 
+def log_betas(betas: tuple[float, float]) -> tuple[float, float]:
+    """``(log b1, log b2)`` for :func:`bias_corrections` (``b^t = exp(t log b)``; -1e30 stands for log 0)."""
+    return tuple(math.log(b) if b > 0 else -1e30 for b in betas)  # type: ignore[return-value]
+
+
 if triton is not None:
+
+    @triton.jit
+    def adamw_values(p, g, m, v, lr, b1, b2, eps, wd, bc1, bc2_sqrt):
+        """The AdamW update of fp32 values ``p, g, m, v`` (any shape): returns the new ``(p, m, v)``."""
+        p = p * (1.0 - lr * wd)
+        m = m + (1.0 - b1) * (g - m)
+        v = b2 * v + (1.0 - b2) * g * g
+        denom = tl.sqrt(v) / bc2_sqrt + eps
+        p = p - (lr / bc1) * m / denom
+        return p, m, v
+
+    @triton.jit
+    def bias_corrections(step_ptr, log_b1, log_b2):
+        """``(1 - b1^t, sqrt(1 - b2^t))`` for the step ``t`` read from the device."""
+        # in float64: 1 - 0.999^t in fp32 loses ~1e-4 relative at small t
+        t = tl.load(step_ptr).to(tl.float64)
+        bc1 = (1.0 - tl.exp(t * log_b1)).to(tl.float32)
+        bc2_sqrt = tl.sqrt((1.0 - tl.exp(t * log_b2)).to(tl.float32))
+        return bc1, bc2_sqrt
 
     @triton.jit
     def _segment(p_ptr, g_ptr, m_ptr, v_ptr, s_ptr, offs, n, lr, b1, b2, eps, wd, bc1, bc2_sqrt, HAS_SHADOW: tl.constexpr):
@@ -66,11 +90,7 @@ if triton is not None:
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         m = tl.load(m_ptr + offs, mask=mask, other=0.0)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-        p = p * (1.0 - lr * wd)
-        m = m + (1.0 - b1) * (g - m)
-        v = b2 * v + (1.0 - b2) * g * g
-        denom = tl.sqrt(v) / bc2_sqrt + eps
-        p = p - (lr / bc1) * m / denom
+        p, m, v = adamw_values(p, g, m, v, lr, b1, b2, eps, wd, bc1, bc2_sqrt)
         tl.store(p_ptr + offs, p, mask=mask)
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
@@ -84,10 +104,7 @@ if triton is not None:
         BLOCK: tl.constexpr, SHADOW1: tl.constexpr, SHADOW2: tl.constexpr,
     ):
         pid = tl.program_id(0)
-        # bias corrections in float64: 1 - 0.999^t in fp32 loses ~1e-4 relative at small t
-        t = tl.load(step_ptr).to(tl.float64)
-        bc1 = (1.0 - tl.exp(t * log_b1)).to(tl.float32)
-        bc2_sqrt = tl.sqrt((1.0 - tl.exp(t * log_b2)).to(tl.float32))
+        bc1, bc2_sqrt = bias_corrections(step_ptr, log_b1, log_b2)
         lr = tl.load(lr_ptr).to(tl.float32)
         if pid < blocks1:
             offs = pid * BLOCK + tl.arange(0, BLOCK)
@@ -125,7 +142,7 @@ def _adamw_triton(
     b1, b2 = betas
     adamw_kernel[(blocks1 + blocks2,)](
         *segs[0][:6], *segs[1][:6], step, lr,
-        b1, b2, math.log(b1) if b1 > 0 else -1e30, math.log(b2) if b2 > 0 else -1e30, eps, weight_decay, blocks1,
+        b1, b2, *log_betas(betas), eps, weight_decay, blocks1,
         BLOCK=block, SHADOW1=segs[0][6], SHADOW2=segs[1][6] and segs[1][5] > 0,
     )
 
