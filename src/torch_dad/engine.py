@@ -306,7 +306,7 @@ class FusedStep:
                         shadow, step_t, self._lr, betas=config.betas, eps=config.eps,
                         weight_decay=config.weight_decay,
                     )
-                    grads = []
+                    grads: list[Tensor] = []
                 elif chunked:  # the GEMM and its AdamW, in row blocks
                     grad_w = self._chunked_update(
                         err.d_z, a, err.grad_bias, targets, exp_avg[:nb], exp_avg_sq[:nb], shadow, step_t, overlap, keep
