@@ -274,27 +274,28 @@ def test_weight_grad_adamw_matches_float64_reference(shape, bias, dtype):  # typ
     before = [p.clone() for p in params]
     exp_avg_before = [t.clone() for t in exp_avg]
     exp_avg_sq_before = [t.clone() for t in exp_avg_sq]
-    ref_p, ref_m, ref_v = ([t.double() for t in ts] for ts in (params, exp_avg, exp_avg_sq))
-    ref_g = [d_z.double().T @ a.double()] + ([grad_bias.double()] if bias else [])
+    # the float64 reference runs on the CPU (CUDA's fused AdamW gives NaN for float64 moments)
+    ref_p, ref_m, ref_v = ([t.cpu().double() for t in ts] for ts in (params, exp_avg, exp_avg_sq))
+    ref_g = [d_z.cpu().double().T @ a.cpu().double()] + ([grad_bias.cpu().double()] if bias else [])
     step = torch.tensor(4.0, device=DEVICE)
-    ref_step = torch.tensor(3.0, device=DEVICE, dtype=torch.float64)  # adamw_ increments it to 4
+    ref_step = torch.tensor(3.0, dtype=torch.float64)  # adamw_ increments it to 4
     hyper = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.05)
     weight_grad_adamw_(d_z, a, params, grad_bias, exp_avg, exp_avg_sq, shadows, step,
                        torch.tensor(3e-3, device=DEVICE), backend="triton", **hyper)  # type: ignore[arg-type]
     adamw_(ref_p, ref_g, ref_m, ref_v, ref_step, lr=3e-3, **hyper)  # type: ignore[arg-type]
     # the same reference in float32: its own rounding of W's update sets the tolerance's scale
-    own_p = [t.clone() for t in before]
-    own_m = [t.clone() for t in exp_avg_before]
-    own_v = [t.clone() for t in exp_avg_sq_before]
-    adamw_(own_p, [g.float() for g in ref_g], own_m, own_v, torch.tensor(3.0, device=DEVICE), lr=3e-3,
+    own_p, own_m, own_v = ([t.cpu().clone() for t in ts] for ts in (before, exp_avg_before, exp_avg_sq_before))
+    adamw_(own_p, [g.float() for g in ref_g], own_m, own_v, torch.tensor(3.0), lr=3e-3,
            **hyper)  # type: ignore[arg-type]
+    got_p, got_m, got_v, start = ([t.cpu() for t in ts] for ts in (params, exp_avg, exp_avg_sq, before))
+    assert not any(torch.equal(o, s) for o, s in zip(own_p, start))  # the references moved the weights
     for i in range(len(sizes)):
         # the update, not the weight: ||dW|| is ~1e-3 of ||W||, which would hide its error
-        want = ref_p[i] - before[i].double()
-        own = relative_error(own_p[i] - before[i], want)
-        assert relative_error(params[i] - before[i], want) <= own + MARGIN[torch.float32]
-        assert relative_error(exp_avg[i], ref_m[i]) <= relative_error(own_m[i], ref_m[i]) + MARGIN[torch.float32]
-        assert relative_error(exp_avg_sq[i], ref_v[i]) <= relative_error(own_v[i], ref_v[i]) + MARGIN[torch.float32]
+        want = ref_p[i] - start[i].double()
+        own = relative_error(own_p[i] - start[i], want)
+        assert relative_error(got_p[i] - start[i], want) <= own + MARGIN[torch.float32]
+        assert relative_error(got_m[i], ref_m[i]) <= relative_error(own_m[i], ref_m[i]) + MARGIN[torch.float32]
+        assert relative_error(got_v[i], ref_v[i]) <= relative_error(own_v[i], ref_v[i]) + MARGIN[torch.float32]
         assert torch.equal(shadows[i], params[i].to(LOW))
     assert float(step) == 4.0
 
