@@ -165,3 +165,21 @@ def test_head_sample_is_filled_inside_the_fused_step(backend):  # type: ignore[n
         assert len(trainer._engine._graphs) == 1
     trainer.solve_head()
     assert sample.size == 0 and int(sample.seen) == 0
+
+
+@requires_cuda
+def test_fused_update_default_depends_on_dtype_batch_and_layer_size():  # type: ignore[no-untyped-def]
+    from torch_dad.engine import UPDATE_CHUNKS_SMALL_BATCH, FusedStep
+
+    _, trainer = _pair("fused", torch.bfloat16)
+    engine = trainer._engine
+    assert engine.fused_weight_update is None
+    small, big = 1024 * 1024, FusedStep.update_chunk_numel
+    rows = torch.empty(UPDATE_CHUNKS_SMALL_BATCH, 8, device="cuda", dtype=torch.bfloat16)
+    assert engine._fuse_update(rows, small)
+    assert not engine._fuse_update(rows, big)  # big layers keep the row-block update
+    assert not engine._fuse_update(torch.empty(UPDATE_CHUNKS_SMALL_BATCH + 1, 8, device="cuda", dtype=torch.bfloat16), small)
+    assert not engine._fuse_update(rows.float(), small)  # fp32 steps: the IEEE product is slow
+    assert not engine._fuse_update(rows.cpu(), small)
+    engine.fused_weight_update = True
+    assert engine._fuse_update(rows.float(), big)

@@ -26,7 +26,7 @@ try:
 except ImportError:  # the CPU path needs no triton
     triton = None
 
-__all__ = ["adamw_with_shadow_", "log_betas"]
+__all__ = ["adamw_with_shadow_", "beta_args"]
 
 
 def adamw_with_shadow_(
@@ -57,19 +57,28 @@ def adamw_with_shadow_(
             s.copy_(p)
 
 
-def log_betas(betas: tuple[float, float]) -> tuple[float, float]:
-    """``(log b1, log b2)`` for :func:`bias_corrections` (``b^t = exp(t log b)``; -1e30 stands for log 0)."""
-    return tuple(math.log(b) if b > 0 else -1e30 for b in betas)  # type: ignore[return-value]
+def beta_args(betas: tuple[float, float]) -> tuple[float, float, float, float, float]:
+    """The kernels' beta arguments ``(b2, 1 - b1, 1 - b2, log b1, log b2)``, in float64 here.
+
+    ``1 - b`` is taken before the kernel sees fp32: ``1 - fp32(0.999)`` is off by 1.3e-5
+    relative, an error the update ``v = b2 v + (1 - b2) g^2`` would carry whole when ``v`` is
+    small (seen on the H200, device call 36). ``b^t = exp(t log b)`` in
+    :func:`bias_corrections`; -1e30 stands for log 0.
+    """
+    b1, b2 = betas
+    logs = [math.log(b) if b > 0 else -1e30 for b in betas]
+    return b2, 1.0 - b1, 1.0 - b2, logs[0], logs[1]
 
 
 if triton is not None:
 
     @triton.jit
-    def adamw_values(p, g, m, v, lr, b1, b2, eps, wd, bc1, bc2_sqrt):
-        """The AdamW update of fp32 values ``p, g, m, v`` (any shape): returns the new ``(p, m, v)``."""
+    def adamw_values(p, g, m, v, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt):
+        """The AdamW update of fp32 values ``p, g, m, v`` (any shape), ``c1 = 1 - b1``, ``c2 = 1 - b2``
+        (from :func:`beta_args`): returns the new ``(p, m, v)``."""
         p = p * (1.0 - lr * wd)
-        m = m + (1.0 - b1) * (g - m)
-        v = b2 * v + (1.0 - b2) * g * g
+        m = m + c1 * (g - m)
+        v = b2 * v + c2 * g * g
         denom = tl.sqrt(v) / bc2_sqrt + eps
         p = p - (lr / bc1) * m / denom
         return p, m, v
@@ -84,13 +93,13 @@ if triton is not None:
         return bc1, bc2_sqrt
 
     @triton.jit
-    def _segment(p_ptr, g_ptr, m_ptr, v_ptr, s_ptr, offs, n, lr, b1, b2, eps, wd, bc1, bc2_sqrt, HAS_SHADOW: tl.constexpr):
+    def _segment(p_ptr, g_ptr, m_ptr, v_ptr, s_ptr, offs, n, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt, HAS_SHADOW: tl.constexpr):
         mask = offs < n
         p = tl.load(p_ptr + offs, mask=mask, other=0.0)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
         m = tl.load(m_ptr + offs, mask=mask, other=0.0)
         v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-        p, m, v = adamw_values(p, g, m, v, lr, b1, b2, eps, wd, bc1, bc2_sqrt)
+        p, m, v = adamw_values(p, g, m, v, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt)
         tl.store(p_ptr + offs, p, mask=mask)
         tl.store(m_ptr + offs, m, mask=mask)
         tl.store(v_ptr + offs, v, mask=mask)
@@ -100,7 +109,7 @@ if triton is not None:
     @triton.jit
     def adamw_kernel(
         p1, g1, m1, v1, s1, n1, p2, g2, m2, v2, s2, n2, step_ptr, lr_ptr,
-        b1, b2, log_b1, log_b2, eps, wd, blocks1,
+        b2, c1, c2, log_b1, log_b2, eps, wd, blocks1,
         BLOCK: tl.constexpr, SHADOW1: tl.constexpr, SHADOW2: tl.constexpr,
     ):
         pid = tl.program_id(0)
@@ -108,10 +117,10 @@ if triton is not None:
         lr = tl.load(lr_ptr).to(tl.float32)
         if pid < blocks1:
             offs = pid * BLOCK + tl.arange(0, BLOCK)
-            _segment(p1, g1, m1, v1, s1, offs, n1, lr, b1, b2, eps, wd, bc1, bc2_sqrt, SHADOW1)
+            _segment(p1, g1, m1, v1, s1, offs, n1, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt, SHADOW1)
         else:
             offs = (pid - blocks1) * BLOCK + tl.arange(0, BLOCK)
-            _segment(p2, g2, m2, v2, s2, offs, n2, lr, b1, b2, eps, wd, bc1, bc2_sqrt, SHADOW2)
+            _segment(p2, g2, m2, v2, s2, offs, n2, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt, SHADOW2)
 
 
 
@@ -139,10 +148,9 @@ def _adamw_triton(
         segs.append((params[j], grads[j], exp_avgs[j], exp_avg_sqs[j], s if s is not None else params[j], n, s is not None))
     blocks1 = -(-segs[0][5] // block)
     blocks2 = -(-segs[1][5] // block)
-    b1, b2 = betas
     adamw_kernel[(blocks1 + blocks2,)](
         *segs[0][:6], *segs[1][:6], step, lr,
-        b1, b2, *log_betas(betas), eps, weight_decay, blocks1,
+        *beta_args(betas), eps, weight_decay, blocks1,
         BLOCK=block, SHADOW1=segs[0][6], SHADOW2=segs[1][6] and segs[1][5] > 0,
     )
 

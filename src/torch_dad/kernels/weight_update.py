@@ -28,7 +28,7 @@ import torch
 from torch import Tensor
 
 from . import use_triton
-from .adamw import adamw_with_shadow_, log_betas
+from .adamw import adamw_with_shadow_, beta_args
 from .gram import mm_fp32
 
 try:
@@ -95,14 +95,13 @@ def weight_grad_adamw_(
     bias = params[1] if has_bias else weight
     w_shadow = shadows[0]
     b_shadow = shadows[1] if has_bias else None
-    b1, b2 = betas
     grid = (triton.cdiv(n_out, tiles.block_n) * triton.cdiv(n_in, tiles.block_k),)
     _grad_adamw_kernel[grid](
         d_z, a, weight, exp_avgs[0], exp_avg_sqs[0], w_shadow if w_shadow is not None else weight,
         bias, grad_bias if grad_bias is not None else bias, exp_avgs[-1], exp_avg_sqs[-1],
         b_shadow if b_shadow is not None else bias,
         step, lr, batch, n_out, n_in, d_z.stride(0), a.stride(0),
-        b1, b2, *log_betas(betas), eps, weight_decay,
+        *beta_args(betas), eps, weight_decay,
         BN=tiles.block_n, BK=tiles.block_k, BB=tiles.block_b, GROUP=tiles.group,
         EVEN=batch % tiles.block_b == 0 and n_out % tiles.block_n == 0 and n_in % tiles.block_k == 0,
         IEEE=d_z.dtype == torch.float32,
@@ -146,7 +145,7 @@ if triton is not None:
     def _grad_adamw_kernel(
         dz_ptr, a_ptr, w_ptr, wm_ptr, wv_ptr, ws_ptr, b_ptr, bg_ptr, bm_ptr, bv_ptr, bs_ptr,
         step_ptr, lr_ptr, batch, n_out, n_in, stride_dz, stride_a,
-        b1, b2, log_b1, log_b2, eps, wd,
+        b2, c1, c2, log_b1, log_b2, eps, wd,
         BN: tl.constexpr, BK: tl.constexpr, BB: tl.constexpr, GROUP: tl.constexpr, EVEN: tl.constexpr,
         IEEE: tl.constexpr, W_SHADOW: tl.constexpr, HAS_BIAS: tl.constexpr, B_SHADOW: tl.constexpr,
     ):
@@ -193,7 +192,7 @@ if triton is not None:
             p = tl.load(w_ptr + offs, mask=inside, other=0.0)
             m = tl.load(wm_ptr + offs, mask=inside, other=0.0)
             v = tl.load(wv_ptr + offs, mask=inside, other=0.0)
-        p, m, v = adamw_values(p, acc, m, v, lr, b1, b2, eps, wd, bc1, bc2_sqrt)
+        p, m, v = adamw_values(p, acc, m, v, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt)
         if EVEN:
             tl.store(w_ptr + offs, p)
             tl.store(wm_ptr + offs, m)
@@ -214,7 +213,7 @@ if triton is not None:
                 bg = tl.load(bg_ptr + rn, mask=keep, other=0.0).to(tl.float32)
                 bm = tl.load(bm_ptr + rn, mask=keep, other=0.0)
                 bv = tl.load(bv_ptr + rn, mask=keep, other=0.0)
-                bp, bm, bv = adamw_values(bp, bg, bm, bv, lr, b1, b2, eps, wd, bc1, bc2_sqrt)
+                bp, bm, bv = adamw_values(bp, bg, bm, bv, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt)
                 tl.store(b_ptr + rn, bp, mask=keep)
                 tl.store(bm_ptr + rn, bm, mask=keep)
                 tl.store(bv_ptr + rn, bv, mask=keep)
