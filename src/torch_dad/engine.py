@@ -113,19 +113,19 @@ class FusedStep:
     #: bf16: fmnist-wide-2 B=1024 353.6 -> 337.1, mnist-medium-3 B=1024 129.4 -> 115.8,
     #: deep-8x1024 B=4096 555.3 -> 538.7
     fp32_weight_grads: bool = False
-    #: compute a layer's weight gradient and AdamW in one kernel
+    #: compute each layer's weight gradient and AdamW in one kernel
     #: (:func:`torch_dad.kernels.weight_update.weight_grad_adamw_`), the gradient kept in fp32
-    #: registers and never written (``fp32_weight_grads`` and the row blocks then do not apply);
-    #: ``False``: the cuBLAS GEMM, then the AdamW kernel. ``None``: fused for bf16/fp16 steps on
-    #: CUDA of at most ``UPDATE_CHUNKS_SMALL_BATCH`` rows, in layers under ``update_chunk_numel``
-    #: weights. Measured on the H200 (device call 35, µs a step, unfused vs fused everywhere, 5
-    #: rounds): B=1024 deep-8x1024 326.7 vs 317.3 (each round faster), cifar10-medium-3 163.3 vs
-    #: 159.4, mnist-medium-3 168.1 vs 166.0; but fmnist-wide-2 335.0 vs 480.2 and, at B=4096, every
-    #: topology slower (deep-8x1024 536.3 vs 626.1). Alone, the kernel is slower than the pair it
-    #: replaces at every shape (4096 x 4096, B=1024: 189-237 vs 165 µs, call 36): its tile-shaped
-    #: AdamW reaches ~3 TB/s where the flat AdamW kernel reaches 4.1. In the step, a small layer's
-    #: fused update is few programs (64 at 1024 x 1024), which run beside the next layer's forward
-    fused_weight_update: bool | None = None
+    #: registers and never written (``fp32_weight_grads`` and the row blocks then do not apply).
+    #: Off by default: only deep-8x1024 at B=1024 ran faster with it (1-3%). Alone it is slower than the cuBLAS GEMM +
+    #: AdamW kernel pair it replaces at every layer shape of the four benchmark topologies (H200,
+    #: device call 36, 4096 x 4096 at B=1024: 189-237 µs against 165). Its K-loop runs at
+    #: 59-75 µs against cuBLAS's 51, and its tile-shaped AdamW epilogue alone takes 149-156 µs
+    #: against 115 for the flat AdamW kernel. In the step (µs, unfused vs fused, 5 rounds):
+    #: - everywhere (call 35): fmnist-wide-2 B=1024 335.0 vs 480.2, every B=4096 setting slower
+    #:   (deep-8x1024 536.3 vs 626.1), deep-8x1024 B=1024 326.7 vs 317.3;
+    #: - only in layers under ``update_chunk_numel`` at <= 2048 rows (call 37): fmnist-wide-2
+    #:   B=1024 334.2 vs 374.8, cifar10-medium-3 B=1024 148.6 vs 164.3, deep-8x1024 323.2 vs 320.8
+    fused_weight_update: bool = False
     #: run each layer's weight gradient and AdamW on side streams inside the captured step,
     #: beside the next layer's forward (``False``: one stream, for comparison). Measured on the
     #: H200 (device call 23, µs a step, overlap vs one stream): deep-8x1024 B=4096 536 vs 576,
@@ -305,7 +305,7 @@ class FusedStep:
             with ctx:
                 shadow: list[Tensor | None] = [w, b][:nb] if shadows is not None else [None] * nb
                 targets = [p.data for p in params[:nb]]
-                fused = reducer is None and self._fuse_update(a, layer.weight.numel())
+                fused = reducer is None and self.fused_weight_update
                 chunked = not fused and reducer is None and layer.weight.numel() >= self.update_chunk_numel
                 grad_w: Tensor | None = None
                 if fused:  # the GEMM with AdamW in its epilogue: no gradient in memory
@@ -430,15 +430,6 @@ class FusedStep:
             else:
                 self._adamw(None, block, block_grads, *moments, copies, step_t)
         return grad
-
-    def _fuse_update(self, a: Tensor, numel: int) -> bool:
-        """``fused_weight_update``, with ``None`` resolved for a layer of ``numel`` weights and input ``a``."""
-        if self.fused_weight_update is not None:
-            return self.fused_weight_update
-        return (
-            a.is_cuda and a.dtype in (torch.bfloat16, torch.float16) and triton_available()
-            and a.shape[0] <= UPDATE_CHUNKS_SMALL_BATCH and numel < self.update_chunk_numel
-        )
 
     def _update_chunks(self, batch: int) -> int:
         """``update_chunks``, with ``None`` resolved by the batch's rows."""

@@ -41,10 +41,9 @@ AMPS = [None] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("amp", AMPS)
 @pytest.mark.parametrize("activation,classifier,chunked,fp32_grads,fused_update", [
-    # the default: under bf16/fp16 each weight gradient and its AdamW are one kernel
-    ("relu", True, False, False, None), ("tanh", False, False, False, None), ("identity", True, False, False, None),
-    ("relu", True, False, False, False),  # cuBLAS weight gradient, then the AdamW kernel
-    ("relu", True, False, False, True),  # the one kernel forced, also for fp32 steps
+    ("relu", True, False, False, False), ("tanh", False, False, False, False), ("identity", True, False, False, False),
+    ("relu", True, False, False, True),  # each weight gradient and its AdamW in one kernel (FusedStep.fused_weight_update)
+    ("tanh", False, False, False, True),
     ("relu", True, True, False, False),  # every layer's weight gradient and AdamW in row blocks
     ("relu", True, 2, False, False),  # ... in 2 blocks (the default above 2048 rows)
     ("relu", True, True, True, False),  # ... with the weight gradients kept in fp32 (FusedStep.fp32_weight_grads)
@@ -166,20 +165,3 @@ def test_head_sample_is_filled_inside_the_fused_step(backend):  # type: ignore[n
     trainer.solve_head()
     assert sample.size == 0 and int(sample.seen) == 0
 
-
-@requires_cuda
-def test_fused_update_default_depends_on_dtype_batch_and_layer_size():  # type: ignore[no-untyped-def]
-    from torch_dad.engine import UPDATE_CHUNKS_SMALL_BATCH, FusedStep
-
-    _, trainer = _pair("fused", torch.bfloat16)
-    engine = trainer._engine
-    assert engine.fused_weight_update is None
-    small, big = 1024 * 1024, FusedStep.update_chunk_numel
-    rows = torch.empty(UPDATE_CHUNKS_SMALL_BATCH, 8, device="cuda", dtype=torch.bfloat16)
-    assert engine._fuse_update(rows, small)
-    assert not engine._fuse_update(rows, big)  # big layers keep the row-block update
-    assert not engine._fuse_update(torch.empty(UPDATE_CHUNKS_SMALL_BATCH + 1, 8, device="cuda", dtype=torch.bfloat16), small)
-    assert not engine._fuse_update(rows.float(), small)  # fp32 steps: the IEEE product is slow
-    assert not engine._fuse_update(rows.cpu(), small)
-    engine.fused_weight_update = True
-    assert engine._fuse_update(rows.float(), big)
