@@ -126,6 +126,13 @@ class FusedStep:
     #: - only in layers under ``update_chunk_numel`` at <= 2048 rows (call 37): fmnist-wide-2
     #:   B=1024 334.2 vs 374.8, cifar10-medium-3 B=1024 148.6 vs 164.3, deep-8x1024 323.2 vs 320.8
     fused_weight_update: bool = False
+    #: capture the step with stream priorities: the forwards and local errors highest, the
+    #: weight-gradient GEMMs next, every AdamW (memory-bound, thousands of short programs) and
+    #: the head sample lowest, so that a pending forward or GEMM gets the next free SM instead
+    #: of waiting for an AdamW to finish dispatching (seen in the H200 timeline of fmnist-wide-2
+    #: at B=1024, device call 38: each row block's GEMM started only at the previous block's
+    #: AdamW's tail, and the layer-1 AdamW delayed the layer-2 local error by 12 µs)
+    stream_priorities: bool = False
     #: run each layer's weight gradient and AdamW on side streams inside the captured step,
     #: beside the next layer's forward (``False``: one stream, for comparison). Measured on the
     #: H200 (device call 23, µs a step, overlap vs one stream): deep-8x1024 B=4096 536 vs 576,
@@ -156,6 +163,7 @@ class FusedStep:
         self._update_stream: torch.cuda.Stream | None = None
         self._error_stream: torch.cuda.Stream | None = None
         self._sample_stream: torch.cuda.Stream | None = None
+        self._capture_stream: torch.cuda.Stream | None = None
         self._pool: Any = None
         self._tracked: list[Tensor] | None = None
 
@@ -252,7 +260,7 @@ class FusedStep:
                 # on its own stream, beside the layers: on the critical path the ~14 small
                 # kernels cost 40-90 us a step (mnist-medium-3 at B=1024: 186 us vs 99 us)
                 if self._sample_stream is None:
-                    self._sample_stream = torch.cuda.Stream(device=self.device)
+                    self._sample_stream = self._stream("background")
                 sample_stream = self._sample_stream
                 sample_stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(sample_stream):
@@ -271,7 +279,7 @@ class FusedStep:
         error_stream = None
         if overlap and self._local_error_off_main(layers):
             if self._error_stream is None:
-                self._error_stream = torch.cuda.Stream(device=self.device)
+                self._error_stream = self._stream("critical")
             error_stream = self._error_stream
         a = x if compute is None or x.dtype == compute else x.to(compute)
         result = None
@@ -324,7 +332,15 @@ class FusedStep:
                     grad_w = self._weight_grad(err.d_z.T, a, exact=reducer is not None)
                     grads = [grad_w, err.grad_bias][:nb]
                 if reducer is None and not chunked and not fused:
-                    self._adamw(None, targets, grads, exp_avg[:nb], exp_avg_sq[:nb], shadow, step_t)
+                    if overlap and self.stream_priorities:
+                        # the AdamW at background priority too, so it yields to the next forward
+                        update = self._background_update_stream()
+                        update.wait_stream(torch.cuda.current_stream())
+                        keep += grads
+                        with torch.cuda.stream(update):
+                            self._adamw(None, targets, grads, exp_avg[:nb], exp_avg_sq[:nb], shadow, step_t)
+                    else:
+                        self._adamw(None, targets, grads, exp_avg[:nb], exp_avg_sq[:nb], shadow, step_t)
                 elif reducer is not None:
                     # launch() copies the gradients into its buffer at once; the update uses that buffer
                     _, work, views = reducer.launch(grads)
@@ -412,8 +428,8 @@ class FusedStep:
         out_features = d_z.shape[1]
         rows = -(-out_features // self._update_chunks(d_z.shape[0]))
         side = torch.cuda.current_stream() if overlap else None
-        if overlap and self._update_stream is None:
-            self._update_stream = torch.cuda.Stream(device=self.device)
+        if overlap:
+            self._background_update_stream()
         grad = d_z
         for r0 in range(0, out_features, rows):
             r1 = min(out_features, r0 + rows)
@@ -430,6 +446,19 @@ class FusedStep:
             else:
                 self._adamw(None, block, block_grads, *moments, copies, step_t)
         return grad
+
+    def _background_update_stream(self) -> torch.cuda.Stream:
+        """The stream the (chunked, or under ``stream_priorities`` every) AdamW runs on."""
+        if self._update_stream is None:
+            self._update_stream = self._stream("background")
+        return self._update_stream
+
+    def _stream(self, role: str) -> torch.cuda.Stream:
+        """A side stream for ``role``: under ``stream_priorities`` "critical" (forwards, local
+        errors) is the highest priority, "gemm" (weight gradients) the next, "background"
+        (AdamW, the head sample) the default; otherwise all default."""
+        priority = {"critical": -2, "gemm": -1}.get(role, 0) if self.stream_priorities else 0
+        return torch.cuda.Stream(device=self.device, priority=priority)
 
     def _update_chunks(self, batch: int) -> int:
         """``update_chunks``, with ``None`` resolved by the batch's rows."""
@@ -509,7 +538,9 @@ class FusedStep:
         if len(self._graphs) >= 8:
             self._graphs.clear()
         if self._side is None:
-            self._side = torch.cuda.Stream(device=self.device)
+            self._side = self._stream("gemm")
+        if self._capture_stream is None and self.stream_priorities:
+            self._capture_stream = self._stream("critical")
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         # the input buffer holds the compute dtype: its copy_ is also the cast
@@ -526,7 +557,7 @@ class FusedStep:
         gc.collect()
         gc.disable()
         try:
-            with torch.cuda.graph(graph, pool=self._pool):
+            with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream):
                 out_logits, out_loss, _ = self._body(static_x, static_y, compute, overlap=self.overlap_updates)
         finally:
             gc.enable()

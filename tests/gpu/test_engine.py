@@ -85,15 +85,19 @@ def test_fused_step_matches_eager(backend, amp, activation, classifier, chunked,
 
 
 @requires_cuda
-@pytest.mark.parametrize("overlap, error_off_main", [(True, False), (False, False), (True, True)])
-def test_graphed_step_with_and_without_update_overlap_equals_fused(overlap, error_off_main, monkeypatch):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("overlap, error_off_main, priorities", [
+    (True, False, False), (False, False, False), (True, True, False), (True, False, True), (True, True, True),
+])
+def test_graphed_step_with_and_without_update_overlap_equals_fused(overlap, error_off_main, priorities, monkeypatch):  # type: ignore[no-untyped-def]
     """The captured step with its updates on side streams, or all on one stream
     (``FusedStep.overlap_updates``), or with the local errors on a stream of their own too
-    (``FusedStep.local_error_off_main``), computes what the uncaptured fused step computes."""
+    (``FusedStep.local_error_off_main``), or with every AdamW on a low-priority stream
+    (``FusedStep.stream_priorities``), computes what the uncaptured fused step computes."""
     from torch_dad.engine import FusedStep
 
     monkeypatch.setattr(FusedStep, "overlap_updates", overlap)
     monkeypatch.setattr(FusedStep, "local_error_off_main", error_off_main)
+    monkeypatch.setattr(FusedStep, "stream_priorities", priorities)
     _, plain = _pair("fused", torch.bfloat16)
     _, graphed = _pair("cuda-graph", torch.bfloat16)
     for i in range(4):
