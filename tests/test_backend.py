@@ -89,6 +89,18 @@ def test_update_chunks_default_depends_on_batch(monkeypatch):
     assert fused._update_chunks(1) == fused._update_chunks(10**6) == 3
 
 
+def test_stream_priorities_default_depends_on_layer_size(monkeypatch):
+    from torch_dad.engine import FusedStep
+
+    fused = td.DADTrainer(Net(), backend="fused", on_nonfinite="ignore")._engine
+    assert fused.stream_priorities is None and fused._stream_priorities()
+    largest = max(layer.weight.numel() for layer in fused.trainer.model.dad_layers)
+    monkeypatch.setattr(FusedStep, "update_chunk_numel", largest)  # now one layer updates in row blocks
+    assert not fused._stream_priorities()
+    monkeypatch.setattr(FusedStep, "stream_priorities", True)
+    assert fused._stream_priorities()
+
+
 def test_import_does_not_import_triton_or_engine():
     code = "import sys, torch_dad; print('triton' in sys.modules, 'torch_dad.engine' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -129,10 +129,15 @@ class FusedStep:
     #: capture the step with stream priorities: the forwards and local errors highest, the
     #: weight-gradient GEMMs next, every AdamW (memory-bound, thousands of short programs) and
     #: the head sample lowest, so that a pending forward or GEMM gets the next free SM instead
-    #: of waiting for an AdamW to finish dispatching (seen in the H200 timeline of fmnist-wide-2
-    #: at B=1024, device call 38: each row block's GEMM started only at the previous block's
-    #: AdamW's tail, and the layer-1 AdamW delayed the layer-2 local error by 12 µs)
-    stream_priorities: bool = False
+    #: of waiting for an AdamW to finish dispatching. Seen in the H200 timeline of fmnist-wide-2
+    #: at B=1024 (device call 38): the layer-1 AdamW delayed the layer-2 local error by 12 µs.
+    #: ``None``: on unless a layer has at least ``update_chunk_numel`` weights, whose row-block
+    #: AdamW chain is then the step's critical path and must not wait. H200, device call 39, µs a
+    #: step, default streams vs priorities (5 interleaved rounds): deep-8x1024 B=1024 323.5 vs
+    #: 282.8, B=4096 532.3 vs 506.3; cifar10-medium-3 B=4096 225.1 vs 217.6 (B=1024 140.0 vs
+    #: 155.3, rounds spread 125-192); mnist-medium-3 B=1024 150.0 vs 140.4, B=4096 152.0 vs
+    #: 149.4; but fmnist-wide-2 B=1024 333.4 vs 342.6, B=4096 700.8 vs 711.2
+    stream_priorities: bool | None = None
     #: run each layer's weight gradient and AdamW on side streams inside the captured step,
     #: beside the next layer's forward (``False``: one stream, for comparison). Measured on the
     #: H200 (device call 23, µs a step, overlap vs one stream): deep-8x1024 B=4096 536 vs 576,
@@ -332,7 +337,7 @@ class FusedStep:
                     grad_w = self._weight_grad(err.d_z.T, a, exact=reducer is not None)
                     grads = [grad_w, err.grad_bias][:nb]
                 if reducer is None and not chunked and not fused:
-                    if overlap and self.stream_priorities:
+                    if overlap and self._stream_priorities():
                         # the AdamW at background priority too, so it yields to the next forward
                         update = self._background_update_stream()
                         update.wait_stream(torch.cuda.current_stream())
@@ -453,11 +458,17 @@ class FusedStep:
             self._update_stream = self._stream("background")
         return self._update_stream
 
+    def _stream_priorities(self) -> bool:
+        """``stream_priorities``, with ``None`` resolved by the largest DAD layer."""
+        if self.stream_priorities is not None:
+            return self.stream_priorities
+        return all(layer.weight.numel() < self.update_chunk_numel for layer in self.trainer.model.dad_layers)
+
     def _stream(self, role: str) -> torch.cuda.Stream:
         """A side stream for ``role``: under ``stream_priorities`` "critical" (forwards, local
         errors) is the highest priority, "gemm" (weight gradients) the next, "background"
         (AdamW, the head sample) the default; otherwise all default."""
-        priority = {"critical": -2, "gemm": -1}.get(role, 0) if self.stream_priorities else 0
+        priority = {"critical": -2, "gemm": -1}.get(role, 0) if self._stream_priorities() else 0
         return torch.cuda.Stream(device=self.device, priority=priority)
 
     def _update_chunks(self, batch: int) -> int:
@@ -539,7 +550,7 @@ class FusedStep:
             self._graphs.clear()
         if self._side is None:
             self._side = self._stream("gemm")
-        if self._capture_stream is None and self.stream_priorities:
+        if self._capture_stream is None and self._stream_priorities():
             self._capture_stream = self._stream("critical")
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
