@@ -138,6 +138,9 @@ class FusedStep:
     #: 155.3, rounds spread 125-192); mnist-medium-3 B=1024 150.0 vs 140.4, B=4096 152.0 vs
     #: 149.4; but fmnist-wide-2 B=1024 333.4 vs 342.6, B=4096 700.8 vs 711.2
     stream_priorities: bool | None = None
+    #: the CUDA stream priority per role under ``stream_priorities`` (lower is more urgent; the H200
+    #: offers 0 to -3)
+    STREAM_PRIORITIES: dict[str, int] = {"critical": -2, "gemm": -1, "sample": 0, "background": 0}
     #: run each layer's weight gradient and AdamW on side streams inside the captured step,
     #: beside the next layer's forward (``False``: one stream, for comparison). Measured on the
     #: H200 (device call 23, µs a step, overlap vs one stream): deep-8x1024 B=4096 536 vs 576,
@@ -265,7 +268,7 @@ class FusedStep:
                 # on its own stream, beside the layers: on the critical path the ~14 small
                 # kernels cost 40-90 us a step (mnist-medium-3 at B=1024: 186 us vs 99 us)
                 if self._sample_stream is None:
-                    self._sample_stream = self._stream("background")
+                    self._sample_stream = self._stream("sample")
                 sample_stream = self._sample_stream
                 sample_stream.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(sample_stream):
@@ -467,8 +470,9 @@ class FusedStep:
     def _stream(self, role: str) -> torch.cuda.Stream:
         """A side stream for ``role``: under ``stream_priorities`` "critical" (forwards, local
         errors) is the highest priority, "gemm" (weight gradients) the next, "background"
-        (AdamW, the head sample) the default; otherwise all default."""
-        priority = {"critical": -2, "gemm": -1}.get(role, 0) if self._stream_priorities() else 0
+        (AdamW) and "sample" (the head sample) the default (see ``STREAM_PRIORITIES``); otherwise all
+        default."""
+        priority = self.STREAM_PRIORITIES[role] if self._stream_priorities() else 0
         return torch.cuda.Stream(device=self.device, priority=priority)
 
     def _update_chunks(self, batch: int) -> int:
