@@ -20,6 +20,8 @@ layer ``i + 1`` never waits for a gradient from above. For models no wider than 
 error runs beside that forward too, on a stream of its own (``FusedStep.local_error_off_main``). Layers with at least
 ``FusedStep.update_chunk_numel`` weights compute that GEMM and AdamW in row blocks (4 up to 2048 rows, else 2),
 each block's AdamW beside the next block's GEMM (fmnist-wide-2's 4096 x 4096 layer at B=1024: 367 -> 353 us a step).
+Models without such layers are captured with stream priorities (``FusedStep.stream_priorities``): forwards and
+local errors first, weight-gradient GEMMs next, every AdamW last (deep-8x1024 at B=1024: 322 -> 280 us a step).
 
 Semantics match the eager step: outputs and losses come from the pre-update weights, every
 layer's optimizer state and step counter advance as in :mod:`torch_dad.optim`, the classifier
@@ -133,10 +135,12 @@ class FusedStep:
     #: at B=1024 (device call 38): the layer-1 AdamW delayed the layer-2 local error by 12 µs.
     #: ``None``: on unless a layer has at least ``update_chunk_numel`` weights, whose row-block
     #: AdamW chain is then the step's critical path and must not wait. H200, device call 39, µs a
-    #: step, default streams vs priorities (5 interleaved rounds): deep-8x1024 B=1024 323.5 vs
-    #: 282.8, B=4096 532.3 vs 506.3; cifar10-medium-3 B=4096 225.1 vs 217.6 (B=1024 140.0 vs
-    #: 155.3, rounds spread 125-192); mnist-medium-3 B=1024 150.0 vs 140.4, B=4096 152.0 vs
-    #: 149.4; but fmnist-wide-2 B=1024 333.4 vs 342.6, B=4096 700.8 vs 711.2
+    #: step, default streams vs priorities (5 interleaved rounds; call 41 repeated all but fmnist):
+    #: deep-8x1024 B=1024 323.5 vs 282.8 (322.1 vs 279.9), B=4096 532.3 vs 506.3 (544.5 vs
+    #: 505.6); cifar10-medium-3 B=4096 225.1 vs 217.6 (224.5 vs 217.6), B=1024 140.0 vs 155.3
+    #: with rounds spread over 125-192 (139.4 vs 131.6); mnist-medium-3 B=1024 150.0 vs 140.4
+    #: (102.6 vs 87.4), B=4096 152.0 vs 149.4 (150.4 vs 148.3); but fmnist-wide-2 B=1024 333.4
+    #: vs 342.6, B=4096 700.8 vs 711.2
     stream_priorities: bool | None = None
     #: the CUDA stream priority per role under ``stream_priorities`` (lower is more urgent; the H200
     #: offers 0 to -3)
