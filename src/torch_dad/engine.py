@@ -140,7 +140,8 @@ class FusedStep:
     #: 505.6); cifar10-medium-3 B=4096 225.1 vs 217.6 (224.5 vs 217.6), B=1024 140.0 vs 155.3
     #: with rounds spread over 125-192 (139.4 vs 131.6); mnist-medium-3 B=1024 150.0 vs 140.4
     #: (102.6 vs 87.4), B=4096 152.0 vs 149.4 (150.4 vs 148.3); but fmnist-wide-2 B=1024 333.4
-    #: vs 342.6, B=4096 700.8 vs 711.2
+    #: vs 342.6, B=4096 700.8 vs 711.2. Read once, when the engine creates its streams (the first
+    #: captured step): set it on the class or right after building the trainer
     stream_priorities: bool | None = None
     #: the CUDA stream priority per role under ``stream_priorities`` (lower is more urgent; the H200
     #: offers 0 to -3)
