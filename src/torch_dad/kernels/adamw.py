@@ -93,7 +93,8 @@ if triton is not None:
         return bc1, bc2_sqrt
 
     @triton.jit
-    def _segment(p_ptr, g_ptr, m_ptr, v_ptr, s_ptr, offs, n, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt, HAS_SHADOW: tl.constexpr):
+    def adamw_segment(p_ptr, g_ptr, m_ptr, v_ptr, s_ptr, offs, n, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt, HAS_SHADOW: tl.constexpr):
+        """AdamW in place on the 1-D elements ``offs < n`` of ``p, m, v`` with gradient ``g``; the low-precision copy too."""
         mask = offs < n
         p = tl.load(p_ptr + offs, mask=mask, other=0.0)
         g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -117,10 +118,10 @@ if triton is not None:
         lr = tl.load(lr_ptr).to(tl.float32)
         if pid < blocks1:
             offs = pid * BLOCK + tl.arange(0, BLOCK)
-            _segment(p1, g1, m1, v1, s1, offs, n1, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt, SHADOW1)
+            adamw_segment(p1, g1, m1, v1, s1, offs, n1, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt, SHADOW1)
         else:
             offs = (pid - blocks1) * BLOCK + tl.arange(0, BLOCK)
-            _segment(p2, g2, m2, v2, s2, offs, n2, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt, SHADOW2)
+            adamw_segment(p2, g2, m2, v2, s2, offs, n2, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt, SHADOW2)
 
 
 

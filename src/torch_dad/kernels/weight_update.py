@@ -143,7 +143,7 @@ def _check(
 
 
 if triton is not None:
-    from .adamw import adamw_values, bias_corrections
+    from .adamw import adamw_segment, adamw_values, bias_corrections
 
     @triton.jit
     def _grad_adamw_kernel(
@@ -212,14 +212,4 @@ if triton is not None:
         if HAS_BIAS:
             # the first column tile of each row tile owns those rows' bias entries
             if pid_k == 0:
-                keep = rn < n_out
-                bp = tl.load(b_ptr + rn, mask=keep, other=0.0)
-                bg = tl.load(bg_ptr + rn, mask=keep, other=0.0).to(tl.float32)
-                bm = tl.load(bm_ptr + rn, mask=keep, other=0.0)
-                bv = tl.load(bv_ptr + rn, mask=keep, other=0.0)
-                bp, bm, bv = adamw_values(bp, bg, bm, bv, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt)
-                tl.store(b_ptr + rn, bp, mask=keep)
-                tl.store(bm_ptr + rn, bm, mask=keep)
-                tl.store(bv_ptr + rn, bv, mask=keep)
-                if B_SHADOW:
-                    tl.store(bs_ptr + rn, bp.to(bs_ptr.dtype.element_ty), mask=keep)
+                adamw_segment(b_ptr, bg_ptr, bm_ptr, bv_ptr, bs_ptr, rn, n_out, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt, B_SHADOW)
