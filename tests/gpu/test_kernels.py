@@ -156,6 +156,38 @@ def test_adamw_kernel_matches_fused_adamw(sizes, shadow):  # type: ignore[no-unt
             assert torch.equal(s, q.to(shadow))
 
 
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+def test_adamw_kernel_gated_by_a_device_flag(backend):  # type: ignore[no-untyped-def]
+    """``enabled`` holding 0 changes nothing; holding 1 it is the ungated update, bit for bit."""
+    from torch_dad.kernels.adamw import adamw_with_shadow_
+
+    sizes = [(129, 67), (129,)]
+    gen = torch.Generator(device="cpu").manual_seed(int(torch.randint(0, 2**31, ())))
+
+    def fresh():  # type: ignore[no-untyped-def]
+        state = [[torch.randn(s, generator=gen) for s in sizes] for _ in range(4)]
+        state[3] = [t.abs() for t in state[3]]
+        return state
+
+    base = fresh()
+    copies = lambda: [[t.clone().to(DEVICE) for t in group] for group in base]  # noqa: E731
+    lr = torch.tensor(2e-3, device=DEVICE)
+    kwargs = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.05, backend=backend)
+    results = {}
+    for flag in (None, 0, 1):
+        p, g, m, v = copies()
+        shadows = [torch.zeros(s, device=DEVICE, dtype=LOW) for s in sizes]
+        enabled = None if flag is None else torch.tensor(flag, device=DEVICE, dtype=torch.int32)
+        adamw_with_shadow_(p, g, m, v, shadows, torch.tensor(5.0, device=DEVICE), lr, enabled=enabled, **kwargs)
+        results[flag] = p + m + v + shadows
+    before = [t.to(DEVICE) for t in base[0] + base[2] + base[3]] + [torch.zeros(s, device=DEVICE, dtype=LOW) for s in sizes]
+    for got, want in zip(results[0], before):
+        assert torch.equal(got, want)
+    for got, want in zip(results[1], results[None]):
+        assert torch.equal(got, want)
+    assert not torch.equal(results[None][0], before[0])
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, LOW])
 @pytest.mark.parametrize("dims", [(1, 3, 2), (90, 37, 7), (513, 130, 10)])
 def test_gram_update_matches_accumulator(dims, dtype):  # type: ignore[no-untyped-def]

@@ -41,13 +41,19 @@ def adamw_with_shadow_(
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
+    enabled: Tensor | None = None,
     backend: str = "auto",
 ) -> None:
-    """AdamW step (already-incremented ``step``) on 1 or 2 fp32 tensors, then ``shadow.copy_(p)``."""
+    """AdamW step (already-incremented ``step``) on 1 or 2 fp32 tensors, then ``shadow.copy_(p)``.
+
+    ``enabled``: a 0-dim device tensor; where it holds 0 nothing changes (a CUDA graph that
+    captured the launch skips the update by a flag set on the device, with no host sync)."""
     if not 1 <= len(params) <= 2 or not len(params) == len(grads) == len(exp_avgs) == len(exp_avg_sqs) == len(shadows):
         raise ValueError("adamw_with_shadow_ takes 1 or 2 tensors and one grad/moment/shadow entry per tensor")
     if use_triton(params[0], backend):
-        _adamw_triton(params, grads, exp_avgs, exp_avg_sqs, shadows, step, lr, betas, eps, weight_decay)
+        _adamw_triton(params, grads, exp_avgs, exp_avg_sqs, shadows, step, lr, betas, eps, weight_decay, enabled)
+        return
+    if enabled is not None and not bool(enabled):
         return
     # the twin: the reference update with the step counter rewound, since adamw_ increments it
     step.sub_(1)
@@ -109,13 +115,17 @@ if triton is not None:
 
     @triton.jit
     def adamw_kernel(
-        p1, g1, m1, v1, s1, n1, p2, g2, m2, v2, s2, n2, step_ptr, lr_ptr,
+        p1, g1, m1, v1, s1, n1, p2, g2, m2, v2, s2, n2, step_ptr, lr_ptr, enabled_ptr,
         b2, c1, c2, log_b1, log_b2, eps, wd, blocks1,
-        BLOCK: tl.constexpr, SHADOW1: tl.constexpr, SHADOW2: tl.constexpr,
+        BLOCK: tl.constexpr, SHADOW1: tl.constexpr, SHADOW2: tl.constexpr, GATED: tl.constexpr,
     ):
         pid = tl.program_id(0)
         bc1, bc2_sqrt = bias_corrections(step_ptr, log_b1, log_b2)
         lr = tl.load(lr_ptr).to(tl.float32)
+        if GATED:  # a disabled update masks every element: no loads, no stores
+            on = tl.load(enabled_ptr) != 0
+            n1 = tl.where(on, n1, 0)
+            n2 = tl.where(on, n2, 0)
         if pid < blocks1:
             offs = pid * BLOCK + tl.arange(0, BLOCK)
             adamw_segment(p1, g1, m1, v1, s1, offs, n1, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt, SHADOW1)
@@ -136,6 +146,7 @@ def _adamw_triton(
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
+    enabled: Tensor | None,
 ) -> None:
     for t in (*params, *grads, *exp_avgs, *exp_avg_sqs):
         if not t.is_contiguous():
@@ -150,8 +161,8 @@ def _adamw_triton(
     blocks1 = -(-segs[0][5] // block)
     blocks2 = -(-segs[1][5] // block)
     adamw_kernel[(blocks1 + blocks2,)](
-        *segs[0][:6], *segs[1][:6], step, lr,
+        *segs[0][:6], *segs[1][:6], step, lr, enabled if enabled is not None else step,
         *beta_args(betas), eps, weight_decay, blocks1,
-        BLOCK=block, SHADOW1=segs[0][6], SHADOW2=segs[1][6] and segs[1][5] > 0,
+        BLOCK=block, SHADOW1=segs[0][6], SHADOW2=segs[1][6] and segs[1][5] > 0, GATED=enabled is not None,
     )
 
