@@ -119,19 +119,20 @@ if triton is not None:
         b2, c1, c2, log_b1, log_b2, eps, wd, blocks1,
         BLOCK: tl.constexpr, SHADOW1: tl.constexpr, SHADOW2: tl.constexpr, GATED: tl.constexpr,
     ):
-        pid = tl.program_id(0)
-        bc1, bc2_sqrt = bias_corrections(step_ptr, log_b1, log_b2)
-        lr = tl.load(lr_ptr).to(tl.float32)
-        if GATED:  # a disabled update masks every element: no loads, no stores
-            on = tl.load(enabled_ptr) != 0
-            n1 = tl.where(on, n1, 0)
-            n2 = tl.where(on, n2, 0)
-        if pid < blocks1:
-            offs = pid * BLOCK + tl.arange(0, BLOCK)
-            adamw_segment(p1, g1, m1, v1, s1, offs, n1, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt, SHADOW1)
-        else:
-            offs = (pid - blocks1) * BLOCK + tl.arange(0, BLOCK)
-            adamw_segment(p2, g2, m2, v2, s2, offs, n2, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt, SHADOW2)
+        run = True
+        if GATED:  # a disabled update returns at once. A branch, not n := 0: that would drop the
+            # sizes' divisibility specialisation, and with it the vectorised loads
+            run = tl.load(enabled_ptr) != 0
+        if run:
+            pid = tl.program_id(0)
+            bc1, bc2_sqrt = bias_corrections(step_ptr, log_b1, log_b2)
+            lr = tl.load(lr_ptr).to(tl.float32)
+            if pid < blocks1:
+                offs = pid * BLOCK + tl.arange(0, BLOCK)
+                adamw_segment(p1, g1, m1, v1, s1, offs, n1, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt, SHADOW1)
+            else:
+                offs = (pid - blocks1) * BLOCK + tl.arange(0, BLOCK)
+                adamw_segment(p2, g2, m2, v2, s2, offs, n2, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt, SHADOW2)
 
 
 
