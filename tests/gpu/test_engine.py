@@ -115,13 +115,16 @@ def test_graphed_step_with_and_without_update_overlap_equals_fused(overlap, erro
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("amp", AMPS)
-def test_deferred_last_update_equals_plain_step(backend, amp):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("defer,programs", [(True, None), (True, 2), (False, 3)])
+def test_deferred_last_update_equals_plain_step(backend, amp, defer, programs):  # type: ignore[no-untyped-def]
     """``FusedStep.defer_last_update``: the last layer's AdamW held to the next step (in the
     graph: applied on its own stream at the start, gated by a device flag) computes what the
-    plain step computes, through captured, uncaptured (ragged) and flushed steps."""
+    plain step computes, through captured, uncaptured (ragged) and flushed steps; so do the
+    weight AdamW kernels on a few looping programs (``FusedStep.adamw_programs``)."""
     _, plain = _pair(backend, amp)
     _, held = _pair(backend, amp)
-    held._engine.defer_last_update = True
+    held._engine.defer_last_update = defer
+    held._engine.adamw_programs = programs
     tol = 1e-5 if amp is None else 1e-2
     for i in range(7):
         batch = 61 if i != 4 else 17
@@ -132,7 +135,7 @@ def test_deferred_last_update_equals_plain_step(backend, amp):  # type: ignore[n
         l2, s2 = held.step(x, y, lr=lr)
         assert relative_error(l2, l1) <= tol, i
         assert abs(float(s2) - float(s1)) <= tol * max(1.0, abs(float(s1))), i
-    assert any(h.may_be_pending for h in held._engine._deferred.values())
+    assert any(h.may_be_pending for h in held._engine._deferred.values()) == defer
     x = torch.randn(5, 45, device=DEVICE)
     assert relative_error(held.model(x), plain.model(x)) <= tol  # the forward hook flushed
     assert not any(h.may_be_pending for h in held._engine._deferred.values())
