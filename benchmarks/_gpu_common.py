@@ -87,15 +87,14 @@ def make_data(n_in: int, classes: int, batch: int, pool: int, device: torch.devi
 
 
 def dad_system(n_in: int, widths: Sequence[int], classes: int, device: torch.device, backend: str,
-               amp: torch.dtype | None, head: str = "sample", defer_last_update: bool = False
+               amp: torch.dtype | None, head: str = "sample"
                ) -> tuple[td.DADTrainer, Callable[[torch.Tensor, torch.Tensor], Any]]:
     """A seed MLP (DAD hidden layers + classifier) and its ``DADTrainer.step``.
 
     ``head`` says what ``step`` keeps for ``solve_head()``: ``"sample"`` (the default
     ``head_sample_size=4096`` reservoir of input rows), ``"gram"`` (the streamed Gram statistics
     ``H^T H``: a d x d x B GEMM that backprop never does, as large as a layer's GEMM when
-    d = 4096) or ``"none"`` (the training step alone). ``defer_last_update`` sets the fused
-    engine's ``FusedStep.defer_last_update`` (the last layer's AdamW held to the next step)."""
+    d = 4096) or ``"none"`` (the training step alone)."""
     if head not in ("sample", "gram", "none"):
         raise ValueError(f"head={head!r} must be 'sample', 'gram' or 'none'")
     model = SeedMLP([n_in, *widths], num_classes=classes)
@@ -103,10 +102,6 @@ def dad_system(n_in: int, widths: Sequence[int], classes: int, device: torch.dev
     trainer = td.DADTrainer(model, device=device, lr=1e-3, amp_dtype=amp, backend=backend, on_nonfinite="ignore",
                             accumulate_head_statistics=head == "gram",
                             head_sample_size=4096 if head == "sample" else 0)
-    if defer_last_update:
-        if trainer._engine is None:
-            raise ValueError(f"defer_last_update needs the fused engine; backend={backend!r} gave the eager step")
-        trainer._engine.defer_last_update = True
     return trainer, trainer.step
 
 

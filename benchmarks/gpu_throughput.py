@@ -9,9 +9,6 @@ rotated over 8 batches), bf16 compute, fp32 master weights, AdamW:
 - ``dad-gram-stats``: instead of the sample, the streamed Gram statistics of the classifier's
   input (``accumulate_head_statistics=True, head_sample_size=0``; the default before 2026-11-30);
 - ``dad-no-head-stats``: neither, i.e. the training step alone;
-- ``dad-deferred``: ``dad`` with ``FusedStep.defer_last_update=True`` (not a default): the last layer's
-  AdamW is held over to the next step, beside its lower layers. Each timed run of 50 steps
-  applies the update held by the run before, so every step's update is counted;
 - ``backprop-graphed``: forward, backward and fused AdamW (``capturable=True``) in one CUDA graph;
 - ``backprop-eager``: the same, op by op;
 - ``wheel-2026.5.24``: the published wheel's compiled ``DADTrainer.step`` (``--wheel PATH``).
@@ -104,7 +101,7 @@ def main() -> None:
                 j = i % pool
                 return x[j * batch : (j + 1) * batch], y[j * batch : (j + 1) * batch]
 
-            systems = ["dad", "dad-deferred", "dad-gram-stats", "dad-no-head-stats", "backprop-eager"] + (["backprop-graphed"] if cuda else [])
+            systems = ["dad", "dad-gram-stats", "dad-no-head-stats", "backprop-eager"] + (["backprop-graphed"] if cuda else [])
             steps_of, peak_of = {}, {}
             for system in systems:  # build, capture and warm each; its peak memory is taken here
                 if cuda:
@@ -112,8 +109,7 @@ def main() -> None:
                     torch.cuda.reset_peak_memory_stats()
                 if system.startswith("dad"):
                     _, fn = dad_system(n_in, widths, classes, device, "auto" if cuda else "fused", amp,
-                                       head={"dad": "sample", "dad-deferred": "sample", "dad-gram-stats": "gram"}.get(system, "none"),
-                                       defer_last_update=system == "dad-deferred")
+                                       head={"dad": "sample", "dad-gram-stats": "gram"}.get(system, "none"))
                 elif system == "backprop-eager":
                     fn = backprop_eager(n_in, widths, classes, device, amp)
                 else:

@@ -44,10 +44,14 @@ def test_auto_on_cpu_is_eager():
     assert td.DADTrainer(Net(), backend="auto")._engine is None
 
 
-@pytest.mark.parametrize("chunked", [False, True, 2, "fused"])
+@pytest.mark.parametrize("chunked", [False, True, 2, "fused", "heads-together"])
 @pytest.mark.parametrize("amp,tol", [(None, 1e-5), (torch.bfloat16, 3e-2)])
 def test_fused_cpu_step_matches_eager(amp, tol, chunked, monkeypatch):
-    if chunked == "fused":  # the twin of the one-kernel weight gradient + AdamW (weight_update.py)
+    if chunked == "heads-together":  # every head's AdamW in one torch._fused_adamw_ at the end
+        from torch_dad.engine import FusedStep
+
+        monkeypatch.setattr(FusedStep, "head_updates_per_layer", False)
+    elif chunked == "fused":  # the twin of the one-kernel weight gradient + AdamW (weight_update.py)
         from torch_dad.engine import FusedStep
 
         monkeypatch.setattr(FusedStep, "fused_weight_update", True)
@@ -76,67 +80,6 @@ def test_fused_cpu_step_matches_eager(amp, tol, chunked, monkeypatch):
     with pytest.raises(ValueError, match="labels"):
         fused.step(torch.randn(4, 23), torch.tensor([0, 1, 2, 9]))
     assert fused.step_count == 4
-
-
-@pytest.mark.parametrize("amp", [None, torch.bfloat16])
-def test_deferred_last_update_is_exact_and_flushed_on_every_read(amp):
-    """``FusedStep.defer_last_update`` holds the last layer's AdamW to the next step: logits,
-    losses and every state read through the library equal the plain fused step's bit for bit."""
-    from torch_dad.engine import FusedStep
-
-    torch.manual_seed(int(torch.randint(0, 2**31, ())))
-    ref, new = Net(), Net()
-    new.load_state_dict(ref.state_dict())
-    plain = td.DADTrainer(ref, backend="fused", amp_dtype=amp, on_nonfinite="ignore")
-    held = td.DADTrainer(new, backend="fused", amp_dtype=amp, on_nonfinite="ignore")
-    held._engine.defer_last_update = True
-    assert not FusedStep.defer_last_update  # off by default
-    last = new.b
-
-    def same_state() -> None:
-        a, b = plain.state_dict()["model"], held.state_dict()["model"]
-        assert a.keys() == b.keys()
-        for key in a:
-            assert torch.equal(a[key], b[key]), key
-
-    for i in range(5):
-        batch = 37 if i != 3 else 11
-        x, y = torch.randn(batch, 23), torch.randint(0, 5, (batch,))
-        lr = 1e-2 if i < 2 else 3e-3  # the held update keeps the rate of the step that made it
-        l1, s1 = plain.step(x, y, lr=lr)
-        l2, s2 = held.step(x, y, lr=lr)
-        assert torch.equal(l1, l2) and torch.equal(s1, s2), i
-    # read straight off the layer, the last weight is one update behind (documented) ...
-    assert not torch.equal(last.weight, ref.b.weight)
-    assert torch.equal(new.a.weight, ref.a.weight)
-    # ... and every read through the library flushes it
-    x = torch.randn(9, 23)
-    assert torch.equal(held.model(x), plain.model(x))
-    assert torch.equal(last.weight, ref.b.weight)
-    held.step(x, torch.zeros(9, dtype=torch.long))
-    plain.step(x, torch.zeros(9, dtype=torch.long))
-    same_state()  # trainer.state_dict flushes
-    held.step(x, torch.ones(9, dtype=torch.long))
-    plain.step(x, torch.ones(9, dtype=torch.long))
-    assert torch.equal(last.state_dict()["weight"], ref.b.state_dict()["weight"])  # the layer's own state_dict
-    # loading over a held update replaces it
-    held.step(x, torch.ones(9, dtype=torch.long))
-    snapshot = plain.state_dict()
-    held.load_state_dict(snapshot)
-    same_state()
-    # the eager layer loop (here: a non-finite guard) and a switched-off deferral flush first
-    held.on_nonfinite = plain.on_nonfinite = "raise"
-    held.step(x, torch.ones(9, dtype=torch.long))
-    plain.step(x, torch.ones(9, dtype=torch.long))
-    held.on_nonfinite = plain.on_nonfinite = "ignore"
-    held.step(x, torch.ones(9, dtype=torch.long))
-    plain.step(x, torch.ones(9, dtype=torch.long))
-    held._engine.defer_last_update = False
-    l1, _ = plain.step(x, torch.ones(9, dtype=torch.long))
-    l2, _ = held.step(x, torch.ones(9, dtype=torch.long))
-    assert torch.equal(l1, l2)
-    assert torch.equal(last.weight, ref.b.weight)  # nothing is held any more
-    same_state()
 
 
 def test_update_chunks_default_depends_on_batch(monkeypatch):

@@ -12,7 +12,7 @@ Selected by ``DADTrainer(..., backend=...)``:
 Per DAD layer the fused step launches: the forward ``addmm`` with bias and ReLU fused by
 cuBLASLt, two local-error kernels, the ``d_z^T a`` GEMM (output in the compute dtype, as the
 eager step rounds it), and one AdamW kernel that updates weight and bias and rewrites their
-bf16 copies (the copies the next forward reads, so no per-step casts). The heads' small AdamW is one ``torch._fused_adamw_`` launch for all layers.
+bf16 copies (the copies the next forward reads, so no per-step casts), and one more for its local head.
 The measured reason: on an H200 at B=1024 an MLP step is bound by launches, not FLOPs
 (see ``docs/benchmarks-gpu.md``). Under ``"cuda-graph"`` the weight GEMM and AdamW of layer
 ``i`` run on a side stream, overlapping the forward of layer ``i + 1``: DAD allows it because
@@ -33,7 +33,6 @@ the fp32 summation order of the atomically added gradients.
 from __future__ import annotations
 
 import gc
-import weakref
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
@@ -55,8 +54,6 @@ __all__ = ["BACKENDS", "FusedStep", "unsupported_reason"]
 #: the widest DAD layer for which ``FusedStep.local_error_off_main=None`` takes the local errors
 #: off the main stream (measured at widths 256-1024 and 4096; see that attribute)
 LOCAL_ERROR_OFF_MAIN_MAX_WIDTH = 1024
-#: ``FusedStep.flush_updates(keep=_NOTHING)`` flushes every held update
-_NOTHING = object()
 #: the largest batch for which ``FusedStep.update_chunks=None`` updates a large layer in 4 row blocks (else 2)
 UPDATE_CHUNKS_SMALL_BATCH = 2048
 
@@ -165,25 +162,15 @@ class FusedStep:
     #: fmnist-wide-2 (4096 wide) B=1024 330.9 vs 339.7: there the error kernels beside the
     #: 4096 x 4096 forward GEMM slow it more than they save
     local_error_off_main: bool | None = None
-    #: run each layer's weight AdamW kernel on at most this many programs, each looping over
-    #: blocks (``torch_dad.kernels.adamw``), leaving SMs free for the GEMMs beside it; ``None``:
-    #: one program per 1024 elements
-    adamw_programs: int | None = None
-    #: update each local head right after its local error, with the AdamW kernel (1024 elements a
-    #: program), instead of all heads and the classifier in one ``torch._fused_adamw_`` at the end
-    #: of the step, which gives each small tensor one CTA: on the H200 that launch took 36.8 µs
-    #: alone for fmnist-wide-2's three 10 x 4096 heads, the last kernel of the step (call 44)
+    #: update each local head (and the classifier) right after its local error with the AdamW
+    #: kernel (1024 elements a program), instead of all of them in one ``torch._fused_adamw_``
+    #: at the end of the step: that launch gives each small tensor one CTA, and took 36.8 µs
+    #: alone for fmnist-wide-2's 10 x 4096 heads as the step's last kernel (H200, device call
+    #: 44). Device call 45, µs a step, one launch vs per layer (5 interleaved rounds):
+    #: deep-8x1024 B=1024 283.5 vs 271.7, mnist-medium-3 B=1024 90.7 vs 82.7, cifar10-medium-3
+    #: B=4096 218.1 vs 210.8, fmnist-wide-2 B=1024 331.3 vs 333.1 and B=4096 700.1 vs 700.7.
+    #: A gradient reducer (data parallelism) always takes the single launch, after one all-reduce
     head_updates_per_layer: bool = True
-    #: hold the last DAD layer's weight AdamW over to the start of the next step, where it runs
-    #: beside that step's lower layers and only the last layer's forward waits for it; the step
-    #: itself ends at that layer's weight gradient. DAD allows it: nothing reads the last layer's
-    #: weight between its gradient and its next forward. Every read through the library sees
-    #: the updated weights: the layer's forward, ``state_dict`` and ``load_state_dict`` (module
-    #: hooks), and the trainer's ``evaluate``, ``solve_head``, ``state_dict`` and eager steps call
-    #: :meth:`flush_updates`. A tensor read straight off the layer (``layer.weight``,
-    #: ``copy.deepcopy``) between steps is one update behind: call
-    #: ``DADTrainer.flush_updates()`` first. Off by default for that reason.
-    defer_last_update: bool = False
 
     def __init__(self, trainer: DADTrainer, graphed: bool) -> None:
         self.trainer = trainer
@@ -201,8 +188,6 @@ class FusedStep:
         self._capture_stream: torch.cuda.Stream | None = None
         self._pool: Any = None
         self._tracked: list[Tensor] | None = None
-        self._deferred: dict[Any, _DeferredUpdate] = {}
-        self._deferred_stream: torch.cuda.Stream | None = None
 
     # ------------------------------------------------------------------ state
     def _layer_tensors(self, layer: DADLinear) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
@@ -224,7 +209,6 @@ class FusedStep:
 
     def refresh_shadows(self) -> None:
         """Re-copy the low-precision weights from the fp32 masters (after an outside edit)."""
-        self.flush_updates()
         for dtype, pairs in self._shadows.items():
             for layer, (w, b) in zip(self.trainer.model.dad_layers, pairs):
                 w.copy_(layer.weight.detach())
@@ -252,8 +236,6 @@ class FusedStep:
 
     def reset(self) -> None:
         """Drop captured graphs and low-precision copies (rebuilt from the masters next step)."""
-        self.flush_updates()
-        self._deferred.clear()
         self._graphs.clear()
         self._seen.clear()
         self._shadows.clear()
@@ -272,7 +254,6 @@ class FusedStep:
         reducer: Any = None,
         count_loss: bool = True,
         sample: bool = True,
-        defer: bool = False,
     ) -> tuple[Tensor, Tensor, Tensor]:
         """The step on layers ``span`` (default: all), then the classifier if ``with_head``.
 
@@ -282,9 +263,7 @@ class FusedStep:
         ``sample`` adds the rows to the head sample on CUDA (``False``: the caller did). With ``reducer`` (a
         :class:`torch_dad.parallel.GradientAllReduce`) every gradient is all-reduced before
         its update: a layer's weight gradient starts reducing as soon as it exists and its
-        AdamW waits one layer, so the collective runs under the next layer's GEMMs. ``defer``
-        (all layers, no reducer): the last layer's weight AdamW is held to the next step, which
-        first applies the one held by the step before (``FusedStep.defer_last_update``).
+        AdamW waits one layer, so the collective runs under the next layer's GEMMs.
         """
         t = self.trainer
         config = t.config
@@ -325,10 +304,6 @@ class FusedStep:
                 self._error_stream = self._stream("critical")
             error_stream = self._error_stream
         a = x if compute is None or x.dtype == compute else x.to(compute)
-        deferred = self._deferred_update(layers[-1], a, compute, shadows) if defer else None
-        # the update held by the last step goes first, on its own stream under overlap: only
-        # the last layer's forward waits for it
-        deferred_stream = self._launch_held_update(deferred, overlap) if deferred is not None else None
         result = None
         pending: list[tuple[Any, list[Tensor], list[Tensor], list[Tensor], list[Tensor], list[Tensor | None], Tensor]] = []
         for i, layer in enumerate(layers):
@@ -336,8 +311,6 @@ class FusedStep:
                 w, b = shadows[i]
             else:
                 w, b = layer.weight.detach(), (layer.bias.detach() if layer.bias is not None else None)
-            if deferred_stream is not None and i == len(layers) - 1:
-                torch.cuda.current_stream().wait_stream(deferred_stream)
             h = _forward(a, w, b, layer.activation)
             head_w, head_b = _tensor(layer.head_weight), _tensor(layer.head_bias)
             step_t = _tensor(layer.optim_state.step)
@@ -362,29 +335,25 @@ class FusedStep:
             with ctx:
                 shadow: list[Tensor | None] = [w, b][:nb] if shadows is not None else [None] * nb
                 targets = [p.data for p in params[:nb]]
-                held = deferred is not None and i == len(layers) - 1
-                fused = not held and reducer is None and self.fused_weight_update
-                chunked = not held and not fused and reducer is None and layer.weight.numel() >= self.update_chunk_numel
+                fused = reducer is None and self.fused_weight_update
+                chunked = not fused and reducer is None and layer.weight.numel() >= self.update_chunk_numel
                 grad_w: Tensor | None = None
-                grads: list[Tensor] = []
-                if held:  # the gradient into the held buffers; the next step applies it
-                    assert deferred is not None
-                    grad_w = self._weight_grad(err.d_z.T, a, exact=False, out=deferred.grads[0])
-                    deferred.hold(err.grad_bias if nb == 2 else None, step_t, lr)
-                elif fused:  # the GEMM with AdamW in its epilogue: no gradient in memory
+                if fused:  # the GEMM with AdamW in its epilogue: no gradient in memory
                     weight_grad_adamw_(
                         err.d_z, a, targets, err.grad_bias if nb == 2 else None, exp_avg[:nb], exp_avg_sq[:nb],
                         shadow, step_t, self._lr, betas=config.betas, eps=config.eps,
                         weight_decay=config.weight_decay,
                     )
+                    grads: list[Tensor] = []
                 elif chunked:  # the GEMM and its AdamW, in row blocks
                     grad_w = self._chunked_update(
                         err.d_z, a, err.grad_bias, targets, exp_avg[:nb], exp_avg_sq[:nb], shadow, step_t, overlap, keep
                     )
+                    grads = []
                 else:
                     grad_w = self._weight_grad(err.d_z.T, a, exact=reducer is not None)
                     grads = [grad_w, err.grad_bias][:nb]
-                if reducer is None and not chunked and not fused and not held:
+                if reducer is None and not chunked and not fused:
                     if overlap and self._stream_priorities():
                         # the AdamW at background priority too, so it yields to the next forward
                         update = self._background_update_stream()
@@ -406,8 +375,7 @@ class FusedStep:
                 if reducer is None and self.head_updates_per_layer:
                     if overlap:
                         keep += head_grads
-                    self._adamw(None, [head_w, head_b], head_grads, exp_avg[nb:], exp_avg_sq[nb:], [None, None], step_t,
-                                head=True)
+                    self._adamw(None, [head_w, head_b], head_grads, exp_avg[nb:], exp_avg_sq[nb:], [None, None], step_t)
             if reducer is not None or not self.head_updates_per_layer:
                 small_p += [head_w, head_b]
                 small_g += head_grads
@@ -435,22 +403,25 @@ class FusedStep:
             err = local_error(a, head.weight.detach(), hb, y, with_dz=False)
             hp = [head.weight.data] + ([head.bias.data] if head.bias is not None else [])
             head_grads = [err.grad_head_weight, err.grad_head_bias][: len(hp)]
+            head_moments = t.head_state.moments("exp_avg"), t.head_state.moments("exp_avg_sq")
             if reducer is None and self.head_updates_per_layer:
-                self._adamw(None, hp, head_grads, t.head_state.moments("exp_avg"), t.head_state.moments("exp_avg_sq"),
-                            [None] * len(hp), _tensor(t.head_state.step), head=True)
+                self._adamw(None, hp, head_grads, *head_moments, [None] * len(hp), _tensor(t.head_state.step))
             else:
                 small_p += hp
                 small_g += head_grads
-                small_m += t.head_state.moments("exp_avg")
-                small_v += t.head_state.moments("exp_avg_sq")
+                small_m += head_moments[0]
+                small_v += head_moments[1]
                 small_s += [_tensor(t.head_state.step)] * len(hp)
             logits, loss = err.logits, err.loss
         if reducer is not None:
             reducer(small_g)  # every local head and the classifier: one small blocking all-reduce
             for item in pending:
                 self._adamw(*item)
-        if small_p:
-            self._fused_adamw_small(small_p, small_g, small_m, small_v, small_s, lr)
+        if small_p:  # the heads together (with a reducer, or head_updates_per_layer=False)
+            torch._fused_adamw_(
+                small_p, small_g, small_m, small_v, [], small_s, amsgrad=False, lr=lr, beta1=config.betas[0],
+                beta2=config.betas[1], weight_decay=config.weight_decay, eps=config.eps, maximize=False,
+            )
         if count_loss:
             t._loss_sum += loss
         if overlap and side is not None and main is not None:
@@ -461,16 +432,6 @@ class FusedStep:
             torch.cuda.current_stream().wait_stream(sample_stream)
         del keep
         return logits, loss, a
-
-    def _fused_adamw_small(self, params: list[Tensor], grads: list[Tensor], exp_avg: list[Tensor],
-                           exp_avg_sq: list[Tensor], steps: list[Tensor], lr: Tensor | float) -> None:
-        """The heads' AdamW in one ``torch._fused_adamw_`` launch (with a gradient reducer, or
-        ``head_updates_per_layer=False``)."""
-        config = self.trainer.config
-        torch._fused_adamw_(
-            params, grads, exp_avg, exp_avg_sq, [], steps, amsgrad=False, lr=lr, beta1=config.betas[0],
-            beta2=config.betas[1], weight_decay=config.weight_decay, eps=config.eps, maximize=False,
-        )
 
     def _local_error_off_main(self, layers: list[DADLinear]) -> bool:
         """``local_error_off_main``, with ``None`` resolved by the widest of ``layers``."""
@@ -535,85 +496,25 @@ class FusedStep:
             return self.update_chunks
         return 4 if batch <= UPDATE_CHUNKS_SMALL_BATCH else 2
 
-    def _weight_grad_dtype(self, a: Tensor, exact: bool) -> torch.dtype:
-        """The dtype of :meth:`_weight_grad`'s product for the layer input ``a``."""
-        if exact or self.fp32_weight_grads or not a.is_cuda:
-            return torch.float32
-        return a.dtype
-
-    def _weight_grad(self, d_z_t: Tensor, a: Tensor, exact: bool, out: Tensor | None = None) -> Tensor:
+    def _weight_grad(self, d_z_t: Tensor, a: Tensor, exact: bool) -> Tensor:
         """``d_z.T @ a``, fp32-accumulated: in the compute dtype on CUDA (see
         ``fp32_weight_grads``), in fp32 when ``exact`` (an all-reduce sums it across processes)
-        and on CPU (whose AdamW twin needs the master dtype); into ``out`` if given."""
-        if self._weight_grad_dtype(a, exact) == torch.float32:
-            product = _mm_fp32(d_z_t, a)
-            return product if out is None else out.copy_(product)
-        return torch.mm(d_z_t, a, out=out) if out is not None else d_z_t @ a
+        and on CPU (whose AdamW twin needs the master dtype)."""
+        if exact or self.fp32_weight_grads or not d_z_t.is_cuda or d_z_t.dtype == torch.float32:
+            return _mm_fp32(d_z_t, a)
+        return d_z_t @ a
 
     def _adamw(self, work: Any, params: list[Tensor], grads: list[Tensor], exp_avg: list[Tensor],
-               exp_avg_sq: list[Tensor], shadow: list[Tensor | None], step_t: Tensor, head: bool = False) -> None:
+               exp_avg_sq: list[Tensor], shadow: list[Tensor | None], step_t: Tensor) -> None:
         """One layer's AdamW (weight and bias, and their low-precision copies), after ``work`` (its
-        all-reduce), if any, has finished; a ``head``'s on one program per block."""
+        all-reduce), if any, has finished."""
         if work is not None:
             work.wait()
         config = self.trainer.config
         adamw_with_shadow_(
             params, grads, exp_avg, exp_avg_sq, shadow, step_t, self._lr,
             betas=config.betas, eps=config.eps, weight_decay=config.weight_decay,
-            programs=None if head else self.adamw_programs,
         )
-
-    def _deferred_update(
-        self, layer: DADLinear, a: Tensor, compute: torch.dtype | None, shadows: list[tuple[Tensor, Tensor | None]] | None
-    ) -> _DeferredUpdate:
-        """The held-update buffers of ``layer`` (the last DAD layer) for steps in ``compute``."""
-        held = self._deferred.get(compute)
-        if held is None:
-            params, exp_avg, exp_avg_sq = self._layer_tensors(layer)
-            nb = 2 if layer.bias is not None else 1
-            pair = shadows[-1] if shadows is not None else (None, None)
-            held = _DeferredUpdate(
-                [p.data for p in params[:nb]], exp_avg[:nb], exp_avg_sq[:nb], list(pair[:nb]),
-                self._weight_grad_dtype(a, exact=False), _tensor(layer.optim_state.step),
-            )
-            if not self._deferred:
-                self._hook_flush(layer)
-            self._deferred[compute] = held
-        return held
-
-    def _launch_held_update(self, held: _DeferredUpdate, overlap: bool) -> torch.cuda.Stream | None:
-        """Apply the update the previous step held (a no-op on the device if none is pending);
-        under ``overlap`` on the deferred stream, which is returned."""
-        if not overlap:
-            held.apply(self.trainer.config, self.adamw_programs)
-            return None
-        if self._deferred_stream is None:
-            self._deferred_stream = self._stream("background")
-        stream = self._deferred_stream
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):
-            held.apply(self.trainer.config, self.adamw_programs)
-        return stream
-
-    def _hook_flush(self, layer: DADLinear) -> None:
-        """Flush held updates before ``layer`` runs forward, saves or loads its state."""
-        engine = weakref.ref(self)
-
-        def flush(*_: object) -> None:
-            live = engine()
-            if live is not None:
-                live.flush_updates()
-
-        layer.register_forward_pre_hook(flush)
-        layer.register_state_dict_pre_hook(flush)
-        layer.register_load_state_dict_pre_hook(flush)
-
-    def flush_updates(self, keep: object = _NOTHING) -> None:
-        """Apply every update held over by ``defer_last_update`` (bar the one for compute dtype
-        ``keep``, which the coming step applies), so the weights are current."""
-        for compute, held in self._deferred.items():
-            if held.may_be_pending and compute is not keep:
-                held.apply(self.trainer.config, self.adamw_programs)
 
     def set_lr(self, lr: float) -> None:
         """The learning rate the next step uses (a device tensor the graphs read)."""
@@ -629,16 +530,12 @@ class FusedStep:
         ``reducer`` (data parallelism): ``(logits, loss, span output)``. Large distributed
         batches are bound by GEMMs, not launches, so no graph is needed there. The caller
         offers the rows to the head sample (``DADTrainer._begin_step``) and counts the loss."""
-        self.flush_updates()
         self.set_lr(lr)
         return self._body(x, y, compute, overlap=False, span=span, with_head=with_head, reducer=reducer,
                           count_loss=False, sample=False)
 
     def __call__(self, x: Tensor, y: Tensor, lr: float, compute: torch.dtype | None) -> tuple[Tensor, Tensor]:
         """One step on validated ``x`` (B, in) and int64 ``y``; returns fresh ``(logits, loss)``."""
-        defer = self.defer_last_update
-        # a held update this step will not apply (another compute dtype, or deferral now off)
-        self.flush_updates(keep=compute if defer else _NOTHING)
         self.set_lr(lr)
         sample = self.trainer.head_sample
         if sample is not None:
@@ -647,24 +544,22 @@ class FusedStep:
             else:
                 sample.add(x, y)
         if not self.graphed:
-            logits, loss, _ = self._body(x, y, compute, overlap=False, defer=defer)
+            logits, loss, _ = self._body(x, y, compute, overlap=False)
             return logits, loss
-        key = (tuple(x.shape), x.dtype, compute, self.trainer.accumulate_head_statistics, defer, self._signature())
+        key = (tuple(x.shape), x.dtype, compute, self.trainer.accumulate_head_statistics, self._signature())
         entry = self._graphs.get(key)
         if entry is None:
             if key not in self._seen:
                 # first sight of a shape: run eagerly (compiles the Triton kernels, warms cuBLAS);
                 # a shape seen twice is captured, so a ragged last batch costs no capture
                 self._seen.add(key)
-                logits, loss, _ = self._body(x, y, compute, overlap=False, defer=defer)
+                logits, loss, _ = self._body(x, y, compute, overlap=False)
                 return logits, loss
             entry = self._capture(key, x, y, compute)
         graph, static_x, static_y, out_logits, out_loss = entry
         static_x.copy_(x)
         static_y.copy_(y)
         graph.replay()
-        if defer and compute in self._deferred:
-            self._deferred[compute].may_be_pending = True
         return out_logits.clone(), out_loss.clone()
 
     def _capture(
@@ -693,57 +588,12 @@ class FusedStep:
         gc.disable()
         try:
             with torch.cuda.graph(graph, pool=self._pool, stream=self._capture_stream):
-                out_logits, out_loss, _ = self._body(
-                    static_x, static_y, compute, overlap=self.overlap_updates, defer=self.defer_last_update
-                )
+                out_logits, out_loss, _ = self._body(static_x, static_y, compute, overlap=self.overlap_updates)
         finally:
             gc.enable()
         entry = (graph, static_x, static_y, out_logits, out_loss)
         self._graphs[key] = entry
         return entry
-
-
-class _DeferredUpdate:
-    """One layer's weight (and bias) AdamW held over to the next step (``FusedStep.defer_last_update``).
-
-    ``grads`` hold the step's gradients, ``step`` and ``lr`` the counter and rate it ran at, and
-    ``pending`` (0-dim int32 on the device) is 1 from :meth:`hold` until :meth:`apply`: a captured
-    step applies the held update unconditionally and the kernel skips it when nothing is held.
-    ``may_be_pending`` is the host's view: a step that holds an update ran since the last apply.
-    """
-
-    def __init__(self, params: list[Tensor], exp_avg: list[Tensor], exp_avg_sq: list[Tensor],
-                 shadow: list[Tensor | None], grad_dtype: torch.dtype, step: Tensor) -> None:
-        self.params, self.exp_avg, self.exp_avg_sq, self.shadow = params, exp_avg, exp_avg_sq, shadow
-        self.grads = [torch.zeros_like(params[0], dtype=grad_dtype)] + [torch.zeros_like(p) for p in params[1:]]
-        self.step = torch.zeros_like(step)
-        self.lr = torch.zeros((), device=params[0].device, dtype=torch.float32)
-        self.pending = torch.zeros((), device=params[0].device, dtype=torch.int32)
-        self.may_be_pending = False
-
-    def hold(self, grad_bias: Tensor | None, step: Tensor, lr: Tensor | float) -> None:
-        """Keep this step's bias gradient, step and rate (the weight gradient is already in
-        ``grads[0]``) and mark the update pending."""
-        if grad_bias is not None:
-            self.grads[1].copy_(grad_bias)
-        self.step.copy_(step)
-        if isinstance(lr, Tensor):
-            self.lr.copy_(lr)
-        else:
-            self.lr.fill_(lr)
-        self.pending.fill_(1)
-        self.may_be_pending = True
-
-    def apply(self, config: Any, programs: int | None) -> None:
-        """The held AdamW (on at most ``programs`` programs), if one is pending (checked on the
-        device), then nothing is pending."""
-        adamw_with_shadow_(
-            self.params, self.grads, self.exp_avg, self.exp_avg_sq, self.shadow, self.step, self.lr,
-            betas=config.betas, eps=config.eps, weight_decay=config.weight_decay, enabled=self.pending,
-            programs=programs,
-        )
-        self.pending.zero_()
-        self.may_be_pending = False
 
 
 def _tensor(value: object) -> Tensor:

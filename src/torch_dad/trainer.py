@@ -264,7 +264,6 @@ class DADTrainer:
             self.step_count += 1
             self._loss_batches += 1
             return logits, loss
-        self.flush_updates()
         h = x
         last = None
         for layer, workspace in zip(self.model.dad_layers, self._workspaces):
@@ -279,14 +278,6 @@ class DADTrainer:
         else:
             logits, loss = self._head_step(h, y, rate, compute)
         return self._end_step(logits, loss)
-
-    def flush_updates(self) -> None:
-        """Apply any weight update the fused engine holds over to the next step
-        (``FusedStep.defer_last_update``), so every tensor of the model is current. The
-        trainer's own methods and the layers' forward and ``state_dict`` do this themselves;
-        call it before reading a weight tensor directly. Without a held update it does nothing."""
-        if self._engine is not None:
-            self._engine.flush_updates()
 
     def _engine_applies(self) -> bool:
         """Whether this step can run the fused engine: one exists, and neither the per-layer
@@ -422,7 +413,6 @@ class DADTrainer:
         """
         head = self._require_head()
         assert self.head_statistics is not None and self.head_state is not None
-        self.flush_updates()
         if loader is not None:
             stats = GramAccumulator(head.in_features, head.out_features, device=self.device)
             was_training = self.model.training
@@ -547,7 +537,6 @@ class DADTrainer:
     @torch.no_grad()
     def evaluate(self, data: Any, *, batch_size: int = 1024, use_local_head: bool = False) -> dict[str, float]:
         """Accuracy and mean cross-entropy of ``model(x)`` (or the last local head) over ``data``."""
-        self.flush_updates()
         was_training = self.model.training
         self.model.eval()
         correct = torch.zeros((), device=self.device, dtype=torch.long)
@@ -570,7 +559,6 @@ class DADTrainer:
     def state_dict(self) -> dict[str, Any]:
         """Everything needed to resume bit-for-bit: model (with local heads and moments),
         classifier optimizer state, Gram statistics, step count and hyper-parameters."""
-        self.flush_updates()
         return {
             "model": self.model.state_dict(),
             "head_state": self.head_state.state_dict() if self.head_state is not None else None,
@@ -586,7 +574,6 @@ class DADTrainer:
         missing = {"model", "head_state", "head_statistics", "step_count", "config"} - set(state)
         if missing:
             raise ValueError(f"trainer state_dict is missing keys {sorted(missing)}")
-        self.flush_updates()
         self.model.load_state_dict(state["model"])
         if self.head_state is not None:
             if state["head_state"] is None:

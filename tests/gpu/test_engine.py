@@ -113,40 +113,6 @@ def test_graphed_step_with_and_without_update_overlap_equals_fused(overlap, erro
             assert relative_error(b[key], want) <= 1e-2, key
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("amp", AMPS)
-@pytest.mark.parametrize("defer,programs", [(True, None), (True, 2), (False, 3)])
-def test_deferred_last_update_equals_plain_step(backend, amp, defer, programs):  # type: ignore[no-untyped-def]
-    """``FusedStep.defer_last_update``: the last layer's AdamW held to the next step (in the
-    graph: applied on its own stream at the start, gated by a device flag) computes what the
-    plain step computes, through captured, uncaptured (ragged) and flushed steps; so do the
-    weight AdamW kernels on a few looping programs (``FusedStep.adamw_programs``)."""
-    _, plain = _pair(backend, amp)
-    _, held = _pair(backend, amp)
-    held._engine.defer_last_update = defer
-    held._engine.adamw_programs = programs
-    tol = 1e-5 if amp is None else 1e-2
-    for i in range(7):
-        batch = 61 if i != 4 else 17
-        x = torch.randn(batch, 45, device=DEVICE)
-        y = torch.randint(0, 7, (batch,), device=DEVICE)
-        lr = 1e-3 if i < 3 else 4e-3
-        l1, s1 = plain.step(x, y, lr=lr)
-        l2, s2 = held.step(x, y, lr=lr)
-        assert relative_error(l2, l1) <= tol, i
-        assert abs(float(s2) - float(s1)) <= tol * max(1.0, abs(float(s1))), i
-    assert any(h.may_be_pending for h in held._engine._deferred.values()) == defer
-    x = torch.randn(5, 45, device=DEVICE)
-    assert relative_error(held.model(x), plain.model(x)) <= tol  # the forward hook flushed
-    assert not any(h.may_be_pending for h in held._engine._deferred.values())
-    a, b = plain.state_dict()["model"], held.state_dict()["model"]
-    for key, want in a.items():
-        if want.is_floating_point() and float(want.norm()) > 0:
-            assert relative_error(b[key], want) <= tol, key
-    if backend == "cuda-graph":
-        assert len(held._engine._graphs) == 1
-
-
 @requires_cuda
 def test_graph_follows_outside_weight_edits_and_reload():  # type: ignore[no-untyped-def]
     eager, fused = _pair("cuda-graph", torch.bfloat16)

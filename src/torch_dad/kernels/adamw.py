@@ -28,10 +28,6 @@ except ImportError:  # the CPU path needs no triton
 
 __all__ = ["adamw_with_shadow_", "beta_args"]
 
-#: elements per loop iteration and warps per program of the kernel under ``programs``
-PERSISTENT_BLOCK = 4096
-PERSISTENT_WARPS = 8
-
 
 def adamw_with_shadow_(
     params: list[Tensor],
@@ -45,25 +41,13 @@ def adamw_with_shadow_(
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
-    enabled: Tensor | None = None,
-    programs: int | None = None,
     backend: str = "auto",
 ) -> None:
-    """AdamW step (already-incremented ``step``) on 1 or 2 fp32 tensors, then ``shadow.copy_(p)``.
-
-    ``enabled``: a 0-dim device tensor; where it holds 0 nothing changes (a CUDA graph that
-    captured the launch skips the update by a flag set on the device, with no host sync).
-    ``programs``: run the Triton kernel on at most this many programs, each looping over blocks
-    of ``PERSISTENT_BLOCK`` elements, so that kernels on other streams find free SMs (one
-    program per block, the default, holds every SM until the last block is dispatched)."""
+    """AdamW step (already-incremented ``step``) on 1 or 2 fp32 tensors, then ``shadow.copy_(p)``."""
     if not 1 <= len(params) <= 2 or not len(params) == len(grads) == len(exp_avgs) == len(exp_avg_sqs) == len(shadows):
         raise ValueError("adamw_with_shadow_ takes 1 or 2 tensors and one grad/moment/shadow entry per tensor")
-    if programs is not None and (not isinstance(programs, int) or programs < 1):
-        raise ValueError(f"programs={programs!r} must be a positive int or None")
     if use_triton(params[0], backend):
-        _adamw_triton(params, grads, exp_avgs, exp_avg_sqs, shadows, step, lr, betas, eps, weight_decay, enabled, programs)
-        return
-    if enabled is not None and not bool(enabled):
+        _adamw_triton(params, grads, exp_avgs, exp_avg_sqs, shadows, step, lr, betas, eps, weight_decay)
         return
     # the twin: the reference update with the step counter rewound, since adamw_ increments it
     step.sub_(1)
@@ -124,39 +108,20 @@ if triton is not None:
             tl.store(s_ptr + offs, p.to(s_ptr.dtype.element_ty), mask=mask)
 
     @triton.jit
-    def adamw_block(
-        blk, p1, g1, m1, v1, s1, n1, p2, g2, m2, v2, s2, n2, blocks1, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt,
+    def adamw_kernel(
+        p1, g1, m1, v1, s1, n1, p2, g2, m2, v2, s2, n2, step_ptr, lr_ptr,
+        b2, c1, c2, log_b1, log_b2, eps, wd, blocks1,
         BLOCK: tl.constexpr, SHADOW1: tl.constexpr, SHADOW2: tl.constexpr,
     ):
-        """Block ``blk`` of the two tensors laid end to end (``blocks1`` blocks for the first)."""
-        if blk < blocks1:
-            offs = blk * BLOCK + tl.arange(0, BLOCK)
+        pid = tl.program_id(0)
+        bc1, bc2_sqrt = bias_corrections(step_ptr, log_b1, log_b2)
+        lr = tl.load(lr_ptr).to(tl.float32)
+        if pid < blocks1:
+            offs = pid * BLOCK + tl.arange(0, BLOCK)
             adamw_segment(p1, g1, m1, v1, s1, offs, n1, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt, SHADOW1)
         else:
-            offs = (blk - blocks1) * BLOCK + tl.arange(0, BLOCK)
+            offs = (pid - blocks1) * BLOCK + tl.arange(0, BLOCK)
             adamw_segment(p2, g2, m2, v2, s2, offs, n2, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt, SHADOW2)
-
-    @triton.jit
-    def adamw_kernel(
-        p1, g1, m1, v1, s1, n1, p2, g2, m2, v2, s2, n2, step_ptr, lr_ptr, enabled_ptr,
-        b2, c1, c2, log_b1, log_b2, eps, wd, blocks1, blocks,
-        BLOCK: tl.constexpr, SHADOW1: tl.constexpr, SHADOW2: tl.constexpr, GATED: tl.constexpr,
-        PERSISTENT: tl.constexpr,
-    ):
-        run = True
-        if GATED:  # a disabled update returns at once. A branch, not n := 0: that would drop the
-            # sizes' divisibility specialisation, and with it the vectorised loads
-            run = tl.load(enabled_ptr) != 0
-        if run:
-            bc1, bc2_sqrt = bias_corrections(step_ptr, log_b1, log_b2)
-            lr = tl.load(lr_ptr).to(tl.float32)
-            if PERSISTENT:
-                for blk in range(tl.program_id(0), blocks, tl.num_programs(0)):
-                    adamw_block(blk, p1, g1, m1, v1, s1, n1, p2, g2, m2, v2, s2, n2, blocks1, lr, b2, c1, c2, eps,
-                                wd, bc1, bc2_sqrt, BLOCK, SHADOW1, SHADOW2)
-            else:
-                adamw_block(tl.program_id(0), p1, g1, m1, v1, s1, n1, p2, g2, m2, v2, s2, n2, blocks1, lr, b2, c1,
-                            c2, eps, wd, bc1, bc2_sqrt, BLOCK, SHADOW1, SHADOW2)
 
 
 
@@ -171,13 +136,11 @@ def _adamw_triton(
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
-    enabled: Tensor | None,
-    programs: int | None,
 ) -> None:
     for t in (*params, *grads, *exp_avgs, *exp_avg_sqs):
         if not t.is_contiguous():
             raise ValueError("adamw_with_shadow_ needs contiguous tensors")
-    block = 1024 if programs is None else PERSISTENT_BLOCK
+    block = 1024
     segs = []
     for i in range(2):
         j = min(i, len(params) - 1)
@@ -186,11 +149,9 @@ def _adamw_triton(
         segs.append((params[j], grads[j], exp_avgs[j], exp_avg_sqs[j], s if s is not None else params[j], n, s is not None))
     blocks1 = -(-segs[0][5] // block)
     blocks2 = -(-segs[1][5] // block)
-    blocks = blocks1 + blocks2
-    adamw_kernel[(blocks if programs is None else min(programs, blocks),)](
-        *segs[0][:6], *segs[1][:6], step, lr, enabled if enabled is not None else step,
-        *beta_args(betas), eps, weight_decay, blocks1, blocks,
-        BLOCK=block, SHADOW1=segs[0][6], SHADOW2=segs[1][6] and segs[1][5] > 0, GATED=enabled is not None,
-        PERSISTENT=programs is not None, num_warps=4 if programs is None else PERSISTENT_WARPS,
+    adamw_kernel[(blocks1 + blocks2,)](
+        *segs[0][:6], *segs[1][:6], step, lr,
+        *beta_args(betas), eps, weight_decay, blocks1,
+        BLOCK=block, SHADOW1=segs[0][6], SHADOW2=segs[1][6] and segs[1][5] > 0,
     )
 
