@@ -20,6 +20,17 @@ import torch_dad as td
 RESULTS = Path(__file__).resolve().parent / "results"
 
 
+def cpu_model() -> str:
+    """The CPU's model name from ``/proc/cpuinfo`` (Linux), else the machine type, e.g. ``x86_64``."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
 def environment() -> dict[str, Any]:
     """Device, torch version, commit and date, stored in every record."""
     try:
@@ -31,7 +42,7 @@ def environment() -> dict[str, Any]:
     if torch.cuda.is_available():
         device = torch.cuda.get_device_name(0)
     else:
-        device = f"cpu ({platform.processor() or platform.machine()}, {torch.get_num_threads()} threads)"
+        device = f"cpu ({cpu_model()}, {torch.get_num_threads()} threads)"
     return {
         "device": device,
         "torch": torch.__version__,
