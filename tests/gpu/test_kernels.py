@@ -52,7 +52,12 @@ TILES = [
     lambda element_size: Tiles(rows_bm=32, rows_bn=64, rows_warps=4, rows_stages=2, cols_bm=32, cols_bn=64,
                                cols_warps=4, cols_stages=2, cols_programs_per_sm=2, rows_split=3),
     lambda element_size: Tiles(rows_bm=16, rows_bn=32, rows_warps=4, rows_stages=3, cols_bm=64, cols_bn=32,
-                               cols_warps=4, cols_stages=2, cols_programs_per_sm=2, rows_split=8),
+                               cols_warps=4, cols_stages=2, cols_programs_per_sm=2, rows_split=8, atomic_sem="acq_rel"),
+    # one launch: each program makes its rows' logits, then d_z and the gradients
+    lambda element_size: Tiles(rows_bm=32, rows_bn=64, rows_warps=4, rows_stages=2, cols_bm=32, cols_bn=64,
+                               cols_warps=4, cols_stages=2, cols_programs_per_sm=2, one_pass=True),
+    lambda element_size: Tiles(rows_bm=16, rows_bn=128, rows_warps=8, rows_stages=3, cols_bm=32, cols_bn=64,
+                               cols_warps=4, cols_stages=2, cols_programs_per_sm=2, one_pass=True),
 ]
 
 
@@ -99,8 +104,9 @@ def _check_local_error(shape, activation, dtype, tiles=None):  # type: ignore[no
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, LOW])
-def test_local_error_output_head_mode(dtype):  # type: ignore[no-untyped-def]
-    from torch_dad.kernels.local_error import local_error
+@pytest.mark.parametrize("one_pass", [False, True])
+def test_local_error_output_head_mode(dtype, one_pass):  # type: ignore[no-untyped-def]
+    from torch_dad.kernels.local_error import _local_error_triton, local_error
 
     m, n, c = 211, 75, 10
     h = torch.randn(m, n, device=DEVICE, dtype=torch.float64)
@@ -108,7 +114,12 @@ def test_local_error_output_head_mode(dtype):  # type: ignore[no-untyped-def]
     b = torch.randn(c, device=DEVICE, dtype=torch.float64) * 0.1
     y = torch.randint(0, c, (m,), device=DEVICE)
     ref = F.head_loss_and_gradients(h, w, b, y)
-    got = local_error(h.to(dtype), w.float(), b.float(), y, with_dz=False, backend="triton")
+    if one_pass:
+        tiles = Tiles(rows_bm=16, rows_bn=32, rows_warps=4, rows_stages=2, cols_bm=32, cols_bn=32, cols_warps=4,
+                      cols_stages=2, cols_programs_per_sm=2, one_pass=True)
+        got = _local_error_triton(h.to(dtype), w.float(), b.float(), y, "relu", False, tiles)
+    else:
+        got = local_error(h.to(dtype), w.float(), b.float(), y, with_dz=False, backend="triton")
     assert got.d_z is None and got.grad_bias is None
     tol = MARGIN[dtype] + (1e-2 if dtype != torch.float32 else 0.0)
     assert relative_error(got.logits, ref.logits) <= tol

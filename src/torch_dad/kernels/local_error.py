@@ -190,7 +190,7 @@ def _kernels() -> Any:
         h_ptr, dl_ptr, w_ptr, rowloss_ptr, dz_ptr, gw_ptr, gb_ptr, gbloc_ptr, loss_ptr,
         M, N, C, stride_h, rows_per_split,
         BM: tl.constexpr, BN: tl.constexpr, CP: tl.constexpr, ACT: tl.constexpr,
-        WRITE_DZ: tl.constexpr, IEEE: tl.constexpr,
+        WRITE_DZ: tl.constexpr, IEEE: tl.constexpr, SEM: tl.constexpr,
     ):
         pid_n = tl.program_id(0)
         pid_m = tl.program_id(1)
@@ -231,14 +231,79 @@ def _kernels() -> Any:
             if pid_n == 0:
                 acc_gbloc += tl.sum(dl, axis=0)
                 acc_loss += tl.load(rowloss_ptr + rows, mask=rmask, other=0.0)
-        tl.atomic_add(gw_ptr + cls[:, None] * N + cols[None, :], acc_gw, mask=cmask[:, None] & nmask[None, :])
+        # relaxed: the sums are read only after this launch ends, so no ordering is needed
+        tl.atomic_add(gw_ptr + cls[:, None] * N + cols[None, :], acc_gw, mask=cmask[:, None] & nmask[None, :], sem=SEM)
         if WRITE_DZ:
-            tl.atomic_add(gb_ptr + cols, acc_gb, mask=nmask)
+            tl.atomic_add(gb_ptr + cols, acc_gb, mask=nmask, sem=SEM)
         if pid_n == 0:
-            tl.atomic_add(gbloc_ptr + cls, acc_gbloc, mask=cmask)
-            tl.atomic_add(loss_ptr, tl.sum(acc_loss, axis=0))
+            tl.atomic_add(gbloc_ptr + cls, acc_gbloc, mask=cmask, sem=SEM)
+            tl.atomic_add(loss_ptr, tl.sum(acc_loss, axis=0), sem=SEM)
 
-    return rows_kernel, cols_kernel
+    @triton.jit
+    def one_pass_kernel(
+        h_ptr, w_ptr, b_ptr, y_ptr, logits_ptr, dz_ptr, gw_ptr, gb_ptr, gbloc_ptr, loss_ptr,
+        M, N, C, stride_h, inv_count,
+        BM: tl.constexpr, BN: tl.constexpr, CP: tl.constexpr, ACT: tl.constexpr,
+        WRITE_DZ: tl.constexpr, IEEE: tl.constexpr, SEM: tl.constexpr,
+    ):
+        # a program owns BM whole rows: a pass over the columns for the logits, the softmax in
+        # registers, then a second pass (its h tile now in L1/L2) for d_z and the gradients
+        pid_m = tl.program_id(0)
+        rows = pid_m * BM + tl.arange(0, BM)
+        rmask = rows < M
+        cls = tl.arange(0, CP)
+        cmask = cls < C
+        acc = tl.zeros((BM, CP), dtype=tl.float32)
+        for n0 in range(0, N, BN):
+            cols = n0 + tl.arange(0, BN)
+            nmask = cols < N
+            h = tl.load(h_ptr + rows[:, None] * stride_h + cols[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
+            w = tl.load(w_ptr + cls[:, None] * N + cols[None, :], mask=cmask[:, None] & nmask[None, :], other=0.0)
+            if IEEE:
+                acc = tl.dot(h, tl.trans(w.to(h.dtype)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(h, tl.trans(w.to(h.dtype)), acc)
+        bias = tl.load(b_ptr + cls, mask=cmask, other=0.0).to(tl.float32)
+        logits = acc + bias[None, :]
+        tl.store(logits_ptr + rows[:, None] * C + cls[None, :], logits, mask=rmask[:, None] & cmask[None, :])
+        masked = tl.where(cmask[None, :], logits, float("-inf"))
+        row_max = tl.max(masked, axis=1)
+        e = tl.exp(masked - row_max[:, None])
+        denom = tl.sum(e, axis=1)
+        y = tl.load(y_ptr + rows, mask=rmask, other=0)
+        onehot = cls[None, :] == y[:, None]
+        d_logits = (e / denom[:, None] - tl.where(onehot, 1.0, 0.0)) * inv_count
+        d_logits = tl.where(rmask[:, None] & cmask[None, :], d_logits, 0.0)
+        logit_y = tl.sum(tl.where(onehot, logits, 0.0), axis=1)
+        row_loss = tl.where(rmask, (row_max + tl.log(denom) - logit_y) * inv_count, 0.0)
+        tl.atomic_add(loss_ptr, tl.sum(row_loss, axis=0), sem=SEM)
+        tl.atomic_add(gbloc_ptr + cls, tl.sum(d_logits, axis=0), mask=cmask, sem=SEM)
+        for n0 in range(0, N, BN):
+            cols = n0 + tl.arange(0, BN)
+            nmask = cols < N
+            h = tl.load(h_ptr + rows[:, None] * stride_h + cols[None, :], mask=rmask[:, None] & nmask[None, :], other=0.0)
+            dlc = d_logits.to(h.dtype)
+            if IEEE:
+                gw = tl.dot(tl.trans(dlc), h, input_precision="ieee")
+            else:
+                gw = tl.dot(tl.trans(dlc), h)
+            tl.atomic_add(gw_ptr + cls[:, None] * N + cols[None, :], gw, mask=cmask[:, None] & nmask[None, :], sem=SEM)
+            if WRITE_DZ:
+                w = tl.load(w_ptr + cls[:, None] * N + cols[None, :], mask=cmask[:, None] & nmask[None, :], other=0.0)
+                if IEEE:
+                    dz = tl.dot(dlc, w.to(h.dtype), input_precision="ieee")
+                else:
+                    dz = tl.dot(dlc, w.to(h.dtype))
+                hf = h.to(tl.float32)
+                if ACT == 0:
+                    dz = tl.where(hf > 0, dz, 0.0)
+                elif ACT == 1:
+                    dz = dz * (1.0 - hf * hf)
+                tl.store(dz_ptr + rows[:, None] * N + cols[None, :], dz.to(dz_ptr.dtype.element_ty),
+                         mask=rmask[:, None] & nmask[None, :])
+                tl.atomic_add(gb_ptr + cols, tl.sum(dz, axis=0), mask=nmask, sem=SEM)
+
+    return rows_kernel, cols_kernel, one_pass_kernel
 
 
 def _num_sms(device: torch.device) -> int:
@@ -263,6 +328,12 @@ class Tiles:
     cols_programs_per_sm: int
     #: programs per row block of the row kernel, each over a slice of the columns (1: none)
     rows_split: int = 1
+    #: one launch instead of two: the row kernel (``rows_*`` tiles) also makes ``d_z`` and the
+    #: gradients in a second pass over its rows, adding the gradients atomically into zeroed
+    #: sums (a memset before it); ``cols_*`` and ``rows_split`` are then unused
+    one_pass: bool = False
+    #: memory order of the gradient atomics: "relaxed", or "acq_rel" (Triton's default)
+    atomic_sem: str = "relaxed"
 
 
 def default_tiles(M: int, N: int, CP: int, element_size: int = 2) -> Tiles:
@@ -316,7 +387,7 @@ def _local_error_triton(
     with_dz: bool,
     tiles: Tiles | None = None,
 ) -> LocalError:
-    rows_kernel, cols_kernel = _kernels()
+    rows_kernel, cols_kernel, one_pass_kernel = _kernels()
     h = h if h.stride(1) == 1 else h.contiguous()
     head_weight = head_weight.contiguous()
     M, N = h.shape
@@ -332,6 +403,16 @@ def _local_error_triton(
     gbloc = flat[C * N + N : C * N + N + C]
     loss = flat[-1]
     logits = torch.empty(M, C, device=dev, dtype=torch.float32)
+    if t.one_pass:
+        flat.zero_()
+        dz = torch.empty(M, N, device=dev, dtype=h.dtype) if with_dz else h
+        one_pass_kernel[(triton_cdiv(M, t.rows_bm),)](
+            h, head_weight, head_bias, target, logits, dz, gw, gb, gbloc, loss,
+            M, N, C, h.stride(0), 1.0 / M,
+            BM=t.rows_bm, BN=t.rows_bn, CP=CP, ACT=_ACT_CODE[activation], WRITE_DZ=with_dz, IEEE=ieee,
+            SEM=t.atomic_sem, num_warps=t.rows_warps, num_stages=t.rows_stages,
+        )
+        return LocalError(logits, loss, gw, gbloc, dz if with_dz else None, gb if with_dz else None)
     dl = torch.empty(M, CP, device=dev, dtype=torch.float32)
     rowloss = torch.empty(M, device=dev, dtype=torch.float32)
     row_blocks = triton_cdiv(M, t.rows_bm)
@@ -359,7 +440,7 @@ def _local_error_triton(
         h, dl, head_weight, rowloss, dz, gw, gb, gbloc, loss,
         M, N, C, h.stride(0), rows_per_split,
         BM=t.cols_bm, BN=t.cols_bn, CP=CP, ACT=_ACT_CODE[activation], WRITE_DZ=with_dz, IEEE=ieee,
-        num_warps=t.cols_warps, num_stages=t.cols_stages,
+        SEM=t.atomic_sem, num_warps=t.cols_warps, num_stages=t.cols_stages,
     )
     if with_dz:
         return LocalError(logits, loss, gw, gbloc, dz, gb)
