@@ -255,7 +255,7 @@ class DADAutogradLinear(nn.Module):
         precondition_damping, precondition_window: its relative damping and forgetting window.
         backend: ``"auto"`` (default), ``"eager"`` or ``"triton"``: how a hidden layer forms its
             local error. ``"triton"`` runs the fused kernel of
-            :func:`torch_dad.kernels.local_error.local_error` (two launches for the local-head
+            :func:`torch_dad.kernels.local_error.local_error` (one or two launches for the local-head
             logits, ``softmax - onehot``, ``d_z`` and the bias/head gradients) and raises if it
             cannot run here (no triton, or a CPU tensor without ``TRITON_INTERPRET=1``);
             ``"eager"`` is plain PyTorch and never imports triton; ``"auto"`` picks the kernel

@@ -24,6 +24,10 @@ The Triton version is two launches instead of the ~12 PyTorch ops of the twin:
 With few rows and wide layers (see :func:`default_tiles`) the row kernel also splits the columns
 over several programs per row block: their partial logits are added atomically into a zeroed
 buffer (one more launch, a memset), and the last program to arrive does the softmax.
+
+Narrow layers (``Tiles.one_pass``) take one launch after a memset of the sums: each program owns
+``BM`` whole rows, makes their logits and softmax, then passes over its rows again (now in cache)
+for ``d_z`` and adds its share of the gradients atomically.
 """
 
 from __future__ import annotations
@@ -133,7 +137,7 @@ def _kernels() -> Any:
         h_ptr, w_ptr, b_ptr, y_ptr, logits_ptr, dl_ptr, rowloss_ptr, zero_ptr, part_ptr, count_ptr,
         M, N, C, stride_h, inv_count, zero_numel, zero_chunk, split_cols,
         BM: tl.constexpr, BN: tl.constexpr, CP: tl.constexpr, IEEE: tl.constexpr, ZBLOCK: tl.constexpr,
-        SPLIT: tl.constexpr,
+        SPLIT: tl.constexpr, SEM: tl.constexpr,
     ):
         pid_m = tl.program_id(0)
         pid_s = tl.program_id(1)
@@ -163,8 +167,11 @@ def _kernels() -> Any:
             # program to arrive (its counter's acq_rel atomic orders the others' adds before
             # it) read the sums from L2 and go on to the softmax
             # (the others compute on partial sums too, but store nothing: no early return)
-            tl.atomic_add(part_ptr + rows[:, None] * CP + cls[None, :], acc, mask=rmask[:, None])
-            arrived = tl.atomic_add(count_ptr + pid_m, 1.0)
+            # (the adds are relaxed; the barrier puts every thread's adds before the counter's
+            # release, which the last program's acquire pairs with)
+            tl.atomic_add(part_ptr + rows[:, None] * CP + cls[None, :], acc, mask=rmask[:, None], sem=SEM)
+            tl.debug_barrier()
+            arrived = tl.atomic_add(count_ptr + pid_m, 1.0, sem="acq_rel")
             store = rmask & ((tl.zeros((BM,), tl.int32) + arrived.to(tl.int32)) == SPLIT - 1)
             acc = tl.load(part_ptr + rows[:, None] * CP + cls[None, :], mask=rmask[:, None], other=0.0, cache_modifier=".cg")
         else:
@@ -332,7 +339,10 @@ class Tiles:
     #: gradients in a second pass over its rows, adding the gradients atomically into zeroed
     #: sums (a memset before it); ``cols_*`` and ``rows_split`` are then unused
     one_pass: bool = False
-    #: memory order of the gradient atomics: "relaxed", or "acq_rel" (Triton's default)
+    #: memory order of the atomic adds: "relaxed", or "acq_rel" (Triton's default). Relaxed is
+    #: enough (the sums are read after the launch, or after the split path's counter) and faster:
+    #: 4096 x 1024 16.1 -> 13.8 us, 1024 x 4096 17.3 -> 15.2 us; fmnist-wide-2's step at B=1024
+    #: 348.1 -> 326.4 us, deep-8x1024's 268.8 -> 253.8 us (device call 50)
     atomic_sem: str = "relaxed"
 
 
@@ -354,7 +364,17 @@ def default_tiles(M: int, N: int, CP: int, element_size: int = 2) -> Tiles:
     32 rows looping over all columns: there 8 programs per row block, each over an eighth of
     the columns, took 1024 x 4096 from 23.6 to 17.4 us (classifier mode 22.2 to 15.6 us). With
     4096 rows the split gained nothing (device call 16).
+
+    Layers of at most 256 outputs take the one-launch kernel (``one_pass``): at N = 256 it took
+    1024 x 256 from 6.5 to 6.3 us (output-head mode 5.9 to 5.5) and 4096 x 256 from 8.5 to 7.6 us
+    (7.7 to 6.7); wider layers were slower with it, e.g. 1024 x 4096 15.2 vs 34.0 us, with too few
+    row blocks to fill the GPU (device call 50, ``notes/gpu-2026-11-30/call50-*``).
     """
+    if CP <= 64 and N <= 256:
+        return Tiles(
+            rows_bm=16 if M <= 2048 else 32, rows_bn=128, rows_warps=4, rows_stages=3, one_pass=True,
+            cols_bm=32, cols_bn=128, cols_warps=4, cols_stages=2, cols_programs_per_sm=2,
+        )
     if CP <= 64 and N >= 2048 and M <= 2048:
         return Tiles(
             rows_bm=32, rows_bn=64, rows_warps=4, rows_stages=4, rows_split=8,
@@ -425,7 +445,7 @@ def _local_error_triton(
     rows_kernel[(row_blocks, split)](
         h, head_weight, head_bias, target, logits, dl, rowloss, flat, scratch, scratch[M * CP :] if split > 1 else scratch,
         M, N, C, h.stride(0), 1.0 / M, flat.numel(), zero_chunk, split_cols,
-        BM=t.rows_bm, BN=t.rows_bn, CP=CP, IEEE=ieee, ZBLOCK=256, SPLIT=split,
+        BM=t.rows_bm, BN=t.rows_bn, CP=CP, IEEE=ieee, ZBLOCK=256, SPLIT=split, SEM=t.atomic_sem,
         num_warps=t.rows_warps, num_stages=t.rows_stages,
     )
     dz = torch.empty(M, N, device=dev, dtype=h.dtype) if with_dz else h

@@ -149,7 +149,8 @@ def _kernels() -> tuple[Any, Any]:
         u = tl.load(draws_ptr + rows, mask=valid, other=0.0)
         slot = tl.where(count <= slots, count - 1, (u * count.to(tl.float64)).to(tl.int64))
         keep = valid & (slot < slots)
-        tl.atomic_max(winner_ptr + tl.where(keep, slot, 0), rows.to(tl.int32), mask=keep)
+        # relaxed: the store kernel reads the winners after this launch ends
+        tl.atomic_max(winner_ptr + tl.where(keep, slot, 0), rows.to(tl.int32), mask=keep, sem="relaxed")
 
     @triton.jit
     def store_kernel(out_ptr, out_y_ptr, x_ptr, y_ptr, winner_ptr, seen_ptr, n, D, stride_out, stride_x,
