@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -358,6 +358,56 @@ def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
         acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
 
 
+@dataclass
+class _ChunkSums:
+    """The outputs :func:`_torch_linear_cross_entropy` and :func:`_triton_linear_cross_entropy` fill
+    chunk by chunk: zeroed ``dW`` (V, D), ``db`` (V,), ``dh`` (N, D), per-token log-likelihood,
+    entropy and top-1 flags (each ``None`` when not asked for)."""
+
+    grad_weight: Tensor | None
+    grad_bias: Tensor | None
+    grad_input: Tensor | None
+    log_probs: Tensor
+    entropy: Tensor | None
+    is_top1: Tensor | None
+
+    @classmethod
+    def zeros(cls, hidden: Tensor, vocab: int, has_bias: bool, want_gw: bool, want_gi: bool, token_stats: bool,
+              acc: torch.dtype) -> _ChunkSums:
+        n, d = hidden.shape
+        device = hidden.device
+        return cls(
+            grad_weight=torch.zeros(vocab, d, dtype=acc, device=device) if want_gw else None,
+            grad_bias=torch.zeros(vocab, dtype=acc, device=device) if want_gw and has_bias else None,
+            grad_input=torch.zeros(n, d, dtype=hidden.dtype, device=device) if want_gi else None,
+            log_probs=torch.zeros(n, dtype=acc, device=device),
+            entropy=torch.zeros(n, dtype=acc, device=device) if token_stats else None,
+            is_top1=torch.zeros(n, dtype=torch.bool, device=device) if token_stats else None,
+        )
+
+    def result(self, scale: float, num_valid: int, impl: str) -> LinearCrossEntropyResult:
+        """``loss = -scale * sum(log p)`` (float32 unless float64) with these sums."""
+        loss = -self.log_probs.sum() * scale
+        return LinearCrossEntropyResult(
+            loss=loss if loss.dtype == torch.float64 else loss.float(), grad_weight=self.grad_weight,
+            grad_bias=self.grad_bias, grad_input=self.grad_input, log_probs=self.log_probs, entropy=self.entropy,
+            is_top1=self.is_top1, num_valid=num_valid, impl=impl,
+        )
+
+
+def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, rows: int,
+                  dtype: torch.dtype) -> Iterator[tuple[int, int, Tensor, Tensor]]:
+    """``(start, stop, h, h @ W.T + b)`` for each chunk of ``rows`` rows, in the compute ``dtype``
+    (pass ``weight`` already in it: a cast here would be a second V x D copy)."""
+    w = weight if weight.dtype == dtype else weight.to(dtype)
+    b = None if bias is None else bias.to(dtype)
+    for start in range(0, hidden.shape[0], rows):
+        stop = min(start + rows, hidden.shape[0])
+        h = hidden[start:stop]
+        h = h if h.dtype == dtype else h.to(dtype)
+        yield start, stop, h, (h @ w.T if b is None else torch.addmm(b, h, w.T))
+
+
 def _add_chunk_gradient(
     grad_logits: Tensor, h: Tensor, w: Tensor, gw: Tensor | None, gb: Tensor | None, gi: Tensor | None,
     start: int, stop: int,
@@ -386,41 +436,26 @@ def _torch_linear_cross_entropy(
     dtype: torch.dtype,
     num_valid: int,
 ) -> LinearCrossEntropyResult:
-    n, d = hidden.shape
-    vocab = weight.shape[0]
-    device = hidden.device
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     w = weight if weight.dtype == dtype else weight.to(dtype)
-    b = None if bias is None else bias.to(dtype)
     valid = target != ignore_index
     safe = torch.where(valid, target, torch.zeros_like(target)).unsqueeze(1)
-    gw = torch.zeros(vocab, d, dtype=acc, device=device) if want_gw and num_valid else None
-    gb = torch.zeros(vocab, dtype=acc, device=device) if want_gw and num_valid and bias is not None else None
-    gi = torch.zeros(n, d, dtype=hidden.dtype, device=device) if want_gi else None
-    log_probs = torch.zeros(n, dtype=acc, device=device)
-    entropy = torch.zeros(n, dtype=acc, device=device) if token_stats else None
-    top1 = torch.zeros(n, dtype=torch.bool, device=device) if token_stats else None
-    need_grad = (gw is not None or gi is not None) and num_valid > 0
-    for start in range(0, n, rows):
-        stop = min(start + rows, n)
-        h = hidden[start:stop]
-        h = h if h.dtype == dtype else h.to(dtype)
-        logits = h @ w.T if b is None else torch.addmm(b, h, w.T)
+    sums = _ChunkSums.zeros(hidden, weight.shape[0], bias is not None, want_gw, want_gi, token_stats, acc)
+    need_grad = (want_gw or want_gi) and num_valid > 0
+    for start, stop, h, logits in _chunk_logits(hidden, w, bias, rows, dtype):
         # softmax in float32 for half inputs (as F.cross_entropy on autocast logits.float())
         wide = logits.float() if dtype in _HALF else logits
         m = valid[start:stop]
         t = safe[start:stop]
         lse = torch.logsumexp(wide, dim=1)
-        log_probs[start:stop] = (wide.gather(1, t).squeeze(1) - lse).masked_fill_(~m, 0)
-        if token_stats:
-            assert top1 is not None and entropy is not None
-            top1[start:stop] = (wide.argmax(1) == t.squeeze(1)) & m
+        sums.log_probs[start:stop] = (wide.gather(1, t).squeeze(1) - lse).masked_fill_(~m, 0)
+        if sums.is_top1 is not None:
+            sums.is_top1[start:stop] = (wide.argmax(1) == t.squeeze(1)) & m
         if not (need_grad or token_stats):
             continue
         probs = wide.sub_(lse.unsqueeze(1)).exp_()  # in place: the chunk's only float32 buffer
-        if token_stats:
-            assert entropy is not None
-            entropy[start:stop] = torch.special.entr(probs).sum(1).masked_fill_(~m, 0)
+        if sums.entropy is not None:
+            sums.entropy[start:stop] = torch.special.entr(probs).sum(1).masked_fill_(~m, 0)
         if not need_grad:
             continue
         mf = m.to(probs.dtype).unsqueeze(1)
@@ -431,19 +466,8 @@ def _torch_linear_cross_entropy(
             del probs, wide
         else:
             grad_logits = probs
-        _add_chunk_gradient(grad_logits, h, w, gw, gb, gi, start, stop)
-    loss = -log_probs.sum() * scale
-    return LinearCrossEntropyResult(
-        loss=loss.float() if acc != torch.float64 else loss,
-        grad_weight=gw if gw is not None or not want_gw else torch.zeros(vocab, d, dtype=acc, device=device),
-        grad_bias=gb if gb is not None or not (want_gw and bias is not None) else torch.zeros(vocab, dtype=acc, device=device),
-        grad_input=gi,
-        log_probs=log_probs,
-        entropy=entropy,
-        is_top1=top1,
-        num_valid=num_valid,
-        impl="torch",
-    )
+        _add_chunk_gradient(grad_logits, h, w, sums.grad_weight, sums.grad_bias, sums.grad_input, start, stop)
+    return sums.result(scale, num_valid, "torch")
 
 
 def _triton_linear_cross_entropy(
@@ -464,40 +488,23 @@ def _triton_linear_cross_entropy(
     place, kernels/cross_entropy.py), then the dW / db / dh products from that buffer."""
     from .kernels.cross_entropy import cross_entropy_rows_
 
-    n, d = hidden.shape
-    vocab = weight.shape[0]
-    device = hidden.device
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     w = weight if weight.dtype == dtype else weight.to(dtype)
-    b = None if bias is None else bias.to(dtype)
     tgt = target.contiguous()
-    gw = torch.zeros(vocab, d, dtype=acc, device=device) if want_gw else None
-    gb = torch.zeros(vocab, dtype=acc, device=device) if want_gw and bias is not None else None
-    gi = torch.zeros(n, d, dtype=hidden.dtype, device=device) if want_gi else None
-    log_probs = torch.zeros(n, dtype=acc, device=device)
-    entropy = torch.zeros(n, dtype=acc, device=device) if token_stats else None
-    top1 = torch.zeros(n, dtype=torch.bool, device=device) if token_stats else None
-    need_grad = (gw is not None or gi is not None) and num_valid > 0
-    for start in range(0, n, rows):
-        stop = min(start + rows, n)
-        h = hidden[start:stop]
-        h = h if h.dtype == dtype else h.to(dtype)
-        logits = h @ w.T if b is None else torch.addmm(b, h, w.T)
+    sums = _ChunkSums.zeros(hidden, weight.shape[0], bias is not None, want_gw, want_gi, token_stats, acc)
+    need_grad = (want_gw or want_gi) and num_valid > 0
+    for start, stop, h, logits in _chunk_logits(hidden, w, bias, rows, dtype):
         cross_entropy_rows_(
-            logits, tgt[start:stop], log_probs[start:stop], ignore_index=ignore_index, scale=scale,
-            write_grad=need_grad, entropy=None if entropy is None else entropy[start:stop],
-            is_top1=None if top1 is None else top1[start:stop],
+            logits, tgt[start:stop], sums.log_probs[start:stop], ignore_index=ignore_index, scale=scale,
+            write_grad=need_grad, entropy=None if sums.entropy is None else sums.entropy[start:stop],
+            is_top1=None if sums.is_top1 is None else sums.is_top1[start:stop],
         )
         if not need_grad:
             continue
         # the logits buffer now holds (softmax - onehot) * scale, 0 on ignored rows
-        _add_chunk_gradient(logits, h, w, gw, gb, gi, start, stop)
+        _add_chunk_gradient(logits, h, w, sums.grad_weight, sums.grad_bias, sums.grad_input, start, stop)
         del logits
-    loss = -log_probs.sum() * scale
-    return LinearCrossEntropyResult(
-        loss=loss.float() if acc != torch.float64 else loss, grad_weight=gw, grad_bias=gb, grad_input=gi,
-        log_probs=log_probs, entropy=entropy, is_top1=top1, num_valid=num_valid, impl="triton",
-    )
+    return sums.result(scale, num_valid, "triton")
 
 
 def _ce_grad_chunk(logits: Tensor, target: Tensor, valid: Tensor, scale: Tensor) -> tuple[Tensor, Tensor]:
