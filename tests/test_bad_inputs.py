@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import torch_dad as td
-from torch_dad.ridge import GramAccumulator
+from torch_dad.ridge import GramAccumulator, InputReservoir
 
 
 class Net(td.DADModel):
@@ -111,6 +111,8 @@ CONSTRUCTION_CASES = [
     ("layer: zero width", lambda: td.DADLinear(3, 0), ValueError, "out_features"),
     ("layer: one class", lambda: td.DADLinear(3, 4, num_classes=1), ValueError, "num_classes"),
     ("ridge: one class", lambda: GramAccumulator(4, 1), ValueError, "num_classes"),
+    ("sample: negative seed", lambda: InputReservoir(4, 3, seed=-1), ValueError, "seed=-1"),
+    ("sample: seed past 63 bits", lambda: InputReservoir(4, 3, seed=2**63), ValueError, r"\[0, 2\*\*63\)"),
     ("autograd: unknown update", lambda: td.DADAutogradLinear(3, 2, num_classes=2, update="later"), ValueError, "update"),
     ("autograd: unknown activation", lambda: td.DADAutogradLinear(3, 4, num_classes=2, activation="swish"), ValueError, "activation"),
 ]

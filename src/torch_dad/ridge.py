@@ -218,7 +218,7 @@ class InputReservoir(torch.nn.Module):
 
     ``add(x, y)`` keeps each of the ``seen`` rows with probability ``capacity / seen``, with no
     host sync: on CPU the draws come from the sample's own generator (bitwise resumable), on
-    CUDA from the default generator on the device, inside the trainer's CUDA graph. :meth:`DADTrainer.solve_head` recomputes the
+    CUDA from Philox keyed by ``seed`` and the row's index, inside the trainer's CUDA graph. :meth:`DADTrainer.solve_head` recomputes the
     features of this sample with the *current* weights, because Gram statistics streamed
     during training mix in features from stale weights. Measured on real MNIST (seed model,
     batch 256, 3 epochs, 2 seeds): fresh features of a 4,096-row sample give 98.03% / 97.84%
@@ -236,6 +236,9 @@ class InputReservoir(torch.nn.Module):
         super().__init__()
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity={capacity!r} must be a positive int")
+        from .kernels.reservoir import check_seed  # lazily: kernels imports this module
+
+        check_seed(seed)
         self.capacity = capacity
         # one spare last row: the device path's target for dropped rows until 2026-11-30, kept so
         # that earlier checkpoints load; nothing writes it now
@@ -245,7 +248,8 @@ class InputReservoir(torch.nn.Module):
         self.register_buffer("seen", torch.zeros((), dtype=torch.long, device=device))
         # the device path's scratch: the batch row each slot keeps, -1 between calls (not state)
         self.register_buffer("_winner", torch.full((capacity,), -1, dtype=torch.int32, device=device), persistent=False)
-        # the CPU path's draws (the device path uses the default CUDA generator, graph-safe)
+        # the CPU path's draws (the device path's kernel draws from Philox keyed by this seed)
+        self.seed = seed
         self._generator = torch.Generator().manual_seed(seed)
         self._seen = 0
 
@@ -286,16 +290,23 @@ class InputReservoir(torch.nn.Module):
         Row t (1-based count) goes to slot ``t - 1`` while ``t <= capacity``, else to a uniform
         slot of ``[0, t)`` when that is ``< capacity``, else it is dropped. Of two rows of one
         batch drawing the same slot the later is kept, as in the sequential rule; only kept rows
-        are copied (:func:`torch_dad.kernels.reservoir.reservoir_add_`: two kernels on CUDA). Uses
-        the default CUDA generator (graph-safe). The caller advances the host count (:meth:`count_rows`).
+        are copied (:func:`torch_dad.kernels.reservoir.reservoir_add_`: two kernels on CUDA). With
+        the Triton kernels the draw kernel makes its own uniforms, Philox keyed by ``seed`` and each
+        row's global index (so a replayed graph touches no torch generator, and a resumed sample
+        continues the same stream); elsewhere (the PyTorch twin) they come from the default
+        generator of the sample's device. The caller advances the host count (:meth:`count_rows`).
         Measured on the H200 (graphed mnist-medium-3 step, B=1024): drawing on the host and
         uploading the kept indices cost 2.2x the step; outside the graph, these device ops
         cost ~200 us a step; inside it, a few us.
         """
+        from .kernels import use_triton
         from .kernels.reservoir import reservoir_add_  # lazily: kernels imports this module
 
+        if use_triton(inputs, "auto"):
+            reservoir_add_(self.inputs, self.labels, self.seen, self._winner, inputs, labels, seed=self.seed)
+            return
         draws = torch.rand(inputs.shape[0], device=self.seen.device, dtype=torch.float64)
-        reservoir_add_(self.inputs, self.labels, self.seen, self._winner, inputs, labels, draws)
+        reservoir_add_(self.inputs, self.labels, self.seen, self._winner, inputs, labels, draws, backend="torch")
 
     def _add_on_host(self, inputs: Tensor, labels: Tensor) -> None:
         n = inputs.shape[0]

@@ -237,6 +237,59 @@ def test_reservoir_add_matches_twin(capacity, width):  # type: ignore[no-untyped
     assert torch.equal(ti, ri) and torch.equal(tl_, rl)
 
 
+@requires_kernels
+@pytest.mark.parametrize("capacity,width,seed", [(7, 3, 0), (64, 45, 12345), (1500, 5, 2**62 + 3)])
+def test_reservoir_add_draws_in_kernel_match_its_uniforms(capacity, width, seed):  # type: ignore[no-untyped-def]
+    """``draws=None``: the draw kernel's own Philox uniforms are exactly ``reservoir_uniforms(seed, seen, B)``,
+    so the sample equals the PyTorch twin fed those draws, batch after batch (fills, >1024 rows, many rows per
+    slot), and ``seen`` and the winner scratch end as with explicit draws."""
+    from torch_dad.kernels.reservoir import reservoir_add_, reservoir_uniforms
+
+    samples = {}
+    for path in ("kernel-draws", "twin"):
+        samples[path] = (torch.zeros(capacity + 1, width, device=DEVICE), torch.zeros(capacity + 1, dtype=torch.long,
+                         device=DEVICE), torch.zeros((), dtype=torch.long, device=DEVICE),
+                         torch.full((capacity,), -1, dtype=torch.int32, device=DEVICE))
+    gen = torch.Generator().manual_seed(capacity)
+    for batch in (5, capacity, 2049, 3, 1100):
+        x = torch.randn(batch, width, generator=gen).to(DEVICE)
+        y = torch.randint(0, 10, (batch,), generator=gen).to(DEVICE)
+        si, sl, seen, winner = samples["twin"]
+        draws = reservoir_uniforms(seed, seen, batch, device=DEVICE)
+        reservoir_add_(si, sl, seen, winner, x, y, draws, backend="torch")
+        si, sl, seen, winner = samples["kernel-draws"]
+        reservoir_add_(si, sl, seen, winner, x, y, seed=seed, backend="triton")
+        assert bool((winner == -1).all())
+    (ki, kl, kseen, _), (ti, tl_, tseen, _) = samples["kernel-draws"], samples["twin"]
+    assert int(kseen) == int(tseen) == 5 + capacity + 2049 + 3 + 1100
+    assert torch.equal(ki, ti) and torch.equal(kl, tl_)
+
+
+@requires_kernels
+def test_reservoir_uniforms_are_53_bit_uniforms_keyed_by_seed_and_row():  # type: ignore[no-untyped-def]
+    """In [0, 1), multiples of 2**-53 that use their low bits, mean and spread of U(0, 1) (5 sigma),
+    a flat histogram (chi-square), one stream per seed, and a row's uniform independent of the window
+    it is drawn in (what lets a resumed sample continue its stream)."""
+    from torch_dad.kernels.reservoir import reservoir_uniforms
+
+    n = 200_000 if DEVICE == "cuda" else 20_000
+    u = reservoir_uniforms(3, 0, n, device=DEVICE).cpu()
+    assert u.dtype == torch.float64 and bool(((u >= 0) & (u < 1)).all())
+    ints = (u * 2.0**53).to(torch.int64)
+    assert torch.equal(ints.double(), u * 2.0**53)  # exactly 53-bit values
+    assert len(set((ints % 2**20).tolist())) > 0.9 * min(n, 2**20) * (1 - min(n, 2**20) / 2**21)
+    assert abs(float(u.mean()) - 0.5) < 5 * (1 / 12) ** 0.5 / n**0.5
+    assert abs(float(u.var()) - 1 / 12) < 5 * 0.0745 / n**0.5  # sd of (u - 1/2)^2 is 1/sqrt(180)
+    counts = torch.histc(u, bins=100, min=0.0, max=1.0)
+    chi2 = float(((counts - n / 100) ** 2 / (n / 100)).sum())
+    assert chi2 < 99 + 5 * (2 * 99) ** 0.5
+    assert torch.equal(reservoir_uniforms(3, 1000, 500, device=DEVICE).cpu(), u[1000:1500])
+    start = torch.tensor(2**33 + 5, dtype=torch.long, device=DEVICE)  # rows past 2**32: the counter's high word
+    far, other = reservoir_uniforms(3, start, 1000, device=DEVICE), reservoir_uniforms(4, 0, 1000, device=DEVICE)
+    assert not torch.equal(far.cpu(), u[:1000]) and not torch.equal(other.cpu(), u[:1000])
+    assert float((other.cpu() - u[:1000]).abs().mean()) > 0.2
+
+
 def test_reservoir_add_rejects_bad_arguments():  # type: ignore[no-untyped-def]
     from torch_dad.kernels.reservoir import reservoir_add_
 
@@ -249,6 +302,12 @@ def test_reservoir_add_rejects_bad_arguments():  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match="same number of columns"):
         reservoir_add_(torch.zeros(6, 2), *sample[1:], torch.full((5,), -1, dtype=torch.int32), x, y,
                        torch.rand(4, dtype=torch.float64))
+    winner = torch.full((5,), -1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="draws=None makes the draws in the Triton kernel"):
+        reservoir_add_(*sample, winner, x, y, backend="torch")
+    with pytest.raises(ValueError, match="seed=-1"):
+        reservoir_add_(*sample, winner, x, y, torch.rand(4, dtype=torch.float64), seed=-1, backend="torch")
+    assert int(sample[2]) == 0 and bool((winner == -1).all()) and not sample[0].any()  # nothing changed
 
 
 def test_reservoir_store_rejects_bad_shapes():  # type: ignore[no-untyped-def]

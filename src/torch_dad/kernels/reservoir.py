@@ -25,6 +25,14 @@ against the same step without the sample on the H200 (device call 20: mnist-medi
 130 vs 96 us, cifar10-medium-3 B=4096 266 vs 227 us). With the two kernels (call 22) the
 cifar10-medium-3 step ran at 17.19 M img/s against 18.44 M without the sample (15.41 vs 18.06 M
 before), and the profiled step went from 43 to 30 kernels.
+
+With ``draws=None`` the draw kernel makes each row's uniform itself, from Philox keyed by the
+sample's seed and the row's global index (``seen + i``): see :func:`reservoir_uniforms`. So no
+torch generator is in the captured graph. A graph that draws from the default CUDA generator
+makes every ``CUDAGraph.replay()`` first launch two ``fill_`` kernels for the generator's seed
+and offset; on the H200 host those cost the graphed step 14.5 us of host time at
+mnist-medium-3 B=1024 (81.3 vs 66.8 us a call without the sample) and 32 us at
+cifar10-medium-3 (99.5 vs 67.3), where that step is bound by its host (device call 58).
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from torch import Tensor
 
 from . import next_pow2, use_triton
 
-__all__ = ["reservoir_add_", "reservoir_store_"]
+__all__ = ["reservoir_add_", "reservoir_store_", "reservoir_uniforms"]
 
 
 def reservoir_store_(
@@ -74,26 +82,33 @@ def _check_shapes(sample_inputs: Tensor, sample_labels: Tensor, inputs: Tensor, 
 
 def reservoir_add_(
     sample_inputs: Tensor, sample_labels: Tensor, seen: Tensor, winner: Tensor, inputs: Tensor, labels: Tensor,
-    draws: Tensor, *, backend: str = "auto",
+    draws: Tensor | None = None, *, seed: int = 0, backend: str = "auto",
 ) -> None:
     """Offer a batch to a sample of ``S = winner.numel()`` slots (Algorithm R), in place, no host sync.
 
     Row ``i`` is the ``t = seen + i + 1``-th row seen: it goes to slot ``t - 1`` while ``t <= S``,
     else to slot ``floor(draws[i] * t)`` when that is ``< S``, else nowhere; of two rows drawing
-    one slot the later is kept. Then ``seen += B``. ``draws`` (B,) float64 uniforms in [0, 1);
+    one slot the later is kept. Then ``seen += B``. ``draws`` (B,) float64 uniforms in [0, 1), or
+    ``None``: the kernel makes them, ``draws = reservoir_uniforms(seed, seen, B)`` (Triton only);
     ``seen`` a 0-dim int64 tensor; ``winner`` (S,) int32 scratch, all ``-1`` on entry and on exit.
     """
     batch = inputs.shape[0]
     slots = winner.numel()
     _check_shapes(sample_inputs, sample_labels, inputs, labels, slots)
-    if draws.shape != (batch,) or seen.dim() != 0 or winner.dtype != torch.int32:
+    if (draws is not None and draws.shape != (batch,)) or seen.dim() != 0 or winner.dtype != torch.int32:
         raise ValueError(
             f"draws must have shape ({batch},), seen must be 0-dim and winner int32; got "
-            f"{tuple(draws.shape)}, {seen.dim()}-dim, {winner.dtype}"
+            f"{None if draws is None else tuple(draws.shape)}, {seen.dim()}-dim, {winner.dtype}"
         )
+    triton_path = use_triton(inputs, backend) and slots > 0
+    if draws is None and not triton_path:
+        raise ValueError("draws=None makes the draws in the Triton kernel: pass draws for backend='torch' or CPU "
+                         "tensors (e.g. draws=torch.rand(B, dtype=torch.float64))")
+    check_seed(seed)
     if batch == 0:
         return
-    if not use_triton(inputs, backend) or slots == 0:
+    if not triton_path:
+        assert draws is not None
         count = seen + torch.arange(1, batch + 1, device=seen.device)
         slot = torch.where(count <= slots, count - 1, (draws * count).long())
         order = torch.arange(batch, device=seen.device)
@@ -104,17 +119,41 @@ def reservoir_add_(
         reservoir_store_(sample_inputs, sample_labels, inputs, labels, chosen[:slots], backend="torch")
         seen.add_(batch)
         return
-    draw_kernel, _ = _kernels()
+    draw_kernel, _, _ = _kernels()
     block = 1024
-    draw_kernel[(-(-batch // block),)](seen, draws, winner, batch, slots, BLOCK=block)
+    draw_kernel[(-(-batch // block),)](seen, draws if draws is not None else seen, winner, batch, slots, seed,
+                                       DRAW=draws is None, BLOCK=block)
     _store(sample_inputs, sample_labels, inputs, labels, winner, seen, reset=True)
+
+
+def reservoir_uniforms(seed: int, start: Tensor | int, n: int, device: torch.device | str = "cuda") -> Tensor:
+    """The float64 uniforms in [0, 1) that :func:`reservoir_add_` draws with ``draws=None`` for
+    global rows ``start .. start + n - 1`` (Triton; ``start`` a 0-dim int64 tensor or an int).
+
+    Row ``r``'s uniform is ``(a >> 5) * 2**-27 + (b >> 6) * 2**-53`` for the first two 32-bit
+    words ``a, b`` of Philox-4x32-10 with key ``seed`` and counter ``(r mod 2**32, r >> 32, 0, 0)``:
+    53 random bits, so ``floor(u * t)`` stays uniform over ``[0, t)`` for any reachable ``t``.
+    """
+    check_seed(seed)
+    first = start if isinstance(start, Tensor) else torch.tensor(int(start), dtype=torch.long, device=device)
+    out = torch.empty(n, dtype=torch.float64, device=first.device)
+    if n:
+        _, _, uniform_kernel = _kernels()
+        uniform_kernel[(-(-n // 1024),)](first, out, n, seed, BLOCK=1024)
+    return out
+
+
+def check_seed(seed: int) -> None:
+    """Raise ``ValueError`` unless ``seed`` is an int in ``[0, 2**63)`` (a Philox key)."""
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
+        raise ValueError(f"seed={seed!r} must be an int in [0, 2**63)")
 
 
 def _store(sample_inputs: Tensor, sample_labels: Tensor, inputs: Tensor, labels: Tensor, winner: Tensor,
            seen: Tensor | None, reset: bool) -> None:
     """The store kernel: ``sample[s] = batch[winner[s]]``; with ``reset``, ``winner[s] = -1`` after and
     ``seen += B`` (program 0)."""
-    _, kernel = _kernels()
+    _, kernel, _ = _kernels()
     inputs = inputs if inputs.stride(1) == 1 else inputs.contiguous()
     width = inputs.shape[1]
     block = min(1024, next_pow2(width))
@@ -137,37 +176,7 @@ def _store_torch(sample_inputs: Tensor, sample_labels: Tensor, inputs: Tensor, l
 
 
 @functools.lru_cache(maxsize=1)
-def _kernels() -> tuple[Any, Any]:
-    import triton
-    import triton.language as tl
+def _kernels() -> tuple[Any, Any, Any]:
+    from . import reservoir_triton as kernels  # imports triton: only on the first launch
 
-    @triton.jit
-    def draw_kernel(seen_ptr, draws_ptr, winner_ptr, n, slots, BLOCK: tl.constexpr):
-        rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-        valid = rows < n
-        count = tl.load(seen_ptr) + rows + 1  # int64: the row's 1-based rank among all rows seen
-        u = tl.load(draws_ptr + rows, mask=valid, other=0.0)
-        slot = tl.where(count <= slots, count - 1, (u * count.to(tl.float64)).to(tl.int64))
-        keep = valid & (slot < slots)
-        # relaxed: the store kernel reads the winners after this launch ends
-        tl.atomic_max(winner_ptr + tl.where(keep, slot, 0), rows.to(tl.int32), mask=keep, sem="relaxed")
-
-    @triton.jit
-    def store_kernel(out_ptr, out_y_ptr, x_ptr, y_ptr, winner_ptr, seen_ptr, n, D, stride_out, stride_x,
-                     RESET: tl.constexpr, BLOCK: tl.constexpr):
-        slot = tl.program_id(0)
-        row = tl.load(winner_ptr + slot)
-        if row >= 0:
-            tl.store(out_y_ptr + slot, tl.load(y_ptr + row))
-            for d0 in range(0, D, BLOCK):
-                cols = d0 + tl.arange(0, BLOCK)
-                mask = cols < D
-                values = tl.load(x_ptr + row * stride_x + cols, mask=mask)
-                tl.store(out_ptr + slot * stride_out + cols, values.to(out_ptr.dtype.element_ty), mask=mask)
-            if RESET:
-                tl.store(winner_ptr + slot, -1)
-        if RESET:
-            if slot == 0:
-                tl.store(seen_ptr, tl.load(seen_ptr) + n)
-
-    return draw_kernel, store_kernel
+    return kernels.draw_kernel, kernels.store_kernel, kernels.uniform_kernel
