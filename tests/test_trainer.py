@@ -267,6 +267,31 @@ def test_input_reservoir_equals_sequential_algorithm_r():
     assert torch.equal(sample.inputs[:capacity], ref_inputs) and torch.equal(sample.labels[:capacity], ref_labels)
 
 
+def test_input_reservoir_state_dict_carries_its_seed_and_stream():
+    """state_dict() holds the Philox seed of the device path and the CPU generator's state: a sample loaded
+    into one built with another seed takes both over and draws what the saved one would have drawn next;
+    a checkpoint without the seed entry (before 2026-11-30) keeps the constructor's seed."""
+    from torch_dad.ridge import InputReservoir
+
+    saved = InputReservoir(4, 3, seed=5)
+    stream = torch.Generator().manual_seed(0)
+    for _ in range(3):
+        saved.add(torch.randn(6, 3, generator=stream), torch.randint(0, 5, (6,), generator=stream))
+    state = {k: v.clone() for k, v in saved.state_dict().items()}  # the buffers themselves move on
+    assert int(state["_seed"]) == 5
+    loaded = InputReservoir(4, 3, seed=0)
+    loaded.load_state_dict(state)
+    assert loaded.seed == 5 and loaded.size == saved.size == 4
+    x, y = torch.randn(50, 3, generator=stream), torch.randint(0, 5, (50,), generator=stream)
+    saved.add(x, y)
+    loaded.add(x, y)
+    assert torch.equal(saved.inputs, loaded.inputs) and torch.equal(saved.labels, loaded.labels)
+    old = {k: v for k, v in state.items() if k != "_seed"}
+    legacy = InputReservoir(4, 3, seed=9)
+    legacy.load_state_dict(old)
+    assert legacy.seed == 9 and int(legacy.seen) == 18
+
+
 def test_input_reservoir_device_path_equals_sequential_algorithm_r():
     """add_on_device (the CUDA graph's path, here on CPU tensors with the PyTorch twin of its copy
     kernel) keeps exactly the rows the one-row-at-a-time rule keeps with the same uniform draws."""

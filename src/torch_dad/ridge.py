@@ -254,16 +254,21 @@ class InputReservoir(torch.nn.Module):
         self._seen = 0
 
     def _load_from_state_dict(self, state_dict, prefix, *args, **kwargs):  # type: ignore[no-untyped-def]
-        # the generator state is an extra entry (for bitwise resume), not a buffer
+        # the generator state and the Philox seed are extra entries (for bitwise resume), not buffers
         rng = state_dict.pop(prefix + "_rng_state", None)
+        seed = state_dict.pop(prefix + "_seed", None)  # absent in checkpoints before 2026-11-30
         super()._load_from_state_dict(state_dict, prefix, *args, **kwargs)
         self._seen = int(self.seen)
         if rng is not None:
             self._generator.set_state(rng)
+        if seed is not None:
+            self.seed = int(seed)
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):  # type: ignore[no-untyped-def]
         super()._save_to_state_dict(destination, prefix, keep_vars)
         destination[prefix + "_rng_state"] = self._generator.get_state()
+        # the device path's Philox key: with `seen` it fixes every later draw
+        destination[prefix + "_seed"] = torch.tensor(self.seed, dtype=torch.long)
 
     @property
     def size(self) -> int:

@@ -169,3 +169,25 @@ def test_head_sample_is_filled_inside_the_fused_step(backend):  # type: ignore[n
     trainer.solve_head()
     assert sample.size == 0 and int(sample.seen) == 0
 
+
+@requires_cuda
+def test_head_sample_resumes_its_device_stream_from_a_checkpoint():  # type: ignore[no-untyped-def]
+    """The graphed step's sample draws from Philox keyed by (seed, row index), so a trainer restored from a
+    checkpoint keeps exactly the rows the uninterrupted one keeps, and no torch generator is consumed."""
+    torch.manual_seed(0)
+    stream = torch.randn(4096, 45, device=DEVICE)
+    labels = torch.randint(0, 7, (4096,), device=DEVICE)
+    first = td.DADTrainer(Net([45, 33, 21]), device=DEVICE, head_sample_size=64)
+    for start in range(0, 2048, 128):
+        first.step(stream[start : start + 128], labels[start : start + 128])
+    second = td.DADTrainer(Net([45, 33, 21]), device=DEVICE, head_sample_size=64)
+    second.load_state_dict(first.state_dict())
+    rng = torch.cuda.get_rng_state()
+    for start in range(2048, 4096, 128):
+        first.step(stream[start : start + 128], labels[start : start + 128])
+        second.step(stream[start : start + 128], labels[start : start + 128])
+    assert torch.equal(torch.cuda.get_rng_state(), rng)
+    a, b = first.head_sample, second.head_sample
+    assert int(a.seen) == int(b.seen) == 4096
+    assert torch.equal(a.inputs[:64], b.inputs[:64]) and torch.equal(a.labels[:64], b.labels[:64])
+
