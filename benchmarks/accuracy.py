@@ -116,7 +116,7 @@ def _ridge_accuracy(
 
 
 def _schedule(opts: dict[str, Any], lr: float, steps: int) -> Callable[[int], float] | None:
-    from torch_dad.schedules import warmup_cosine
+    from torch_dad.training.schedules import warmup_cosine
 
     if not opts.get("cosine"):
         return None
@@ -260,7 +260,7 @@ def _graphable_step(
         import inspect
 
         if "backend" not in inspect.signature(td.DADTrainer).parameters:
-            raise RuntimeError("needs the GPU engine: DADTrainer(backend='cuda-graph') (torch_dad.engine)")
+            raise RuntimeError("needs the GPU engine: DADTrainer(backend='cuda-graph') (torch_dad.training.engine)")
         model: torch.nn.Module = SeedMLP(widths)
         trainer = td.DADTrainer(model, device=device, lr=lr, weight_decay=WEIGHT_DECAY, backend="cuda-graph")
 

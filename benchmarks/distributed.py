@@ -40,7 +40,8 @@ import torch.distributed as dist
 
 import torch_dad as td
 from _common import RESULTS, SeedMLP, environment
-from torch_dad import parallel
+from torch_dad.training import Batch, DataParallelTrainer, Pipeline
+from torch_dad.training.pipeline import partition_layers
 
 
 def gpu_link() -> str:
@@ -110,24 +111,21 @@ def timed_windows(step: Callable[[int], Any], device: torch.device, warmup: int,
 
 
 def layer_step_seconds(trainer: td.DADTrainer, x: torch.Tensor, y: torch.Tensor, repeats: int = 3) -> list[float]:
-    """Measured seconds of each DAD layer's ``local_step`` (the last one plus the classifier step and
-    Gram update): the costs the pipeline is balanced on."""
+    """Measured seconds of each DAD layer's step, the last one with the classifier step and Gram
+    update (``DADTrainer.train_layers`` one layer at a time): the costs the pipeline is balanced on."""
     timer_rows = []
+    count = len(trainer.model.dad_layers)
     for _ in range(repeats + 1):
-        xx, yy, rate, compute = trainer._begin_step(x, y, None, None)
+        batch = trainer.prepare_batch(x, y)
         timer = Timer(trainer.device)
         timer.mark()
-        h = xx
-        for layer in trainer.model.dad_layers:
-            h = layer.local_step(h, yy, trainer.config, rate, compute).output
+        for i in range(count):
+            out = trainer.train_layers(batch, span=(i, i + 1), with_classifier=i == count - 1)
+            batch = Batch(out.features, batch.y, batch.lr, batch.compute_dtype)
             timer.mark()
-        trainer._head_step(h, yy, rate, compute)
-        timer.mark()
         timer_rows.append(timer.seconds())
     rows = timer_rows[1:]  # the first pass is a warm-up
-    per = [statistics.median(r[i] for r in rows) for i in range(len(rows[0]))]
-    per[-2] += per[-1]
-    return per[:-1]
+    return [statistics.median(r[i] for r in rows) for i in range(len(rows[0]))]
 
 
 def main() -> None:
@@ -228,7 +226,7 @@ def main() -> None:
         dp_variants = [("default", {}, True)] if has_backend else []
         dp_variants += [("eager", eager, True)]
         for backend, kw, overlap in dp_variants:
-            trainer = build(parallel.DataParallelTrainer, overlap=overlap, **kw)
+            trainer = build(DataParallelTrainer, overlap=overlap, **kw)
             pool = data_pool(batch, d_in, device)
             seconds = timed_windows(lambda i, t=trainer, p=pool: t.step(*p[i % len(p)]), device, warmup,
                                     args.steps, args.repeats, group=cpu_group)
@@ -246,8 +244,8 @@ def main() -> None:
 
     def pipeline_run(backend: str, kw: dict[str, Any], costs: list[float], batch: int) -> None:
         trainer = build(**kw)
-        balance = [b - a for a, b in parallel.partition_layers(costs, world)]
-        pipe = parallel.Pipeline(trainer, balance=balance)
+        balance = [b - a for a, b in partition_layers(costs, world)]
+        pipe = Pipeline(trainer, balance=balance)
         pool = data_pool(batch, d_in, device) if pipe.is_first else []
         total = warmup + args.steps * args.repeats
         timer = Timer(device)

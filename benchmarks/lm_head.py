@@ -4,15 +4,15 @@ Shape of SmolLM2-135M's head: vocab 49152, hidden 576, 8192 tokens, bf16 compute
 weights and AdamW moments for both systems. Systems:
 
 - ``hf-adamw``: ``logits = h @ W.T`` under bf16 autocast, ``F.cross_entropy(logits.float(), y)``,
-  ``backward``, ``torch.optim.AdamW(fused=True)`` (shared/baseline/lmhead_probe.py: 5,773 MiB peak);
-- ``dad-fused``: ``DADLMHead(impl="auto")``: chunked fused loss + update in backward, no full logits;
-- ``dad-fused-<impl>[-c<rows>]``: each available implementation (torch, triton, compile, liger, cce), torch
-  chunk sizes (``--chunks``), triton chunk sizes (``--triton-chunks``: 512, 1024, 2048) and compile at 1024 rows;
-  on CPU (``--smoke``) the CUDA-only rows are skipped with the reason printed;
+  ``backward``, ``torch.optim.AdamW(fused=True)`` (5,773 MiB peak on the H200);
+- ``dad-fused``: ``DADLMHead`` on backend ``auto``: chunked fused loss + update in backward, no full logits;
+- ``dad-fused-<backend>[-c<rows>]``: each available backend (torch, triton, liger, cce), torch chunk sizes
+  (``--chunks``) and triton chunk sizes (``--triton-chunks``: 512, 1024, 2048); on CPU (``--smoke``) the
+  CUDA-only rows are skipped with the reason printed;
 - ``dad-fused+dh``: ``dad-fused`` that also returns ``dL/dhidden`` (``backprop_gradients=True``), for LoRA.
 
 ``peak_mib`` = ``torch.cuda.max_memory_allocated`` during one step after warm-up (static weights,
-moments and data included, as in the probe); ``step_ms`` = median of CUDA-event timed steps after
+moments and data included); ``step_ms`` = median of CUDA-event timed steps after
 warm-up (p20/p80 too). Writes ``results/lm_head.json`` (or ``--out``).
 
     python benchmarks/lm_head.py                 # H200: about a minute
@@ -33,7 +33,8 @@ from typing import Any
 import torch
 
 from _common import environment, write_records
-from torch_dad.lm_head import CUDA_PREFERENCE, DADLMHead, resolve_impl
+from torch_dad.nn.lm_head import DADLMHead
+from torch_dad.ops.linear_cross_entropy import CUDA_PREFERENCE, resolve_backend
 
 
 def _percentile(samples: list[float], q: float) -> float:
@@ -77,7 +78,7 @@ def measure(step: Callable[[], None], device: torch.device, warmup: int, repeats
 
 
 def hf_adamw(vocab: int, hidden: int, h: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> Callable[[], None]:
-    """The unfused HF step: full logits, float32 CE, backprop, fused AdamW (as lmhead_probe.py)."""
+    """The unfused HF step: full logits, float32 CE, backprop, fused AdamW."""
     device = h.device
     weight = torch.nn.Parameter(torch.randn(vocab, hidden, device=device) * 0.02)
     opt = torch.optim.AdamW([weight], lr=1e-3, weight_decay=0.01, fused=True)
@@ -93,10 +94,10 @@ def hf_adamw(vocab: int, hidden: int, h: torch.Tensor, y: torch.Tensor, dtype: t
     return step
 
 
-def dad_fused(vocab: int, hidden: int, h: torch.Tensor, y: torch.Tensor, dtype: torch.dtype, impl: str,
+def dad_fused(vocab: int, hidden: int, h: torch.Tensor, y: torch.Tensor, dtype: torch.dtype, backend: str,
               chunk: int | None = None, grad_hidden: bool = False) -> tuple[Callable[[], None], DADLMHead]:
     """One DAD head step: fused loss forward, in-place AdamW in backward; ``y`` is already shifted."""
-    head = DADLMHead(hidden, vocab, lr=1e-3, weight_decay=0.01, impl=impl, chunk_size=chunk,
+    head = DADLMHead(hidden, vocab, lr=1e-3, weight_decay=0.01, impl=backend, chunk_size=chunk,
                      backprop_gradients=grad_hidden, compute_dtype=dtype, device=h.device)
     with torch.no_grad():
         head.weight.normal_(std=0.02)
@@ -120,7 +121,6 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--chunks", type=int, nargs="*", default=[128, 256, 512, 1024])
     parser.add_argument("--triton-chunks", type=int, nargs="*", default=[512, 1024, 2048])
-    parser.add_argument("--compile-chunks", type=int, nargs="*", default=[1024])
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default results/lm_head.json)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -128,59 +128,58 @@ def main() -> None:
         vocab, hidden, tokens, dtype, warmup, repeats = 257, 24, 96, torch.float32, 1, 3
         chunks: list[int] = [32]
         triton_chunks: list[int] = [32]
-        compile_chunks: list[int] = []
     else:
         if device.type != "cuda":
             sys.exit("the full benchmark needs CUDA; use --smoke on CPU")
         vocab, hidden, tokens, dtype, warmup, repeats = args.vocab, args.hidden, args.tokens, torch.bfloat16, 3, args.repeats
         chunks = args.chunks
-        triton_chunks, compile_chunks = args.triton_chunks, args.compile_chunks
+        triton_chunks = args.triton_chunks
     torch.manual_seed(0)
     h = torch.randn(tokens, hidden, device=device, dtype=dtype)
     y = torch.randint(0, vocab, (tokens,), device=device)
     env = environment()
-    auto = resolve_impl("auto", device)
+    auto = resolve_backend("auto", device)
     systems: list[tuple[str, str | None, Callable[[], Any]]] = [
         ("hf-adamw", None, lambda: (hf_adamw(vocab, hidden, h, y, dtype), None)),
         ("dad-fused", auto, lambda: dad_fused(vocab, hidden, h, y, dtype, "auto")),
         ("dad-fused+dh", auto, lambda: dad_fused(vocab, hidden, h, y, dtype, "auto", grad_hidden=True)),
     ]
-    impls = ["torch", "triton"] + ([n for n in ("compile", "liger", "cce") if device.type == "cuda"])
-    sizes = {"torch": chunks, "triton": triton_chunks, "compile": compile_chunks}
-    for impl in impls:
+    backends = ["torch", "triton"] + ([n for n in ("liger", "cce") if device.type == "cuda"])
+    sizes = {"torch": chunks, "triton": triton_chunks}
+    for backend in backends:
         try:
-            resolve_impl(impl, device)
+            resolve_backend(backend, device)
         except ValueError as exc:
-            print(f"skip impl={impl}: {exc}")
+            print(f"skip backend={backend}: {exc}")
             continue
-        systems.append((f"dad-fused-{impl}", impl, lambda impl=impl: dad_fused(vocab, hidden, h, y, dtype, impl)))
-        for rows in sizes.get(impl, []):
-            systems.append((f"dad-fused-{impl}-c{rows}", impl,
-                            lambda impl=impl, rows=rows: dad_fused(vocab, hidden, h, y, dtype, impl, rows)))
+        systems.append((f"dad-fused-{backend}", backend,
+                        lambda backend=backend: dad_fused(vocab, hidden, h, y, dtype, backend)))
+        for rows in sizes.get(backend, []):
+            systems.append((f"dad-fused-{backend}-c{rows}", backend,
+                            lambda backend=backend, rows=rows: dad_fused(vocab, hidden, h, y, dtype, backend, rows)))
     records = []
-    for name, impl, build in systems:
+    for name, backend, build in systems:
         if device.type == "cuda":
             torch.cuda.empty_cache()
         try:
             step, head = build()
             stats = measure(step, device, warmup, repeats)
-            impl = impl if head is None else head.last_impl
+            backend = backend if head is None else head.last_impl
         except Exception as exc:  # a library kernel failing on this machine must not hide the other rows
             print(f"{name:24s} FAILED: {type(exc).__name__}: {exc}")
-            records.append({"system": name, "impl": impl, "error": f"{type(exc).__name__}: {exc}", **env})
+            records.append({"system": name, "backend": backend, "error": f"{type(exc).__name__}: {exc}", **env})
             continue
         del step, head
-        record = {"system": name, "impl": impl, "tokens": tokens, "vocab": vocab, "hidden": hidden,
+        record = {"system": name, "backend": backend, "tokens": tokens, "vocab": vocab, "hidden": hidden,
                   "dtype": str(dtype).removeprefix("torch."), **stats, **env}
         records.append(record)
         peak = "n/a" if stats["peak_mib"] is None else f"{stats['peak_mib']:8.0f} MiB"
-        print(f"{name:24s} impl={impl or '-':6s} peak {peak}  step {stats['step_ms']:8.3f} ms")
+        print(f"{name:24s} backend={backend or '-':6s} peak {peak}  step {stats['step_ms']:8.3f} ms")
     hf = next(r for r in records if r["system"] == "hf-adamw")
     ours = next(r for r in records if r["system"] == "dad-fused")
     if "error" not in ours and hf.get("peak_mib"):
-        print(f"dad-fused/hf-adamw: peak {ours['peak_mib'] / hf['peak_mib']:.3f} (target <= 0.167), "
-              f"step {ours['step_ms'] / hf['step_ms']:.3f} (target <= 1); naive chunked anchor 1,039 MiB; "
-              f"CUDA preference {CUDA_PREFERENCE}")
+        print(f"dad-fused/hf-adamw: peak {ours['peak_mib'] / hf['peak_mib']:.3f} (1/6 = 0.167), "
+              f"step {ours['step_ms'] / hf['step_ms']:.3f}; CUDA preference {CUDA_PREFERENCE}")
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(records, indent=2) + "\n")

@@ -1,4 +1,6 @@
-"""Train the seed MNIST model on several processes: ``--mode data-parallel`` or ``--mode pipeline``.
+"""Train the quickstart MNIST model (784-1024-512-256-10) on several processes.
+
+``--mode data-parallel`` or ``--mode pipeline``.
 
 Launch one process per GPU (or per CPU process with gloo) with torchrun::
 
@@ -18,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 import torch_dad as td
-from torch_dad import data, parallel
+from torch_dad import data
+from torch_dad.training import DataParallelTrainer, Pipeline
 
 
 class DADClassifier(td.DADModel):
@@ -60,16 +63,16 @@ def main() -> None:
     model = DADClassifier()
 
     if args.mode == "data-parallel":
-        trainer = parallel.DataParallelTrainer(model, device=device, lr=1e-3)
+        trainer = DataParallelTrainer(model, device=device, lr=1e-3)
         history = trainer.fit((xtr.to(device), ytr.to(device)), epochs=args.epochs, batch_size=args.batch_size,
                               eval=(xte.to(device), yte.to(device)))
-        trainer.solve_head()  # Gram statistics summed over ranks
+        trainer.solve_head()  # from every rank's input sample, Gram statistics summed over ranks
         accuracy = trainer.evaluate((xte.to(device), yte.to(device)))["accuracy"]
         if args.save:
             trainer.save(args.save)
     else:
         trainer = td.DADTrainer(model, device=device, lr=1e-3)
-        pipe = parallel.Pipeline(trainer)  # stage = rank; layers balanced by cost
+        pipe = Pipeline(trainer)  # stage = rank; layers balanced by cost
         first = pipe.is_first
         history = pipe.fit((xtr.to(device), ytr.to(device)) if first else None, epochs=args.epochs,
                            batch_size=args.batch_size, eval=(xte.to(device), yte.to(device)) if first else None)

@@ -6,6 +6,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh test,dev
 .venv/bin/ruff check src tests benchmarks
 .venv/bin/mypy
+.venv/bin/lint-imports
 for script in benchmarks/*.py; do
   case "$(basename "$script")" in _*) continue ;; esac
   (cd benchmarks && ../.venv/bin/python "$(basename "$script")" --smoke >/dev/null)

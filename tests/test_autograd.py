@@ -9,7 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 import torch_dad as td
 from torch_dad import functional as F
-from torch_dad.autograd import DADAutogradLinear, cross_entropy_grad, label_context
+from torch_dad.nn.autograd import DADAutogradLinear, cross_entropy_grad, label_context
 
 from .conftest import relative_error
 

@@ -1,7 +1,7 @@
 """``DADAutogradLinear(backend=...)``: the fused Triton local error against eager and float64.
 
 A hidden layer's local error (local-head logits, ``softmax - onehot``, ``d_z``, the bias and
-local-head gradients) can run through :func:`torch_dad.kernels.local_error.local_error`. Both
+local-head gradients) can run through :func:`torch_dad.ops.local_error.local_error`. Both
 paths are compared with the float64 oracle :func:`torch_dad.functional.local_loss_and_gradients`
 on fresh random inputs and odd shapes, with some rows labelled ``ignore_index``; tolerance per
 dtype as in ``tests/gpu/test_kernels.py``: the reference's own error in that dtype plus a margin
@@ -382,7 +382,7 @@ def test_eager_backend_never_imports_triton():  # type: ignore[no-untyped-def]
         "layer.set_y_context(torch.tensor([0, 2, -100, 1, 1]))\n"
         "layer(torch.randn(5, 4)).sum().backward()\n"
         "assert layer.last_backend == 'eager' and not any(m.split('.')[0] == 'triton' for m in sys.modules)\n"
-        "del sys.modules['torch_dad.kernels'], sys.modules['torch_dad.kernels.local_error']\n"
+        "del sys.modules['torch_dad.kernels'], sys.modules['torch_dad.ops.local_error']\n"
         "for backend, role in (('eager', 'hidden'), ('auto', 'head')):\n"
         "    kw = dict(num_classes=3, activation='relu') if role == 'hidden' else {}\n"
         "    layer = td.DADAutogradLinear(4, 3, backend=backend, **kw)\n"

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import torch_dad as td
-from torch_dad.ridge import GramAccumulator, InputReservoir
+from torch_dad.ridge import GramAccumulator
+from torch_dad.training.head_sample import InputReservoir
 
 
 class Net(td.DADModel):

@@ -8,16 +8,17 @@ import pytest
 import torch
 import torch.nn.functional as TF
 
-from torch_dad import functional as F
-from torch_dad.lm_head import (
+from torch_dad import functional
+from torch_dad.nn.lm_head import DADLMHead
+from torch_dad.ops.cross_entropy import cross_entropy_rows_
+from torch_dad.ops.linear_cross_entropy import (
     CUDA_PREFERENCE,
     TRITON_CHUNK_BYTES,
     UNUSABLE,
-    DADLMHead,
     check_token_labels,
     default_chunk_size,
     linear_cross_entropy,
-    resolve_impl,
+    resolve_backend,
     shift_labels,
 )
 
@@ -47,7 +48,7 @@ def reference(h, w, b, y):
     """Unfused float64 truth: functional oracle for loss/dW/db, autograd for dL/dh."""
     h64, w64 = h.double(), w.double()
     b64 = None if b is None else b.double()
-    ref = F.head_loss_and_gradients(h64, w64, b64, y)
+    ref = functional.head_loss_and_gradients(h64, w64, b64, y)
     hh = h64.clone().requires_grad_(True)
     loss = TF.cross_entropy(TF.linear(hh, w64, b64), y, ignore_index=-100)
     (gi,) = torch.autograd.grad(loss, hh) if (y != -100).any() else (torch.zeros_like(hh),)
@@ -66,10 +67,10 @@ def reference(h, w, b, y):
 def test_fused_matches_unfused(dtype, shape, bias, chunk):
     n, d, v = shape
     h, w, b, y = make(n, d, v, dtype, bias, seed=n + v)
-    res = linear_cross_entropy(h, w, y, b, chunk_size=chunk, token_stats=True, impl="torch")
+    res = linear_cross_entropy(h, w, y, b, chunk_size=chunk, token_stats=True, backend="torch")
     ref, gi, tok, ent, top1 = reference(h, w, b, y)
     tol = TOL[dtype]
-    assert res.impl == "torch" and res.num_valid == int((y != -100).sum())
+    assert res.backend == "torch" and res.num_valid == int((y != -100).sum())
     assert abs(float(res.loss) - float(ref.loss)) <= tol * abs(float(ref.loss))
     assert rel(res.grad_weight, ref.grad_weight) <= tol
     assert rel(res.grad_input, gi) <= tol
@@ -148,8 +149,9 @@ def test_default_chunk_size_bounds_memory():
         ({"target": torch.zeros(6).float()}, TypeError, "integer"),
         ({"target": torch.full((6,), 17)}, ValueError, r"\[0, 17\)"),
         ({"target": torch.full((6,), -1)}, ValueError, "ignore_index"),
-        ({"impl": "nope"}, ValueError, "impl"),
-        ({"impl": "liger"}, ValueError, "CUDA"),
+        ({"backend": "nope"}, ValueError, "backend"),
+        ({"backend": "compile"}, ValueError, "backend"),
+        ({"backend": "liger"}, ValueError, "CUDA"),
         ({"chunk_size": 0}, ValueError, "chunk_size"),
         ({"reduction": "none"}, ValueError, "reduction"),
         ({"hidden": torch.randn(6, 4)}, ValueError, "hidden"),
@@ -164,7 +166,7 @@ def test_bad_input(kwargs, exc, match):
 
 
 def test_default_chunk_size_triton_keeps_only_the_logits():
-    rows = default_chunk_size(49152, torch.bfloat16, impl="triton")
+    rows = default_chunk_size(49152, torch.bfloat16, backend="triton")
     assert rows == 2048 and rows * 49152 * 2 <= TRITON_CHUNK_BYTES
 
 
@@ -173,34 +175,34 @@ def test_auto_prefers_triton_and_falls_back_without_it(monkeypatch):
 
     cuda = torch.device("cuda")  # resolution only: nothing runs on the device
     assert CUDA_PREFERENCE[0] == "triton"
-    assert resolve_impl("auto", torch.device("cpu")) == "torch"
+    assert resolve_backend("auto", torch.device("cpu")) == "torch"
     if K.triton_available():
-        assert resolve_impl("auto", cuda) == "triton"
-        assert resolve_impl("auto", cuda, token_stats=True) == "triton"
+        assert resolve_backend("auto", cuda) == "triton"
+        assert resolve_backend("auto", cuda, token_stats=True) == "triton"
     monkeypatch.setattr(K, "triton_available", lambda: False)
-    assert resolve_impl("auto", cuda) != "triton"
-    assert resolve_impl("auto", cuda, token_stats=True) == "torch"
+    assert resolve_backend("auto", cuda) != "triton"
+    assert resolve_backend("auto", cuda, token_stats=True) == "torch"
     with pytest.raises(ValueError, match="triton is not importable"):
-        resolve_impl("triton", cuda)
+        resolve_backend("triton", cuda)
     monkeypatch.undo()
     monkeypatch.setitem(UNUSABLE, "triton", "RuntimeError: failed here")
-    assert resolve_impl("auto", cuda) != "triton"
+    assert resolve_backend("auto", cuda) != "triton"
 
 
-@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter runs impl='triton' on CPU")
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") == "1", reason="the interpreter runs backend='triton' on CPU")
 def test_triton_refused_on_cpu():
     h, w, _, y = make(6, 5, 17, torch.float32)
     with pytest.raises(ValueError, match="CUDA"):
-        linear_cross_entropy(h, w, y, impl="triton")
+        linear_cross_entropy(h, w, y, backend="triton")
 
 
 def test_cce_refused_for_half_grad_input():
     """cut-cross-entropy's bf16 dL/dhidden missed the reference tolerance on the H200: refused, not loosened."""
     cuda = torch.device("cuda")  # the refusal comes before any import or device work
     for dtype in (torch.bfloat16, torch.float16):
-        with pytest.raises(ValueError, match="impl='triton' or 'torch'"):
-            resolve_impl("cce", cuda, grad_input=True, dtype=dtype)
-        assert resolve_impl("auto", cuda, grad_input=True, dtype=dtype) != "cce"
+        with pytest.raises(ValueError, match="backend='triton' or 'torch'"):
+            resolve_backend("cce", cuda, grad_input=True, dtype=dtype)
+        assert resolve_backend("auto", cuda, grad_input=True, dtype=dtype) != "cce"
 
 
 def test_check_token_labels_counts():
@@ -399,19 +401,28 @@ def test_head_wrong_hidden_width():
         head.fused_loss(torch.randn(2, 3, 11), torch.zeros(2, 3, dtype=torch.long))
 
 
-def test_compiled_chunk_body_matches_reference():
-    """The chunk function impl='compile' hands to torch.compile (CUDA), run eagerly here in float32."""
-    from torch_dad.lm_head import _ce_grad_chunk
-
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_row_twin_is_the_oracle_gradient(dtype):
+    """The chunk body's PyTorch twin = functional.cross_entropy_error's gradient, rescaled from
+    1 / (valid rows) to ``scale``, plus the per-row log-likelihood, entropy and top-1 flag."""
     g = torch.Generator().manual_seed(7)
-    logits = torch.randn(19, 37, generator=g)
+    logits = torch.randn(19, 37, generator=g, dtype=torch.float64)
     target = torch.randint(0, 37, (19,), generator=g)
-    valid = torch.rand(19, generator=g) > 0.3
-    grad, log_p = _ce_grad_chunk(logits, target, valid, torch.tensor(0.25))
-    lg = logits.double()
-    _, d_ref = F.cross_entropy_error(lg, torch.where(valid, target, torch.full_like(target, -100)))
-    d_ref = d_ref * int(valid.sum()) * 0.25  # cross_entropy_error divides by the valid count
-    lp_ref = torch.log_softmax(lg, -1).gather(1, target[:, None]).squeeze(1) * valid
-    assert rel(grad, d_ref) <= 1e-6 and rel(log_p, lp_ref) <= 1e-6
-    with pytest.raises(ValueError, match="CUDA"):
-        linear_cross_entropy(logits[:, :5], torch.randn(7, 5), target.clamp(max=6), impl="compile")
+    target[torch.rand(19, generator=g) < 0.3] = -100
+    valid = target != -100
+    x = logits.to(dtype)
+    before = x.clone()
+    lp, ent = torch.zeros(19, dtype=torch.float64), torch.zeros(19, dtype=torch.float64)
+    top1 = torch.zeros(19, dtype=torch.bool)
+    cross_entropy_rows_(x, target, lp, ignore_index=-100, scale=0.25, write_grad=False, entropy=ent, is_top1=top1,
+                        backend="torch")
+    assert torch.equal(x, before)  # no gradient asked: the logits are left as they were
+    cross_entropy_rows_(x, target, lp, ignore_index=-100, scale=0.25, entropy=ent, backend="torch")
+    _, d_ref = functional.cross_entropy_error(before.double(), target)
+    d_ref = d_ref * int(valid.sum()) * 0.25
+    logp = torch.log_softmax(before.double(), -1)
+    lp_ref = logp.gather(1, target.clamp(min=0)[:, None]).squeeze(1) * valid
+    tol = 1e-12 if dtype == torch.float64 else (1e-6 if dtype == torch.float32 else 1e-2)
+    assert rel(x, d_ref) <= tol and rel(lp, lp_ref) <= max(tol, 1e-6)
+    assert rel(ent, -(logp.exp() * logp).sum(1) * valid) <= max(tol, 1e-6)
+    assert torch.equal(top1, (before.argmax(1) == target) & valid)

@@ -8,7 +8,7 @@ import torch
 import torch_dad as td
 from torch_dad import functional as F
 from torch_dad.data import synthetic
-from torch_dad.schedules import warmup_cosine
+from torch_dad.training.schedules import warmup_cosine
 
 from .conftest import relative_error
 

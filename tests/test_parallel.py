@@ -1,4 +1,4 @@
-"""torch_dad.parallel on CPU/gloo: 2 spawned processes against single-process DADTrainer.
+"""torch_dad.training.parallel on CPU/gloo: 2 spawned processes against single-process DADTrainer.
 
 One spawn (module fixture) runs every distributed scenario and saves what each rank saw;
 the tests compare it with a single-process run computed here. Equality is what the math
@@ -18,7 +18,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 import torch_dad as td
-from torch_dad import data, parallel
+from torch_dad import data
+from torch_dad.training import DataParallelTrainer, Pipeline
+from torch_dad.training.pipeline import partition_layers
 
 from .conftest import relative_error
 
@@ -83,7 +85,7 @@ def _catch(fn):
 def _data_parallel(rank, out, overlap, epochs):
     # a different seed per rank: the trainer must copy rank 0's initial weights everywhere
     torch.manual_seed(100 + rank)
-    trainer = parallel.DataParallelTrainer(Net(), DEVICE, overlap=overlap, **trainer_kwargs())
+    trainer = DataParallelTrainer(Net(), DEVICE, overlap=overlap, **trainer_kwargs())
     x, y, xt, yt = make_data()
     records = trainer.fit((x, y), epochs=epochs, batch_size=24, progress=False, eval=(xt, yt))
     out["records"] = records
@@ -107,8 +109,8 @@ def _data_parallel(rank, out, overlap, epochs):
 
 def _data_parallel_fused(rank, out):
     torch.manual_seed(100 + rank)
-    trainer = parallel.DataParallelTrainer(Net(acts=FUSED_ACTS), DEVICE, backend="fused", **fused_kwargs())
-    out["engine"] = type(trainer._engine).__name__ if trainer._engine_applies() else "not applied"
+    trainer = DataParallelTrainer(Net(acts=FUSED_ACTS), DEVICE, backend="fused", **fused_kwargs())
+    out["engine"] = type(trainer.engine).__name__ if trainer.uses_engine else "not applied"
     x, y, xt, yt = make_data()
     out["records"] = trainer.fit((x, y), epochs=2, batch_size=24, progress=False, eval=(xt, yt))
     out["local_state"] = full_state(trainer)
@@ -117,8 +119,8 @@ def _data_parallel_fused(rank, out):
 def _pipeline_fused(rank, out):
     torch.manual_seed(200 + rank)
     trainer = td.DADTrainer(Net(acts=FUSED_ACTS), DEVICE, backend="fused", **fused_kwargs())
-    out["engine"] = type(trainer._engine).__name__ if trainer._engine_applies() else "not applied"
-    pipe = parallel.Pipeline(trainer, balance=[1, 2])
+    out["engine"] = type(trainer.engine).__name__ if trainer.uses_engine else "not applied"
+    pipe = Pipeline(trainer, balance=[1, 2])
     x, y, xt, yt = make_data()
     out["records"] = pipe.fit((x, y) if rank == 0 else None, epochs=2, batch_size=16, progress=False,
                               eval=(xt, yt) if rank == 0 else None)
@@ -129,7 +131,7 @@ def _pipeline_fused(rank, out):
 def _data_parallel_sampled(rank, out):
     # the default head_sample_size: each rank samples its own rows for solve_head()
     torch.manual_seed(100 + rank)
-    trainer = parallel.DataParallelTrainer(Net(), DEVICE, lr=3e-2, weight_decay=0.01)
+    trainer = DataParallelTrainer(Net(), DEVICE, lr=3e-2, weight_decay=0.01)
     x, y, _, _ = make_data()
     trainer.fit((x, y), epochs=2, batch_size=24, progress=False)
     sample = trainer.head_sample
@@ -143,7 +145,7 @@ def _data_parallel_sampled(rank, out):
 def _pipeline_sampled(rank, out):
     torch.manual_seed(200 + rank)
     trainer = td.DADTrainer(Net(), DEVICE, lr=3e-2, weight_decay=0.01, head_sample_size=50)
-    pipe = parallel.Pipeline(trainer, balance=[1, 2])
+    pipe = Pipeline(trainer, balance=[1, 2])
     x, y, _, _ = make_data()
     pipe.fit((x, y) if rank == 0 else None, epochs=2, batch_size=16, progress=False)
     out["has_sample"] = trainer.head_sample is not None
@@ -156,7 +158,7 @@ def _pipeline_sampled(rank, out):
 def _pipeline(rank, out, balance):
     torch.manual_seed(200 + rank)
     trainer = td.DADTrainer(Net(), DEVICE, **trainer_kwargs())
-    pipe = parallel.Pipeline(trainer, balance=balance)
+    pipe = Pipeline(trainer, balance=balance)
     out["bounds"] = pipe.bounds
     x, y, xt, yt = make_data()
     first = rank == 0
@@ -172,18 +174,18 @@ def _pipeline(rank, out, balance):
 
 def _errors(rank, out):
     torch.manual_seed(0)
-    out["too_many_stages"] = _catch(lambda: parallel.Pipeline(td.DADTrainer(Net(widths=(D_IN, 7)), DEVICE)))
+    out["too_many_stages"] = _catch(lambda: Pipeline(td.DADTrainer(Net(widths=(D_IN, 7)), DEVICE)))
     widths = (D_IN, 37, 19, 13) if rank == 0 else (D_IN, 36, 19, 13)
-    out["mismatched_model"] = _catch(lambda: parallel.DataParallelTrainer(Net(widths=widths), DEVICE))
-    out["mismatched_lr"] = _catch(lambda: parallel.DataParallelTrainer(Net(), DEVICE, lr=1e-3 * (rank + 1)))
-    out["bad_balance"] = _catch(lambda: parallel.Pipeline(td.DADTrainer(Net(), DEVICE), balance=[2, 2]))
+    out["mismatched_model"] = _catch(lambda: DataParallelTrainer(Net(widths=widths), DEVICE))
+    out["mismatched_lr"] = _catch(lambda: DataParallelTrainer(Net(), DEVICE, lr=1e-3 * (rank + 1)))
+    out["bad_balance"] = _catch(lambda: Pipeline(td.DADTrainer(Net(), DEVICE), balance=[2, 2]))
     out["mismatched_balance"] = _catch(
-        lambda: parallel.Pipeline(td.DADTrainer(Net(), DEVICE), balance=[1, 2] if rank == 0 else [2, 1])
+        lambda: Pipeline(td.DADTrainer(Net(), DEVICE), balance=[1, 2] if rank == 0 else [2, 1])
     )
 
 
 def autograd_net():
-    from torch_dad.autograd import DADAutogradLinear
+    from torch_dad.nn.autograd import DADAutogradLinear
 
     return torch.nn.Sequential(
         torch.nn.Flatten(),
@@ -195,7 +197,7 @@ def autograd_net():
 
 def autograd_steps(model, x, y, shard=slice(None), steps=3, batch=24):
     """``update="grad"`` DAD layers + torch AdamW; ``model`` may be DDP-wrapped (then ``shard`` picks rows)."""
-    from torch_dad.autograd import label_context
+    from torch_dad.nn.autograd import label_context
 
     plain = getattr(model, "module", model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -293,7 +295,7 @@ def reference(epochs, batch_size, seed_rank0, device="cpu", fused=False):
     torch.manual_seed(seed_rank0)
     if fused:
         trainer = td.DADTrainer(Net(acts=FUSED_ACTS), device, backend="fused", **fused_kwargs())
-        assert trainer._engine_applies()
+        assert trainer.uses_engine
     else:
         trainer = td.DADTrainer(Net(), device, **trainer_kwargs())
     x, y, xt, yt = make_data()
@@ -512,9 +514,9 @@ def test_mismatched_ranks_raise_on_every_rank(ranks):
 def test_needs_an_initialised_process_group():
     assert not dist.is_initialized()
     with pytest.raises(ValueError, match="init_process_group"):
-        parallel.DataParallelTrainer(Net(), "cpu")
+        DataParallelTrainer(Net(), "cpu")
     with pytest.raises(ValueError, match="init_process_group"):
-        parallel.Pipeline(td.DADTrainer(Net(), "cpu"))
+        Pipeline(td.DADTrainer(Net(), "cpu"))
 
 
 def test_partition_layers_is_optimal_and_contiguous():
@@ -522,7 +524,7 @@ def test_partition_layers_is_optimal_and_contiguous():
     for n in range(1, 7):
         for stages in range(1, n + 1):
             costs = (torch.rand(n, generator=gen) * 10 + 0.1).tolist()
-            bounds = parallel.partition_layers(costs, stages)
+            bounds = partition_layers(costs, stages)
             assert bounds[0][0] == 0 and bounds[-1][1] == n
             assert all(a < b for a, b in bounds) and all(b == c for (_, b), (c, _) in zip(bounds, bounds[1:]))
             got = max(sum(costs[a:b]) for a, b in bounds)
@@ -532,9 +534,9 @@ def test_partition_layers_is_optimal_and_contiguous():
             )
             assert got == pytest.approx(best)
     with pytest.raises(ValueError, match="3 pipeline stages but the model has only 2"):
-        parallel.partition_layers([1.0, 2.0], 3)
+        partition_layers([1.0, 2.0], 3)
     with pytest.raises(ValueError, match="num_stages"):
-        parallel.partition_layers([1.0], 0)
+        partition_layers([1.0], 0)
 
 
 # ---------------------------------------------------------------------------- DADAutogradLinear under DDP

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from torch_dad import DADAutogradLinear
-from torch_dad.precondition import GramPreconditioner
+from torch_dad.nn.precondition import GramPreconditioner
 
 
 def reference_matrix(x: torch.Tensor, damping: float, bias: bool = True) -> torch.Tensor:

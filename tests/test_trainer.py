@@ -242,7 +242,7 @@ def test_input_sample_is_uniform_and_solve_uses_fresh_features():
 def test_input_reservoir_equals_sequential_algorithm_r():
     """Batched add() keeps exactly the rows the one-row-at-a-time rule keeps with the same draws,
     including a slot drawn twice within one batch (the later row wins)."""
-    from torch_dad.ridge import InputReservoir
+    from torch_dad.training.head_sample import InputReservoir
 
     capacity, width = 5, 3
     sample = InputReservoir(capacity, width, seed=7)
@@ -271,7 +271,7 @@ def test_input_reservoir_state_dict_carries_its_seed_and_stream():
     """state_dict() holds the Philox seed of the device path and the CPU generator's state: a sample loaded
     into one built with another seed takes both over and draws what the saved one would have drawn next;
     a checkpoint without the seed entry (before 2026-11-30) keeps the constructor's seed."""
-    from torch_dad.ridge import InputReservoir
+    from torch_dad.training.head_sample import InputReservoir
 
     saved = InputReservoir(4, 3, seed=5)
     stream = torch.Generator().manual_seed(0)
@@ -295,7 +295,7 @@ def test_input_reservoir_state_dict_carries_its_seed_and_stream():
 def test_input_reservoir_device_path_equals_sequential_algorithm_r():
     """add_on_device (the CUDA graph's path, here on CPU tensors with the PyTorch twin of its copy
     kernel) keeps exactly the rows the one-row-at-a-time rule keeps with the same uniform draws."""
-    from torch_dad.ridge import InputReservoir
+    from torch_dad.training.head_sample import InputReservoir
 
     capacity, width = 6, 4
     sample = InputReservoir(capacity, width)

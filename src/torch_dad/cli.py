@@ -1,4 +1,4 @@
-"""The ``torch-dad`` command. ``torch-dad demo`` trains the seed's Option A model on real MNIST."""
+"""The ``torch-dad`` command. ``torch-dad demo`` trains the README's quickstart model on real MNIST."""
 
 from __future__ import annotations
 
@@ -99,7 +99,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``torch-dad`` console script."""
     parser = argparse.ArgumentParser(prog="torch-dad", description="Decoupled Analytical Dense target propagation")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="train the seed Option A model on real MNIST and compare with backprop")
+    demo = sub.add_parser("demo", help="train the quickstart model on real MNIST and compare with backprop")
     demo.add_argument("--epochs", type=int, default=3)
     demo.add_argument("--batch-size", type=int, default=256)
     demo.add_argument("--lr", type=float, default=1e-3)

@@ -103,26 +103,41 @@ def cross_entropy_error(
     target: Tensor,
     *,
     label_smoothing: float = 0.0,
-    ignore_index: int = IGNORE_INDEX,
+    ignore_index: int | None = IGNORE_INDEX,
 ) -> tuple[Tensor, Tensor]:
-    """Mean cross-entropy and its gradient w.r.t. ``logits`` (rows, classes).
+    """Mean cross-entropy and its gradient w.r.t. ``logits`` (..., classes).
 
     ``loss = mean_i CE(logits_i, q_i)`` over rows with ``target != ignore_index``, where
     ``q = (1 - eps) * onehot(target) + eps / C``; ``d_logits = (softmax(logits) - q) / N``.
-    Ignored rows get a zero gradient. With no labelled row the loss is 0 and the gradient 0.
+    Ignored rows get a zero gradient; with no labelled row the loss is 0 and the gradient 0.
+    ``ignore_index=None`` declares every target a class id: no mask, ``N`` = the row count.
+
+    ``d_logits`` has the logits' dtype; for fp16/bf16 logits the softmax and the loss are computed
+    (and the loss returned) in float32. No dense one-hot is formed (at an LM-head size, 8192
+    tokens x 49152 classes, it alone would be 1.6 GB in float32).
     """
-    num_classes = logits.shape[-1]
-    valid = target != ignore_index
-    count = valid.sum().clamp_min(1).to(logits.dtype)
-    safe_target = torch.where(valid, target, torch.zeros_like(target))
-    log_probs = torch.log_softmax(logits, dim=-1)
-    onehot = torch.nn.functional.one_hot(safe_target, num_classes).to(logits.dtype)
+    wide = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+    num_classes = wide.shape[-1]
+    log_probs = torch.log_softmax(wide, dim=-1)
+    weight: Tensor | float
+    if ignore_index is None:
+        safe = target.unsqueeze(-1)
+        weight = 1.0 / max(target.numel(), 1)
+    else:
+        valid = target != ignore_index
+        safe = target.masked_fill(~valid, 0).unsqueeze(-1)
+        weight = valid.to(wide.dtype) / valid.sum().clamp_min(1).to(wide.dtype)
+    nll = -log_probs.gather(-1, safe).squeeze(-1)
     if label_smoothing:
-        onehot = onehot * (1.0 - label_smoothing) + label_smoothing / num_classes
-    mask = valid.to(logits.dtype).unsqueeze(-1)
-    loss = -(onehot * log_probs * mask).sum() / count
-    d_logits = (log_probs.exp() - onehot) * (mask / count)
-    return loss, d_logits
+        nll = nll * (1.0 - label_smoothing) - log_probs.mean(-1) * label_smoothing
+    loss = (nll * weight).sum()
+    # softmax in place over log_probs, which is not needed again (unless autograd saved it)
+    d_logits = log_probs.exp() if log_probs.requires_grad else log_probs.exp_()
+    if label_smoothing:
+        d_logits.sub_(label_smoothing / num_classes)
+    d_logits.scatter_add_(-1, safe, torch.full_like(d_logits[..., :1], -(1.0 - label_smoothing)))
+    d_logits.mul_(weight.unsqueeze(-1) if isinstance(weight, Tensor) else weight)
+    return loss, d_logits.to(logits.dtype)
 
 
 @dataclass
@@ -242,13 +257,12 @@ def ridge_solve(features: Tensor, targets: Tensor, lambda_reg: float) -> tuple[T
     return w_t.T.contiguous(), y_mean - h_mean @ w_t
 
 
-
 # ---------------------------------------------------------------------------------------------
 # Local-rule menu. Each rule is a loss on the layer output h (and, for some, a local head); it
 # gives d_h = dL/dh, and the layer's own gradients follow as in local_loss_and_gradients:
 # d_z = d_h * act'(z), g_W = d_z^T a, g_b = sum(d_z).
 #
-#   "ce":      L = CE(h W_loc^T + b_loc, y)                                  (the seed's rule)
+#   "ce":      L = CE(h W_loc^T + b_loc, y)                                  (the default)
 #   "predsim": L = (1 - beta) CE(h W_loc^T + b_loc, y) + beta * mean_ij (S(h) - S(Y))_ij^2
 #              Nokland & Eidnes (2019) "pred + sim"; S = cosine similarity of row-centred rows
 #              (their "adjusted cosine" / correlation matrix), Y = onehot(y), beta = 0.99 as
@@ -260,7 +274,6 @@ def ridge_solve(features: Tensor, targets: Tensor, lambda_reg: float) -> tuple[T
 #              the +h term makes the loss bounded (pure DRTP, L = -<h, P y>, grows the
 #              weights until weight decay stops them).
 # ---------------------------------------------------------------------------------------------
-
 
 
 def check_local_loss(local_loss: str) -> str:

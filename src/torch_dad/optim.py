@@ -150,7 +150,7 @@ class LocalOptimizerState(torch.nn.Module):
         lr: float | Tensor | None = None,
     ) -> None:
         """Update ``params`` in place from ``grads`` with this state and ``config``."""
-        rate = config.lr if lr is None else lr
+        lr = config.lr if lr is None else lr
         if config.name == "adamw":
             adamw_(
                 params,
@@ -158,7 +158,7 @@ class LocalOptimizerState(torch.nn.Module):
                 self.moments("exp_avg"),
                 self.moments("exp_avg_sq"),
                 self.step,
-                lr=rate,
+                lr=lr,
                 betas=config.betas,
                 eps=config.eps,
                 weight_decay=config.weight_decay,
@@ -169,7 +169,7 @@ class LocalOptimizerState(torch.nn.Module):
                 grads,
                 self.moments("exp_avg"),
                 self.step,
-                lr=rate,
+                lr=lr,
                 momentum=config.momentum,
                 weight_decay=config.weight_decay,
             )

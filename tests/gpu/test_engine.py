@@ -22,15 +22,17 @@ class Net(td.DADModel):
             self.classifier = torch.nn.Linear(widths[-1], 7)
 
 
-def _pair(backend, amp, activation="relu", classifier=True):  # type: ignore[no-untyped-def]
+def _pair(backend, amp, activation="relu", classifier=True, options=None):  # type: ignore[no-untyped-def]
     torch.manual_seed(3)
     ref = Net([45, 33, 19, 21], activation, classifier)
     new = Net([45, 33, 19, 21], activation, classifier)
     new.load_state_dict(ref.state_dict())
     # on_nonfinite="ignore": under the CPU interpreter the default guard ("raise") would route the
     # step through the eager layer loop
-    fused = td.DADTrainer(new, device=DEVICE, amp_dtype=amp, backend=backend, on_nonfinite="ignore")
-    assert fused._engine_applies()
+    fused = td.DADTrainer(
+        new, device=DEVICE, amp_dtype=amp, backend=backend, on_nonfinite="ignore", engine_options=options
+    )
+    assert fused.uses_engine
     return td.DADTrainer(ref, device=DEVICE, amp_dtype=amp, backend="eager"), fused
 
 
@@ -40,25 +42,19 @@ AMPS = [None] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("amp", AMPS)
-@pytest.mark.parametrize("activation,classifier,chunked,fp32_grads,fused_update", [
-    ("relu", True, False, False, False), ("tanh", False, False, False, False), ("identity", True, False, False, False),
-    ("relu", True, False, False, True),  # each weight gradient and its AdamW in one kernel (FusedStep.fused_weight_update)
-    ("tanh", False, False, False, True),
-    ("relu", True, True, False, False),  # every layer's weight gradient and AdamW in row blocks
-    ("relu", True, 2, False, False),  # ... in 2 blocks (the default above 2048 rows)
-    ("relu", True, True, True, False),  # ... with the weight gradients kept in fp32 (FusedStep.fp32_weight_grads)
-    ("tanh", True, False, True, False),
+@pytest.mark.parametrize("activation,classifier,chunked", [
+    ("relu", True, False), ("tanh", False, False), ("identity", True, False),
+    ("relu", True, True),  # every layer's weight gradient and AdamW in row blocks
+    ("relu", True, 2),  # ... in 2 blocks (the default above 2048 rows)
+    ("tanh", True, True),
 ])
-def test_fused_step_matches_eager(backend, amp, activation, classifier, chunked, fp32_grads, fused_update, monkeypatch):  # type: ignore[no-untyped-def]
-    from torch_dad.engine import FusedStep
+def test_fused_step_matches_eager(backend, amp, activation, classifier, chunked):  # type: ignore[no-untyped-def]
+    from torch_dad.training.engine import EngineOptions
 
-    monkeypatch.setattr(FusedStep, "fused_weight_update", fused_update)
+    options = None
     if chunked:
-        monkeypatch.setattr(FusedStep, "update_chunk_numel", 1)
-    if chunked is not True and chunked:
-        monkeypatch.setattr(FusedStep, "update_chunks", chunked)
-    monkeypatch.setattr(FusedStep, "fp32_weight_grads", fp32_grads)
-    eager, fused = _pair(backend, amp, activation, classifier)
+        options = EngineOptions(update_chunk_numel=1, update_chunks=None if chunked is True else chunked)
+    eager, fused = _pair(backend, amp, activation, classifier, options)
     tol = 1e-4 if amp is None else 3e-2
     for i in range(5):
         batch = 61 if i < 4 else 17  # a ragged last batch runs uncaptured
@@ -81,32 +77,30 @@ def test_fused_step_matches_eager(backend, amp, activation, classifier, chunked,
             if float(want.norm()) > 0:
                 assert relative_error(b["head_statistics"][key], want) <= 5 * tol, key
     if backend == "cuda-graph":
-        assert len(fused._engine._graphs) == 1  # one shape captured; lr change reused it
+        assert fused.engine.num_graphs == 1  # one shape captured; lr change reused it
 
 
 @requires_cuda
 @pytest.mark.parametrize("overlap, error_off_main, priorities", [
     (True, False, False), (False, False, False), (True, True, False), (True, False, True), (True, True, True),
 ])
-def test_graphed_step_with_and_without_update_overlap_equals_fused(overlap, error_off_main, priorities, monkeypatch):  # type: ignore[no-untyped-def]
+def test_graphed_step_with_and_without_update_overlap_equals_fused(overlap, error_off_main, priorities):  # type: ignore[no-untyped-def]
     """The captured step with its updates on side streams, or all on one stream
-    (``FusedStep.overlap_updates``), or with the local errors on a stream of their own too
-    (``FusedStep.local_error_off_main``), or with every AdamW on a low-priority stream
-    (``FusedStep.stream_priorities``), computes what the uncaptured fused step computes."""
-    from torch_dad.engine import FusedStep
+    (``EngineOptions.overlap``), or with the local errors on a stream of their own too
+    (``EngineOptions.local_error_off_main``), or with every AdamW on a low-priority stream
+    (``EngineOptions.stream_priorities``), computes what the uncaptured fused step computes."""
+    from torch_dad.training.engine import EngineOptions
 
-    monkeypatch.setattr(FusedStep, "overlap_updates", overlap)
-    monkeypatch.setattr(FusedStep, "local_error_off_main", error_off_main)
-    monkeypatch.setattr(FusedStep, "stream_priorities", priorities)
+    options = EngineOptions(overlap=overlap, local_error_off_main=error_off_main, stream_priorities=priorities)
     _, plain = _pair("fused", torch.bfloat16)
-    _, graphed = _pair("cuda-graph", torch.bfloat16)
+    _, graphed = _pair("cuda-graph", torch.bfloat16, options=options)
     for i in range(4):
         x = torch.randn(61, 45, device=DEVICE)
         y = torch.randint(0, 7, (61,), device=DEVICE)
         l1, s1 = plain.step(x, y)
         l2, s2 = graphed.step(x, y)
         assert relative_error(l2, l1) <= 1e-2, i
-    assert len(graphed._engine._graphs) == 1
+    assert graphed.engine.num_graphs == 1
     a, b = plain.model.state_dict(), graphed.model.state_dict()
     for key, want in a.items():
         if want.is_floating_point() and float(want.norm()) > 0:
@@ -165,7 +159,7 @@ def test_head_sample_is_filled_inside_the_fused_step(backend):  # type: ignore[n
     assert torch.equal(sample.inputs[:64], stream[index]) and torch.equal(sample.labels[:64], labels[index])
     assert int(index.min()) < 512 and int(index.max()) > 1536  # not just the last rows
     if backend == "cuda-graph":
-        assert len(trainer._engine._graphs) == 1
+        assert trainer.engine.num_graphs == 1
     trainer.solve_head()
     assert sample.size == 0 and int(sample.seen) == 0
 

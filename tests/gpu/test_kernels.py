@@ -13,8 +13,7 @@ import torch
 
 from tests.conftest import relative_error
 from tests.gpu.conftest import DEVICE, requires_kernels
-from torch_dad import functional as F
-from torch_dad.kernels.local_error import Tiles, default_tiles
+from torch_dad import functional
 from torch_dad.optim import adamw_
 from torch_dad.ridge import GramAccumulator
 
@@ -26,7 +25,7 @@ SHAPES = [(1, 17, 2), (77, 53, 10), (130, 300, 7), (1000, 257, 10), (33, 1025, 1
 
 
 def _reference(a, w, b, hw, hb, y, act):  # type: ignore[no-untyped-def]
-    return F.local_loss_and_gradients(a, w, b, hw, hb, y, act)
+    return functional.local_loss_and_gradients(a, w, b, hw, hb, y, act)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, LOW])
@@ -39,25 +38,26 @@ def test_local_error_matches_functional(shape, activation, dtype):  # type: igno
 
 
 # the launch configurations default_tiles() picks (for wide layers with few and many rows,
-# mid-sized ones and narrow ones, in the dtype under test), and others, each on small odd shapes
-TILES = [
-    lambda element_size: default_tiles(1024, 4096, 16, element_size),
-    lambda element_size: default_tiles(4096, 4096, 16, element_size),
-    lambda element_size: default_tiles(4096, 1024, 16, element_size),
-    lambda element_size: default_tiles(1024, 256, 16, element_size),
-    lambda element_size: Tiles(rows_bm=64, rows_bn=128, rows_warps=4, rows_stages=2, cols_bm=128, cols_bn=32,
-                               cols_warps=4, cols_stages=2, cols_programs_per_sm=4),
-    lambda element_size: Tiles(rows_bm=16, rows_bn=64, rows_warps=2, rows_stages=2, cols_bm=64, cols_bn=64,
-                               cols_warps=4, cols_stages=3, cols_programs_per_sm=1),
-    lambda element_size: Tiles(rows_bm=32, rows_bn=64, rows_warps=4, rows_stages=2, cols_bm=32, cols_bn=64,
-                               cols_warps=4, cols_stages=2, cols_programs_per_sm=2, rows_split=3),
-    lambda element_size: Tiles(rows_bm=16, rows_bn=32, rows_warps=4, rows_stages=3, cols_bm=64, cols_bn=32,
-                               cols_warps=4, cols_stages=2, cols_programs_per_sm=2, rows_split=8, atomic_sem="acq_rel"),
+# mid-sized ones and narrow ones, in the dtype under test): its (M, N, CP) arguments; and
+# others, as Tiles fields; each on small odd shapes
+TILES: list[tuple[int, int, int] | dict[str, int | bool]] = [
+    (1024, 4096, 16),
+    (4096, 4096, 16),
+    (4096, 1024, 16),
+    (1024, 256, 16),
+    dict(rows_bm=64, rows_bn=128, rows_warps=4, rows_stages=2, cols_bm=128, cols_bn=32, cols_warps=4, cols_stages=2,
+         cols_programs_per_sm=4),
+    dict(rows_bm=16, rows_bn=64, rows_warps=2, rows_stages=2, cols_bm=64, cols_bn=64, cols_warps=4, cols_stages=3,
+         cols_programs_per_sm=1),
+    dict(rows_bm=32, rows_bn=64, rows_warps=4, rows_stages=2, cols_bm=32, cols_bn=64, cols_warps=4, cols_stages=2,
+         cols_programs_per_sm=2, rows_split=3),
+    dict(rows_bm=16, rows_bn=32, rows_warps=4, rows_stages=3, cols_bm=64, cols_bn=32, cols_warps=4, cols_stages=2,
+         cols_programs_per_sm=2, rows_split=8),
     # one launch: each program makes its rows' logits, then d_z and the gradients
-    lambda element_size: Tiles(rows_bm=32, rows_bn=64, rows_warps=4, rows_stages=2, cols_bm=32, cols_bn=64,
-                               cols_warps=4, cols_stages=2, cols_programs_per_sm=2, one_pass=True),
-    lambda element_size: Tiles(rows_bm=16, rows_bn=128, rows_warps=8, rows_stages=3, cols_bm=32, cols_bn=64,
-                               cols_warps=4, cols_stages=2, cols_programs_per_sm=2, one_pass=True),
+    dict(rows_bm=32, rows_bn=64, rows_warps=4, rows_stages=2, cols_bm=32, cols_bn=64, cols_warps=4, cols_stages=2,
+         cols_programs_per_sm=2, one_pass=True),
+    dict(rows_bm=16, rows_bn=128, rows_warps=8, rows_stages=3, cols_bm=32, cols_bn=64, cols_warps=4, cols_stages=2,
+         cols_programs_per_sm=2, one_pass=True),
 ]
 
 
@@ -65,11 +65,23 @@ TILES = [
 @pytest.mark.parametrize("shape", [(77, 53, 10), (300, 517, 10), (130, 300, 7)])
 @pytest.mark.parametrize("tiles", range(len(TILES)))
 def test_local_error_launch_configurations(tiles, shape, dtype):  # type: ignore[no-untyped-def]
-    _check_local_error(shape, "relu", dtype, TILES[tiles](torch.empty((), dtype=dtype).element_size()))
+    from torch_dad.kernels.local_error import Tiles, default_tiles
+
+    spec = TILES[tiles]
+    element_size = torch.empty((), dtype=dtype).element_size()
+    _check_local_error(shape, "relu", dtype, Tiles(**spec) if isinstance(spec, dict) else default_tiles(*spec, element_size))
+
+
+def _launch(h, hw, hb, y, activation, with_dz, tiles):  # type: ignore[no-untyped-def]
+    """The Triton path of ``local_error`` with the launch configuration ``tiles``."""
+    from torch_dad.kernels.local_error import launch_local_error
+    from torch_dad.ops.local_error import LocalError
+
+    return LocalError(*launch_local_error(h, hw, hb, y, activation, with_dz, tiles))
 
 
 def _check_local_error(shape, activation, dtype, tiles=None):  # type: ignore[no-untyped-def]
-    from torch_dad.kernels.local_error import _local_error_triton, local_error
+    from torch_dad.ops.local_error import local_error
 
     m, n, c = shape
     k = 29
@@ -87,7 +99,7 @@ def _check_local_error(shape, activation, dtype, tiles=None):  # type: ignore[no
     if tiles is None:
         got = local_error(h, hw, hb, y, activation, backend="triton")
     else:
-        got = _local_error_triton(h, hw, hb, y, activation, True, tiles)
+        got = _launch(h, hw, hb, y, activation, True, tiles)
     assert got.d_z is not None and got.grad_bias is not None and got.d_z.dtype == dtype
     pairs = {
         "logits": (got.logits, ref.logits, low.logits),
@@ -106,18 +118,19 @@ def _check_local_error(shape, activation, dtype, tiles=None):  # type: ignore[no
 @pytest.mark.parametrize("dtype", [torch.float32, LOW])
 @pytest.mark.parametrize("one_pass", [False, True])
 def test_local_error_output_head_mode(dtype, one_pass):  # type: ignore[no-untyped-def]
-    from torch_dad.kernels.local_error import _local_error_triton, local_error
+    from torch_dad.kernels.local_error import Tiles
+    from torch_dad.ops.local_error import local_error
 
     m, n, c = 211, 75, 10
     h = torch.randn(m, n, device=DEVICE, dtype=torch.float64)
     w = torch.randn(c, n, device=DEVICE, dtype=torch.float64) * 0.1
     b = torch.randn(c, device=DEVICE, dtype=torch.float64) * 0.1
     y = torch.randint(0, c, (m,), device=DEVICE)
-    ref = F.head_loss_and_gradients(h, w, b, y)
+    ref = functional.head_loss_and_gradients(h, w, b, y)
     if one_pass:
         tiles = Tiles(rows_bm=16, rows_bn=32, rows_warps=4, rows_stages=2, cols_bm=32, cols_bn=32, cols_warps=4,
                       cols_stages=2, cols_programs_per_sm=2, one_pass=True)
-        got = _local_error_triton(h.to(dtype), w.float(), b.float(), y, "relu", False, tiles)
+        got = _launch(h.to(dtype), w.float(), b.float(), y, "relu", False, tiles)
     else:
         got = local_error(h.to(dtype), w.float(), b.float(), y, with_dz=False, backend="triton")
     assert got.d_z is None and got.grad_bias is None
@@ -129,7 +142,7 @@ def test_local_error_output_head_mode(dtype, one_pass):  # type: ignore[no-untyp
 
 
 def test_local_error_rejects_bad_input():  # type: ignore[no-untyped-def]
-    from torch_dad.kernels.local_error import local_error
+    from torch_dad.ops.local_error import local_error
 
     h = torch.randn(8, 5, device=DEVICE)
     with pytest.raises(ValueError, match="activation"):
@@ -143,7 +156,7 @@ def test_local_error_rejects_bad_input():  # type: ignore[no-untyped-def]
 @pytest.mark.parametrize("sizes", [[(1,)], [(37, 53), (37,)], [(1000, 4097 // 1000 + 1), (4097,)]])
 @pytest.mark.parametrize("shadow", [None, LOW])
 def test_adamw_kernel_matches_fused_adamw(sizes, shadow):  # type: ignore[no-untyped-def]
-    from torch_dad.kernels.adamw import adamw_with_shadow_
+    from torch_dad.ops.adamw import adamw_with_shadow_
 
     def fresh():  # type: ignore[no-untyped-def]
         g = torch.Generator(device="cpu").manual_seed(7)
@@ -170,7 +183,7 @@ def test_adamw_kernel_matches_fused_adamw(sizes, shadow):  # type: ignore[no-unt
 @pytest.mark.parametrize("dtype", [torch.float32, LOW])
 @pytest.mark.parametrize("dims", [(1, 3, 2), (90, 37, 7), (513, 130, 10)])
 def test_gram_update_matches_accumulator(dims, dtype):  # type: ignore[no-untyped-def]
-    from torch_dad.kernels.gram import gram_update_
+    from torch_dad.ops.gram import gram_update_
 
     b, d, c = dims
     ref = GramAccumulator(d, c, device=DEVICE, window=700.0)
@@ -190,7 +203,7 @@ def test_gram_update_matches_accumulator(dims, dtype):  # type: ignore[no-untype
 def test_reservoir_store_matches_twin_and_definition(width, dtype):  # type: ignore[no-untyped-def]
     """``sample[s] = batch[winner[s]]`` where ``winner[s] >= 0``, nothing else touched: the Triton
     kernel against its PyTorch twin and the plain loop, fresh inputs, a sample in float32."""
-    from torch_dad.kernels.reservoir import reservoir_store_
+    from torch_dad.ops.reservoir import reservoir_store_
 
     torch.manual_seed(width)
     slots, batch = 37, 53
@@ -216,7 +229,7 @@ def test_reservoir_add_matches_twin(capacity, width):  # type: ignore[no-untyped
     equals the sequential rule: tests/test_trainer.py), from the same draws: direct fills, a batch
     straddling the fill, batches over 1024 rows (several draw programs) and many rows per slot (later
     row wins); ``seen`` advances and the winner scratch is all -1 again after every call."""
-    from torch_dad.kernels.reservoir import reservoir_add_
+    from torch_dad.ops.reservoir import reservoir_add_
 
     torch.manual_seed(capacity)
     samples = {}
@@ -243,7 +256,7 @@ def test_reservoir_add_draws_in_kernel_match_its_uniforms(capacity, width, seed)
     """``draws=None``: the draw kernel's own Philox uniforms are exactly ``reservoir_uniforms(seed, seen, B)``,
     so the sample equals the PyTorch twin fed those draws, batch after batch (fills, >1024 rows, many rows per
     slot), and ``seen`` and the winner scratch end as with explicit draws."""
-    from torch_dad.kernels.reservoir import reservoir_add_, reservoir_uniforms
+    from torch_dad.ops.reservoir import reservoir_add_, reservoir_uniforms
 
     samples = {}
     for path in ("kernel-draws", "twin"):
@@ -270,7 +283,7 @@ def test_reservoir_uniforms_are_53_bit_uniforms_keyed_by_seed_and_row():  # type
     """In [0, 1), multiples of 2**-53 that use their low bits, mean and spread of U(0, 1) (5 sigma),
     a flat histogram (chi-square), one stream per seed, and a row's uniform independent of the window
     it is drawn in (what lets a resumed sample continue its stream)."""
-    from torch_dad.kernels.reservoir import reservoir_uniforms
+    from torch_dad.ops.reservoir import reservoir_uniforms
 
     n = 200_000 if DEVICE == "cuda" else 20_000
     u = reservoir_uniforms(3, 0, n, device=DEVICE).cpu()
@@ -291,7 +304,7 @@ def test_reservoir_uniforms_are_53_bit_uniforms_keyed_by_seed_and_row():  # type
 
 
 def test_reservoir_add_rejects_bad_arguments():  # type: ignore[no-untyped-def]
-    from torch_dad.kernels.reservoir import reservoir_add_
+    from torch_dad.ops.reservoir import reservoir_add_
 
     x, y = torch.zeros(4, 3), torch.zeros(4, dtype=torch.long)
     sample = torch.zeros(6, 3), torch.zeros(6, dtype=torch.long), torch.zeros((), dtype=torch.long)
@@ -311,85 +324,10 @@ def test_reservoir_add_rejects_bad_arguments():  # type: ignore[no-untyped-def]
 
 
 def test_reservoir_store_rejects_bad_shapes():  # type: ignore[no-untyped-def]
-    from torch_dad.kernels.reservoir import reservoir_store_
+    from torch_dad.ops.reservoir import reservoir_store_
 
     x, y = torch.zeros(4, 3), torch.zeros(4, dtype=torch.long)
     with pytest.raises(ValueError, match="same number of columns"):
         reservoir_store_(torch.zeros(5, 2), torch.zeros(5, dtype=torch.long), x, y, torch.zeros(5, dtype=torch.long))
     with pytest.raises(ValueError, match="at least that many rows"):
         reservoir_store_(torch.zeros(2, 3), torch.zeros(2, dtype=torch.long), x, y, torch.zeros(5, dtype=torch.long))
-
-
-# (batch, out, in): odd sizes in every dimension, one tile-aligned case (the unmasked path), a
-# single row and a single output
-UPDATE_SHAPES = [(1, 3, 5), (77, 53, 130), (130, 257, 129), (128, 256, 128), (1000, 1, 300)]
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, LOW])
-@pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("shape", UPDATE_SHAPES)
-def test_weight_grad_adamw_matches_float64_reference(shape, bias, dtype):  # type: ignore[no-untyped-def]
-    """The fused kernel equals ``g = d_z.T @ a`` then AdamW, computed in float64 from the same inputs."""
-    from torch_dad.kernels.weight_update import weight_grad_adamw_
-
-    batch, n_out, n_in = shape
-    d_z = (torch.randn(batch, n_out, device=DEVICE) / batch).to(dtype)
-    a = torch.randn(batch, n_in, device=DEVICE).relu().to(dtype)
-    sizes = [(n_out, n_in), (n_out,)][: 2 if bias else 1]
-    params = [torch.randn(s, device=DEVICE) for s in sizes]
-    exp_avg = [torch.randn(s, device=DEVICE) * 1e-3 for s in sizes]
-    exp_avg_sq = [torch.rand(s, device=DEVICE) * 1e-6 for s in sizes]
-    grad_bias = d_z.float().sum(0) if bias else None
-    shadows = [torch.empty(s, device=DEVICE, dtype=LOW) for s in sizes]
-    before = [p.clone() for p in params]
-    exp_avg_before = [t.clone() for t in exp_avg]
-    exp_avg_sq_before = [t.clone() for t in exp_avg_sq]
-    # the float64 reference runs on the CPU (CUDA's fused AdamW gives NaN for float64 moments)
-    ref_p, ref_m, ref_v = ([t.cpu().double() for t in ts] for ts in (params, exp_avg, exp_avg_sq))
-    ref_g = [d_z.cpu().double().T @ a.cpu().double()] + ([grad_bias.cpu().double()] if bias else [])
-    step = torch.tensor(4.0, device=DEVICE)
-    ref_step = torch.tensor(3.0, dtype=torch.float64)  # adamw_ increments it to 4
-    hyper = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.05)
-    weight_grad_adamw_(d_z, a, params, grad_bias, exp_avg, exp_avg_sq, shadows, step,
-                       torch.tensor(3e-3, device=DEVICE), backend="triton", **hyper)  # type: ignore[arg-type]
-    adamw_(ref_p, ref_g, ref_m, ref_v, ref_step, lr=3e-3, **hyper)  # type: ignore[arg-type]
-    # the same reference in float32: its own rounding of W's update sets the tolerance's scale
-    own_p, own_m, own_v = ([t.cpu().clone() for t in ts] for ts in (before, exp_avg_before, exp_avg_sq_before))
-    adamw_(own_p, [g.float() for g in ref_g], own_m, own_v, torch.tensor(3.0), lr=3e-3,
-           **hyper)  # type: ignore[arg-type]
-    got_p, got_m, got_v, start = ([t.cpu() for t in ts] for ts in (params, exp_avg, exp_avg_sq, before))
-    assert not any(torch.equal(o, s) for o, s in zip(own_p, start))  # the references moved the weights
-    for i in range(len(sizes)):
-        # the update, not the weight: ||dW|| is ~1e-3 of ||W||, which would hide its error
-        want = ref_p[i] - start[i].double()
-        own = relative_error(own_p[i] - start[i], want)
-        # twice the reference's own error: the kernel rounds W in fp32 as often, in another order
-        # (measured on the H200 at 15 weights: 3.4e-5 against the reference's 2.2e-5)
-        assert relative_error(got_p[i] - start[i], want) <= 2 * own + MARGIN[torch.float32]
-        assert relative_error(got_m[i], ref_m[i]) <= relative_error(own_m[i], ref_m[i]) + MARGIN[torch.float32]
-        assert relative_error(got_v[i], ref_v[i]) <= relative_error(own_v[i], ref_v[i]) + MARGIN[torch.float32]
-        assert torch.equal(shadows[i], params[i].to(LOW))
-    assert float(step) == 4.0
-
-
-def test_weight_grad_adamw_rejects_bad_input_and_changes_nothing():  # type: ignore[no-untyped-def]
-    from torch_dad.kernels.weight_update import weight_grad_adamw_
-
-    d_z, a = torch.randn(8, 5, device=DEVICE), torch.randn(8, 3, device=DEVICE)
-    w, m, v = torch.randn(5, 3, device=DEVICE), torch.zeros(5, 3, device=DEVICE), torch.zeros(5, 3, device=DEVICE)
-    snapshot = [t.clone() for t in (w, m, v)]
-    step, lr = torch.tensor(1.0, device=DEVICE), torch.tensor(1e-3, device=DEVICE)
-    hyper = dict(betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0, backend="triton")
-    cases = [
-        ((d_z, a[:7], [w], None, [m], [v], [None]), ValueError, "must be \\(B, N\\) and \\(B, K\\)"),
-        ((d_z.half(), a, [w], None, [m], [v], [None]), TypeError, "share a dtype"),
-        ((d_z, a, [w.T], None, [m], [v], [None]), ValueError, "params\\[0\\]"),
-        ((d_z, a, [w], torch.zeros(5, device=DEVICE), [m], [v], [None]), ValueError, "grad_bias"),
-        ((d_z.T.contiguous().T, a, [w], None, [m], [v], [None]), ValueError, "unit stride"),
-    ]
-    for args, error, match in cases:
-        with pytest.raises(error, match=match):
-            weight_grad_adamw_(*args, step, lr, **hyper)  # type: ignore[arg-type]
-    for t, s in zip((w, m, v), snapshot):
-        assert torch.equal(t, s)
-    assert float(step) == 1.0

@@ -1,4 +1,4 @@
-"""``impl="triton"`` of the fused linear cross-entropy (kernels/cross_entropy.py) against float64.
+"""``backend="triton"`` of the fused linear cross-entropy (kernels/cross_entropy.py) against float64.
 
 Runs on CUDA; on CPU only with ``TRITON_INTERPRET=1`` (tiny shapes: the interpreter is slow;
 fp16 stands in for bf16, which the interpreter cannot compute in). Tolerances as tests/test_lm_head.py:
@@ -13,8 +13,9 @@ import torch.nn.functional as TF
 
 from tests.gpu.conftest import DEVICE, requires_kernels
 from tests.test_lm_head import make, reference, rel
-from torch_dad.kernels import cross_entropy as CE
-from torch_dad.lm_head import default_chunk_size, linear_cross_entropy, resolve_impl
+from torch_dad.nn.lm_head import DADLMHead
+from torch_dad.ops import cross_entropy as CE
+from torch_dad.ops.linear_cross_entropy import default_chunk_size, linear_cross_entropy, resolve_backend
 
 pytestmark = requires_kernels
 
@@ -36,8 +37,8 @@ def test_fp32_matches_float64(shape, chunk, bias, small_blocks, monkeypatch):
     y[:2] = -100  # ignored rows, at least one per chunk of 7 at the start
     ref, gi, tok, ent, top1 = reference(h, w, b, y)
     hh, ww, bb, yy = _to(h, w, b, y)
-    res = linear_cross_entropy(hh, ww, yy, bb, chunk_size=chunk, token_stats=True, impl="triton")
-    assert res.impl == "triton" and res.num_valid == int((y != -100).sum())
+    res = linear_cross_entropy(hh, ww, yy, bb, chunk_size=chunk, token_stats=True, backend="triton")
+    assert res.backend == "triton" and res.num_valid == int((y != -100).sum())
     assert abs(float(res.loss) - float(ref.loss)) <= 1e-5 * abs(float(ref.loss))
     assert rel(res.grad_weight.cpu(), ref.grad_weight) <= 1e-5
     assert rel(res.grad_input.cpu(), gi) <= 1e-5
@@ -64,7 +65,7 @@ def test_half_within_reference_error(bias):
     grads = torch.autograd.grad(TF.cross_entropy(logits, y), [t for t in (hl, wl, bl) if t is not None])
     gh_u, gw_u = grads[0], grads[1]
     hh, ww, bb, yy = _to(h, w, b, y)
-    res = linear_cross_entropy(hh.to(LOW), ww, yy, bb, compute_dtype=LOW, chunk_size=16, impl="triton")
+    res = linear_cross_entropy(hh.to(LOW), ww, yy, bb, compute_dtype=LOW, chunk_size=16, backend="triton")
     assert res.grad_input.dtype == LOW and res.grad_weight.dtype == torch.float32
     assert abs(float(res.loss) - float(ref.loss)) <= 1e-2 * float(ref.loss)
     assert rel(res.grad_weight.cpu(), ref.grad_weight) <= rel(gw_u, ref.grad_weight) + 1e-2
@@ -99,37 +100,35 @@ def test_row_kernel_matches_its_twin(dtype):
 def test_all_ignored_and_loss_only():
     h, w, b, y = make(9, 5, 17, torch.float32, True)
     hh, ww, bb = _to(h, w, b)
-    res = linear_cross_entropy(hh, ww, torch.full((9,), -100, device=DEVICE), bb, impl="triton")
+    res = linear_cross_entropy(hh, ww, torch.full((9,), -100, device=DEVICE), bb, backend="triton")
     assert res.num_valid == 0 and float(res.loss) == 0.0
     assert not res.grad_weight.any() and not res.grad_bias.any() and not res.grad_input.any()
     ref, *_ = reference(h, w, b, y)
-    only = linear_cross_entropy(hh, ww, y.to(DEVICE), bb, impl="triton", grad_weight=False, grad_input=False)
+    only = linear_cross_entropy(hh, ww, y.to(DEVICE), bb, backend="triton", grad_weight=False, grad_input=False)
     assert only.grad_weight is None and only.grad_input is None
     assert abs(float(only.loss) - float(ref.loss)) <= 1e-5 * float(ref.loss)
 
 
 def test_resolution_and_chunk_size():
     dev = torch.device(DEVICE)
-    assert resolve_impl("triton", dev, token_stats=True, bias=True) == "triton"
+    assert resolve_backend("triton", dev, token_stats=True, bias=True) == "triton"
     # the logits chunk alone (no float32 copy) fits TRITON_CHUNK_BYTES: 2048 rows at V=49152 bf16
-    assert default_chunk_size(49152, torch.bfloat16, impl="triton") == 2048
+    assert default_chunk_size(49152, torch.bfloat16, backend="triton") == 2048
 
 
-def test_head_step_matches_torch_impl():
-    """DADLMHead(impl="triton"): the same AdamW step and dL/dhidden as impl="torch"."""
-    from torch_dad.lm_head import DADLMHead
-
+def test_head_step_matches_torch_backend():
+    """DADLMHead on the triton backend: the same AdamW step and dL/dhidden as on the torch one."""
     g = torch.Generator().manual_seed(5)
     x = torch.randn(3, 11, 16, generator=g).to(DEVICE)
     labels = torch.randint(0, 97, (3, 11), generator=g).to(DEVICE)
     labels[0, :4] = -100
     heads, grads = [], []
-    for impl in ("torch", "triton"):
+    for backend in ("torch", "triton"):
         torch.manual_seed(0)
-        head = DADLMHead(16, 97, bias=True, impl=impl, lr=1e-2, backprop_gradients=True, device=DEVICE)
+        head = DADLMHead(16, 97, bias=True, impl=backend, lr=1e-2, backprop_gradients=True, device=DEVICE)
         xx = x.clone().requires_grad_(True)
         head.fused_loss(xx, labels).loss.backward()
-        assert head.last_impl == impl and head.weight.grad is None
+        assert head.last_impl == backend and head.weight.grad is None
         heads.append(head)
         grads.append(xx.grad)
     assert rel(heads[1].weight, heads[0].weight) <= 1e-6 and rel(heads[1].bias, heads[0].bias) <= 1e-6

@@ -1,4 +1,4 @@
-"""Put a :class:`~torch_dad.lm_head.DADLMHead` on a Hugging Face causal LM (extra ``hf``).
+"""Put a :class:`~torch_dad.nn.lm_head.DADLMHead` on a Hugging Face causal LM (extra ``hf``).
 
 :func:`replace_lm_head` swaps ``model.lm_head`` for a DAD head and wraps ``model.forward``:
 
@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..lm_head import DADLMHead
+from ..nn.lm_head import DADLMHead
 
 __all__ = ["replace_lm_head", "patch_forward", "unwrap_model"]  # + DADCausalLMOutput (lazy)
 

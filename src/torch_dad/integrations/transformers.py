@@ -16,8 +16,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from ..autograd import DADAutogradLinear
-from ..layers import check_labels
+from .._checks import check_labels
+from ..nn.autograd import DADAutogradLinear
 from ..ridge import GramAccumulator, RidgeSolution
 
 __all__ = ["KNOWN_HEADS", "find_head", "fit_head_closed_form", "install_label_routing", "replace_head"]
@@ -134,7 +134,7 @@ def replace_head(
     then :func:`install_label_routing`. ``update="grad"`` (the default) writes the head's
     gradient into ``.grad``, so ``Trainer``'s optimizer, LR schedule, gradient accumulation,
     clipping, checkpointing and DDP apply unchanged; ``precondition="gram"`` right-multiplies
-    it by the inverse running Gram matrix of the head's inputs (see :mod:`torch_dad.precondition`);
+    it by the inverse running Gram matrix of the head's inputs (see :mod:`torch_dad.nn.precondition`);
     pair it with plain SGD at a learning rate near 1 (``TrainingArguments(optim="sgd",
     learning_rate=1.0)``), or use ``update="inplace"``, whose SGD step defaults to ``lr=1.0`` here.
     Other keywords go to :class:`~torch_dad.DADAutogradLinear`.

@@ -2,7 +2,7 @@
 
 ``SFTTrainer`` installs its own fused LM head on the model in ``__init__`` (``model(...,
 fused_lm_head=True)`` returns per-token log-probs), and trains ``lm_head`` by backprop through
-it. :func:`patch_trainer` runs after that and puts a :class:`~torch_dad.lm_head.DADLMHead` in
+it. :func:`patch_trainer` runs after that and puts a :class:`~torch_dad.nn.lm_head.DADLMHead` in
 its place, answering the same ``fused_lm_head=True`` protocol (``log_probs``, ``entropy``,
 ``is_top1``, ``label_mask``), so TRL's loss, metrics and evaluation code run unchanged.
 Evaluation with ``compute_metrics`` still gets full logits (the model's own forward).
@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import nn
 
-from ..lm_head import DADLMHead
+from ..nn.lm_head import DADLMHead
 from .causal_lm import replace_lm_head, unwrap_model
 
 __all__ = ["patch_trainer"]  # + DADSFTTrainer (lazy: it subclasses trl.SFTTrainer)

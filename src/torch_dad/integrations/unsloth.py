@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..lm_head import DADLMHead
+from ..nn.lm_head import DADLMHead
 from .causal_lm import replace_lm_head, unwrap_model
 
 __all__ = ["patch", "is_unsloth_model"]

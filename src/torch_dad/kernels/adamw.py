@@ -1,157 +1,108 @@
-"""AdamW on a layer's weight and bias in one launch, also refreshing their low-precision copies.
+"""The Triton kernel of :func:`torch_dad.ops.adamw.adamw_with_shadow_` and its launcher.
 
-Per element, exactly :func:`torch_dad.optim.adamw_` (``torch._fused_adamw_``) in float32::
-
-    p *= 1 - lr * wd;  m = m + (1 - b1) (g - m);  v = b2 v + (1 - b2) g^2
-    p -= lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps);  shadow = p.to(shadow.dtype)
-
-``lr`` and the step ``t`` are read from device tensors, so a CUDA graph that captured the
-launch follows a new learning rate without re-capture. The bf16 ``shadow`` is what the next
-forward multiplies with: writing it here replaces a separate cast kernel per weight per step.
-The step is *not* incremented here (the caller increments all layers' steps in one launch).
+One launch updates a layer's weight and bias: the programs of the first ``blocks1`` blocks
+take the first tensor, the rest the second. ``lr`` and the step are read from device tensors.
 """
-
-from __future__ import annotations
 
 import math
 
+import triton
+import triton.language as tl
 from torch import Tensor
 
-from ..optim import adamw_
-from . import use_triton
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the CPU path needs no triton
-    triton = None
-
-__all__ = ["adamw_with_shadow_", "beta_args"]
-
-
-def adamw_with_shadow_(
-    params: list[Tensor],
-    grads: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    shadows: list[Tensor | None],
-    step: Tensor,
-    lr: Tensor,
-    *,
-    betas: tuple[float, float],
-    eps: float,
-    weight_decay: float,
-    backend: str = "auto",
-) -> None:
-    """AdamW step (already-incremented ``step``) on 1 or 2 fp32 tensors, then ``shadow.copy_(p)``."""
-    if not 1 <= len(params) <= 2 or not len(params) == len(grads) == len(exp_avgs) == len(exp_avg_sqs) == len(shadows):
-        raise ValueError("adamw_with_shadow_ takes 1 or 2 tensors and one grad/moment/shadow entry per tensor")
-    if use_triton(params[0], backend):
-        _adamw_triton(params, grads, exp_avgs, exp_avg_sqs, shadows, step, lr, betas, eps, weight_decay)
-        return
-    # the twin: the reference update with the step counter rewound, since adamw_ increments it
-    step.sub_(1)
-    adamw_(params, grads, exp_avgs, exp_avg_sqs, step, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    for p, s in zip(params, shadows):
-        if s is not None:
-            s.copy_(p)
+from . import cdiv
 
 
 def beta_args(betas: tuple[float, float]) -> tuple[float, float, float, float, float]:
-    """The kernels' beta arguments ``(b2, 1 - b1, 1 - b2, log b1, log b2)``, in float64 here.
+    """The kernel's beta arguments ``(b2, 1 - b1, 1 - b2, log b1, log b2)``, in float64 here.
 
     ``1 - b`` is taken before the kernel sees fp32: ``1 - fp32(0.999)`` is off by 1.3e-5
     relative, an error the update ``v = b2 v + (1 - b2) g^2`` would carry whole when ``v`` is
-    small (seen on the H200, device call 36). ``b^t = exp(t log b)`` in
-    :func:`bias_corrections`; -1e30 stands for log 0.
+    small (seen on the H200). ``b^t = exp(t log b)`` in :func:`bias_corrections`; -1e30 stands
+    for log 0.
     """
     b1, b2 = betas
     logs = [math.log(b) if b > 0 else -1e30 for b in betas]
     return b2, 1.0 - b1, 1.0 - b2, logs[0], logs[1]
 
 
-if triton is not None:
-
-    @triton.jit
-    def adamw_values(p, g, m, v, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt):
-        """The AdamW update of fp32 values ``p, g, m, v`` (any shape), ``c1 = 1 - b1``, ``c2 = 1 - b2``
-        (from :func:`beta_args`): returns the new ``(p, m, v)``."""
-        p = p * (1.0 - lr * wd)
-        m = m + c1 * (g - m)
-        v = b2 * v + c2 * g * g
-        denom = tl.sqrt(v) / bc2_sqrt + eps
-        p = p - (lr / bc1) * m / denom
-        return p, m, v
-
-    @triton.jit
-    def bias_corrections(step_ptr, log_b1, log_b2):
-        """``(1 - b1^t, sqrt(1 - b2^t))`` for the step ``t`` read from the device."""
-        # in float64: 1 - 0.999^t in fp32 loses ~1e-4 relative at small t
-        t = tl.load(step_ptr).to(tl.float64)
-        bc1 = (1.0 - tl.exp(t * log_b1)).to(tl.float32)
-        bc2_sqrt = tl.sqrt((1.0 - tl.exp(t * log_b2)).to(tl.float32))
-        return bc1, bc2_sqrt
-
-    @triton.jit
-    def adamw_segment(p_ptr, g_ptr, m_ptr, v_ptr, s_ptr, offs, n, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt, HAS_SHADOW: tl.constexpr):
-        """AdamW in place on the 1-D elements ``offs < n`` of ``p, m, v`` with gradient ``g``; the low-precision copy too."""
-        mask = offs < n
-        p = tl.load(p_ptr + offs, mask=mask, other=0.0)
-        g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-        m = tl.load(m_ptr + offs, mask=mask, other=0.0)
-        v = tl.load(v_ptr + offs, mask=mask, other=0.0)
-        p, m, v = adamw_values(p, g, m, v, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt)
-        tl.store(p_ptr + offs, p, mask=mask)
-        tl.store(m_ptr + offs, m, mask=mask)
-        tl.store(v_ptr + offs, v, mask=mask)
-        if HAS_SHADOW:
-            tl.store(s_ptr + offs, p.to(s_ptr.dtype.element_ty), mask=mask)
-
-    @triton.jit
-    def adamw_kernel(
-        p1, g1, m1, v1, s1, n1, p2, g2, m2, v2, s2, n2, step_ptr, lr_ptr,
-        b2, c1, c2, log_b1, log_b2, eps, wd, blocks1,
-        BLOCK: tl.constexpr, SHADOW1: tl.constexpr, SHADOW2: tl.constexpr,
-    ):
-        pid = tl.program_id(0)
-        bc1, bc2_sqrt = bias_corrections(step_ptr, log_b1, log_b2)
-        lr = tl.load(lr_ptr).to(tl.float32)
-        if pid < blocks1:
-            offs = pid * BLOCK + tl.arange(0, BLOCK)
-            adamw_segment(p1, g1, m1, v1, s1, offs, n1, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt, SHADOW1)
-        else:
-            offs = (pid - blocks1) * BLOCK + tl.arange(0, BLOCK)
-            adamw_segment(p2, g2, m2, v2, s2, offs, n2, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt, SHADOW2)
+@triton.jit
+def adamw_values(p, g, m, v, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt):
+    """The AdamW update of fp32 values ``p, g, m, v`` (any shape), ``c1 = 1 - b1``, ``c2 = 1 - b2``
+    (from :func:`beta_args`): returns the new ``(p, m, v)``."""
+    p = p * (1.0 - lr * wd)
+    m = m + c1 * (g - m)
+    v = b2 * v + c2 * g * g
+    denom = tl.sqrt(v) / bc2_sqrt + eps
+    p = p - (lr / bc1) * m / denom
+    return p, m, v
 
 
+@triton.jit
+def bias_corrections(step_ptr, log_b1, log_b2):
+    """``(1 - b1^t, sqrt(1 - b2^t))`` for the step ``t`` read from the device."""
+    # in float64: 1 - 0.999^t in fp32 loses ~1e-4 relative at small t
+    t = tl.load(step_ptr).to(tl.float64)
+    bc1 = (1.0 - tl.exp(t * log_b1)).to(tl.float32)
+    bc2_sqrt = tl.sqrt((1.0 - tl.exp(t * log_b2)).to(tl.float32))
+    return bc1, bc2_sqrt
 
-def _adamw_triton(
-    params: list[Tensor],
-    grads: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    shadows: list[Tensor | None],
+
+@triton.jit
+def adamw_segment(p_ptr, g_ptr, m_ptr, v_ptr, s_ptr, offs, n, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt, HAS_SHADOW: tl.constexpr):
+    """AdamW in place on the 1-D elements ``offs < n`` of ``p, m, v`` with gradient ``g``; the low-precision copy too."""
+    mask = offs < n
+    p = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    m = tl.load(m_ptr + offs, mask=mask, other=0.0)
+    v = tl.load(v_ptr + offs, mask=mask, other=0.0)
+    p, m, v = adamw_values(p, g, m, v, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt)
+    tl.store(p_ptr + offs, p, mask=mask)
+    tl.store(m_ptr + offs, m, mask=mask)
+    tl.store(v_ptr + offs, v, mask=mask)
+    if HAS_SHADOW:
+        tl.store(s_ptr + offs, p.to(s_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def adamw_kernel(
+    p1, g1, m1, v1, s1, n1, p2, g2, m2, v2, s2, n2, step_ptr, lr_ptr,
+    b2, c1, c2, log_b1, log_b2, eps, wd, blocks1,
+    BLOCK: tl.constexpr, SHADOW1: tl.constexpr, SHADOW2: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    bc1, bc2_sqrt = bias_corrections(step_ptr, log_b1, log_b2)
+    lr = tl.load(lr_ptr).to(tl.float32)
+    if pid < blocks1:
+        offs = pid * BLOCK + tl.arange(0, BLOCK)
+        adamw_segment(p1, g1, m1, v1, s1, offs, n1, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt, SHADOW1)
+    else:
+        offs = (pid - blocks1) * BLOCK + tl.arange(0, BLOCK)
+        adamw_segment(p2, g2, m2, v2, s2, offs, n2, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt, SHADOW2)
+
+
+def launch_adamw(
+    tensors: list[tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None]],
     step: Tensor,
     lr: Tensor,
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
 ) -> None:
-    for t in (*params, *grads, *exp_avgs, *exp_avg_sqs):
-        if not t.is_contiguous():
-            raise ValueError("adamw_with_shadow_ needs contiguous tensors")
+    """AdamW in place on 1 or 2 contiguous fp32 ``(param, grad, exp_avg, exp_avg_sq, shadow)``
+    tuples, then ``shadow.copy_(param)`` where ``shadow`` is not ``None``; ``step`` is not
+    incremented."""
     block = 1024
     segs = []
     for i in range(2):
-        j = min(i, len(params) - 1)
-        n = params[j].numel() if i < len(params) else 0
-        s = shadows[j]
-        segs.append((params[j], grads[j], exp_avgs[j], exp_avg_sqs[j], s if s is not None else params[j], n, s is not None))
-    blocks1 = -(-segs[0][5] // block)
-    blocks2 = -(-segs[1][5] // block)
+        j = min(i, len(tensors) - 1)
+        p, g, m, v, s = tensors[j]
+        n = p.numel() if i < len(tensors) else 0
+        segs.append((p, g, m, v, s if s is not None else p, n, s is not None))
+    blocks1 = cdiv(segs[0][5], block)
+    blocks2 = cdiv(segs[1][5], block)
     adamw_kernel[(blocks1 + blocks2,)](
         *segs[0][:6], *segs[1][:6], step, lr,
         *beta_args(betas), eps, weight_decay, blocks1,
         BLOCK=block, SHADOW1=segs[0][6], SHADOW2=segs[1][6] and segs[1][5] > 0,
     )
-

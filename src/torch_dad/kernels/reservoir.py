@@ -1,182 +1,91 @@
-"""Copy the rows an input sample keeps, and only those: the device half of ``InputReservoir``.
+"""The Triton kernels of :mod:`torch_dad.ops.reservoir` and their launchers (see its docstrings).
 
-``InputReservoir.add_on_device`` decides on the device, with no host sync, which row of a
-batch lands in which slot: ``winner[s]`` is the batch row stored in slot ``s``, or ``-1``
-(slot unchanged). :func:`reservoir_store_` then does, for every slot ``s`` with
-``winner[s] >= 0``::
-
-    sample_inputs[s] = inputs[winner[s]]     sample_labels[s] = labels[winner[s]]
-
-Why a kernel: the batch's kept rows are few (``B * capacity / seen`` once the sample is
-full) but their number is only known on the device. The twin below copies a row per slot;
-the path this replaced (``index_copy_`` of every batch row, the dropped ones all into one
-spare row, after a ``scatter_reduce_`` with the same pile-up on one index) made the sample
-cost 78-112 us of an H200 step at B=4096 (e.g. cifar10-medium-3: 342 us against 230 us
-without the sample; ``benchmarks/results/gpu_throughput.json``, commit ecf18ef). Here one
-program per slot reads ``winner[s]`` and returns at once when it is ``-1``.
-
-:func:`reservoir_add_` is the whole device step of Algorithm R in two kernels: one program per
-1024 batch rows turns the uniform draws into slots and ``atomic_max``-es each kept row's index
-into a persistent ``winner`` scratch (the later row of a batch wins a slot, as in the sequential
-rule), then the store kernel copies, resets ``winner`` to ``-1`` and advances ``seen``. The
-PyTorch ops it replaced (count, draw, two ``where``, a ``full``, ``scatter_reduce_``, the store and
-``seen += n``: 18 launches on a side stream of the graphed step) cost the default step 10-37 us
-against the same step without the sample on the H200 (device call 20: mnist-medium-3 B=1024
-130 vs 96 us, cifar10-medium-3 B=4096 266 vs 227 us). With the two kernels (call 22) the
-cifar10-medium-3 step ran at 17.19 M img/s against 18.44 M without the sample (15.41 vs 18.06 M
-before), and the profiled step went from 43 to 30 kernels.
-
-With ``draws=None`` the draw kernel makes each row's uniform itself, from Philox keyed by the
-sample's seed and the row's global index (``seen + i``): see :func:`reservoir_uniforms`. So no
-torch generator is in the captured graph. A graph that draws from the default CUDA generator
-makes every ``CUDAGraph.replay()`` first launch two ``fill_`` kernels for the generator's seed
-and offset; on the H200 host those cost the graphed step 14.5 us of host time at
-mnist-medium-3 B=1024 (81.3 vs 66.8 us a call without the sample) and 32 us at
-cifar10-medium-3 (99.5 vs 67.3), where that step is bound by its host (device call 58).
+:func:`launch_draw` turns each batch row into a slot and ``atomic_max``-es the kept rows'
+indices into ``winner``; :func:`launch_store` copies ``sample[s] = batch[winner[s]]``;
+:func:`launch_uniforms` writes the Philox uniforms the draw kernel makes for itself.
 """
 
-from __future__ import annotations
-
-import functools
-from typing import Any
-
-import torch
+import triton
+import triton.language as tl
 from torch import Tensor
+from triton.language.random import philox
 
-from . import next_pow2, use_triton
-
-__all__ = ["reservoir_add_", "reservoir_store_", "reservoir_uniforms"]
-
-
-def reservoir_store_(
-    sample_inputs: Tensor, sample_labels: Tensor, inputs: Tensor, labels: Tensor, winner: Tensor,
-    *, backend: str = "auto",
-) -> None:
-    """``sample[s] = batch[winner[s]]`` for every slot ``s`` with ``winner[s] >= 0`` (in place).
-
-    ``sample_inputs`` (S', D) and ``sample_labels`` (S',) with ``S' >= S = winner.numel()``;
-    ``inputs`` (B, D) in any float dtype (cast to the sample's), ``labels`` (B,) int64,
-    ``winner`` (S,) int64 in ``[-1, B)``.
-    """
-    slots = winner.numel()
-    _check_shapes(sample_inputs, sample_labels, inputs, labels, slots)
-    if not use_triton(inputs, backend) or slots == 0:
-        _store_torch(sample_inputs, sample_labels, inputs, labels, winner)
-        return
-    _store(sample_inputs, sample_labels, inputs, labels, winner, None, reset=False)
+from . import cdiv, next_pow2
 
 
-def _check_shapes(sample_inputs: Tensor, sample_labels: Tensor, inputs: Tensor, labels: Tensor, slots: int) -> None:
-    if inputs.dim() != 2 or sample_inputs.dim() != 2 or inputs.shape[1] != sample_inputs.shape[1]:
-        raise ValueError(
-            f"inputs {tuple(inputs.shape)} and sample_inputs {tuple(sample_inputs.shape)} must be 2-D "
-            "with the same number of columns"
-        )
-    if sample_inputs.shape[0] < slots or sample_labels.shape[0] < slots or labels.shape != (inputs.shape[0],):
-        raise ValueError(
-            f"winner has {slots} slots: sample_inputs/sample_labels need at least that many rows, "
-            f"labels one per input row; got {tuple(sample_inputs.shape)}, {tuple(sample_labels.shape)}, "
-            f"{tuple(labels.shape)}"
-        )
+@triton.jit
+def row_uniform(seed, index):
+    """float64 uniforms in [0, 1) for int64 row indices: 53 bits of Philox(seed, index)."""
+    lo = (index & 0xFFFFFFFF).to(tl.uint32)
+    hi = (index >> 32).to(tl.uint32)
+    zero = tl.zeros_like(lo)
+    a, b, _, _ = philox(seed, lo, hi, zero, zero)
+    return ((a >> 5).to(tl.float64) * 67108864.0 + (b >> 6).to(tl.float64)) * (1.0 / 9007199254740992.0)
 
 
-def reservoir_add_(
-    sample_inputs: Tensor, sample_labels: Tensor, seen: Tensor, winner: Tensor, inputs: Tensor, labels: Tensor,
-    draws: Tensor | None = None, *, seed: int = 0, backend: str = "auto",
-) -> None:
-    """Offer a batch to a sample of ``S = winner.numel()`` slots (Algorithm R), in place, no host sync.
+@triton.jit
+def uniform_kernel(start_ptr, out_ptr, n, seed, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    u = row_uniform(seed, tl.load(start_ptr) + rows)
+    tl.store(out_ptr + rows, u, mask=rows < n)
 
-    Row ``i`` is the ``t = seen + i + 1``-th row seen: it goes to slot ``t - 1`` while ``t <= S``,
-    else to slot ``floor(draws[i] * t)`` when that is ``< S``, else nowhere; of two rows drawing
-    one slot the later is kept. Then ``seen += B``. ``draws`` (B,) float64 uniforms in [0, 1), or
-    ``None``: the kernel makes them, ``draws = reservoir_uniforms(seed, seen, B)`` (Triton only);
-    ``seen`` a 0-dim int64 tensor; ``winner`` (S,) int32 scratch, all ``-1`` on entry and on exit.
-    """
-    batch = inputs.shape[0]
-    slots = winner.numel()
-    _check_shapes(sample_inputs, sample_labels, inputs, labels, slots)
-    if (draws is not None and draws.shape != (batch,)) or seen.dim() != 0 or winner.dtype != torch.int32:
-        raise ValueError(
-            f"draws must have shape ({batch},), seen must be 0-dim and winner int32; got "
-            f"{None if draws is None else tuple(draws.shape)}, {seen.dim()}-dim, {winner.dtype}"
-        )
-    triton_path = use_triton(inputs, backend) and slots > 0
-    if draws is None and not triton_path:
-        raise ValueError("draws=None makes the draws in the Triton kernel: pass draws for backend='torch' or CPU "
-                         "tensors (e.g. draws=torch.rand(B, dtype=torch.float64))")
-    check_seed(seed)
-    if batch == 0:
-        return
-    if not triton_path:
-        assert draws is not None
-        count = seen + torch.arange(1, batch + 1, device=seen.device)
-        slot = torch.where(count <= slots, count - 1, (draws * count).long())
-        order = torch.arange(batch, device=seen.device)
-        # dropped rows each get their own index past the slots, so no index collects thousands
-        slot = torch.where(slot < slots, slot, slots + order)
-        chosen = torch.full((slots + batch,), -1, dtype=torch.long, device=seen.device)
-        chosen.scatter_reduce_(0, slot, order, reduce="amax")
-        reservoir_store_(sample_inputs, sample_labels, inputs, labels, chosen[:slots], backend="torch")
-        seen.add_(batch)
-        return
-    draw_kernel, _, _ = _kernels()
+
+@triton.jit
+def draw_kernel(seen_ptr, draws_ptr, winner_ptr, n, slots, seed, DRAW: tl.constexpr, BLOCK: tl.constexpr):
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    valid = rows < n
+    count = tl.load(seen_ptr) + rows + 1  # int64: the row's 1-based rank among all rows seen
+    if DRAW:
+        u = row_uniform(seed, count - 1)
+    else:
+        u = tl.load(draws_ptr + rows, mask=valid, other=0.0)
+    slot = tl.where(count <= slots, count - 1, (u * count.to(tl.float64)).to(tl.int64))
+    keep = valid & (slot < slots)
+    # relaxed: the store kernel reads the winners after this launch ends
+    tl.atomic_max(winner_ptr + tl.where(keep, slot, 0), rows.to(tl.int32), mask=keep, sem="relaxed")
+
+
+@triton.jit
+def store_kernel(out_ptr, out_y_ptr, x_ptr, y_ptr, winner_ptr, seen_ptr, n, D, stride_out, stride_x,
+                 RESET: tl.constexpr, BLOCK: tl.constexpr):
+    slot = tl.program_id(0)
+    row = tl.load(winner_ptr + slot)
+    if row >= 0:
+        tl.store(out_y_ptr + slot, tl.load(y_ptr + row))
+        for d0 in range(0, D, BLOCK):
+            cols = d0 + tl.arange(0, BLOCK)
+            mask = cols < D
+            values = tl.load(x_ptr + row * stride_x + cols, mask=mask)
+            tl.store(out_ptr + slot * stride_out + cols, values.to(out_ptr.dtype.element_ty), mask=mask)
+        if RESET:
+            tl.store(winner_ptr + slot, -1)
+    if RESET:
+        if slot == 0:
+            tl.store(seen_ptr, tl.load(seen_ptr) + n)
+
+
+def launch_draw(seen: Tensor, draws: Tensor | None, winner: Tensor, batch: int, seed: int) -> None:
+    """``winner[slot(i)] = max(i)`` over the batch rows ``i`` kept by Algorithm R, from ``draws``,
+    or with ``draws=None`` from Philox uniforms keyed by ``seed`` and the row's index ``seen + i``."""
     block = 1024
-    draw_kernel[(-(-batch // block),)](seen, draws if draws is not None else seen, winner, batch, slots, seed,
-                                       DRAW=draws is None, BLOCK=block)
-    _store(sample_inputs, sample_labels, inputs, labels, winner, seen, reset=True)
+    draw_kernel[(cdiv(batch, block),)](seen, draws if draws is not None else seen, winner, batch, winner.numel(),
+                                       seed, DRAW=draws is None, BLOCK=block)
 
 
-def reservoir_uniforms(seed: int, start: Tensor | int, n: int, device: torch.device | str = "cuda") -> Tensor:
-    """The float64 uniforms in [0, 1) that :func:`reservoir_add_` draws with ``draws=None`` for
-    global rows ``start .. start + n - 1`` (Triton; ``start`` a 0-dim int64 tensor or an int).
-
-    Row ``r``'s uniform is ``(a >> 5) * 2**-27 + (b >> 6) * 2**-53`` for the first two 32-bit
-    words ``a, b`` of Philox-4x32-10 with key ``seed`` and counter ``(r mod 2**32, r >> 32, 0, 0)``:
-    53 random bits, so ``floor(u * t)`` stays uniform over ``[0, t)`` for any reachable ``t``.
-    """
-    check_seed(seed)
-    first = start if isinstance(start, Tensor) else torch.tensor(int(start), dtype=torch.long, device=device)
-    out = torch.empty(n, dtype=torch.float64, device=first.device)
-    if n:
-        _, _, uniform_kernel = _kernels()
-        uniform_kernel[(-(-n // 1024),)](first, out, n, seed, BLOCK=1024)
-    return out
-
-
-def check_seed(seed: int) -> None:
-    """Raise ``ValueError`` unless ``seed`` is an int in ``[0, 2**63)`` (a Philox key)."""
-    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63:
-        raise ValueError(f"seed={seed!r} must be an int in [0, 2**63)")
-
-
-def _store(sample_inputs: Tensor, sample_labels: Tensor, inputs: Tensor, labels: Tensor, winner: Tensor,
-           seen: Tensor | None, reset: bool) -> None:
-    """The store kernel: ``sample[s] = batch[winner[s]]``; with ``reset``, ``winner[s] = -1`` after and
-    ``seen += B`` (program 0)."""
-    _, kernel, _ = _kernels()
+def launch_store(sample_inputs: Tensor, sample_labels: Tensor, inputs: Tensor, labels: Tensor, winner: Tensor,
+                 seen: Tensor | None, reset: bool) -> None:
+    """``sample[s] = batch[winner[s]]`` where ``winner[s] >= 0``; with ``reset``, ``winner[s] = -1``
+    after and ``seen += B`` (program 0)."""
     inputs = inputs if inputs.stride(1) == 1 else inputs.contiguous()
     width = inputs.shape[1]
     block = min(1024, next_pow2(width))
-    kernel[(winner.numel(),)](
+    store_kernel[(winner.numel(),)](
         sample_inputs, sample_labels, inputs, labels, winner, seen if seen is not None else winner,
         inputs.shape[0], width, sample_inputs.stride(0), inputs.stride(0), RESET=reset, BLOCK=block,
     )
 
 
-def _store_torch(sample_inputs: Tensor, sample_labels: Tensor, inputs: Tensor, labels: Tensor,
-                 winner: Tensor) -> None:
-    """The twin: gather a row for every slot, keep the old one where ``winner`` is ``-1``."""
-    slots = winner.numel()
-    kept = winner >= 0
-    rows = winner.clamp(min=0)
-    gathered = inputs.index_select(0, rows).to(sample_inputs.dtype)
-    head = sample_inputs[:slots]
-    head.copy_(torch.where(kept[:, None], gathered, head))
-    sample_labels[:slots].copy_(torch.where(kept, labels.index_select(0, rows), sample_labels[:slots]))
-
-
-@functools.lru_cache(maxsize=1)
-def _kernels() -> tuple[Any, Any, Any]:
-    from . import reservoir_triton as kernels  # imports triton: only on the first launch
-
-    return kernels.draw_kernel, kernels.store_kernel, kernels.uniform_kernel
+def launch_uniforms(first: Tensor, out: Tensor, seed: int) -> None:
+    """``out[i] = row_uniform(seed, first + i)`` for the float64 ``out`` (``first`` 0-dim int64)."""
+    n = out.numel()
+    uniform_kernel[(cdiv(n, 1024),)](first, out, n, seed, BLOCK=1024)

@@ -1,0 +1,1 @@
+"""DAD layers: a trainer-driven layer, an autograd drop-in for ``nn.Linear`` and an LM head."""

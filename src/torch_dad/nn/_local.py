@@ -1,0 +1,240 @@
+"""What every DAD layer shares: its trained tensors, their optimizer state and the local update.
+
+A DAD layer owns ``weight`` (out, in), an optional ``bias`` (out,) and, if it has a local
+head, ``head_weight`` (C, out) and ``head_bias`` (C,). Its local gradients come as a list in
+that order (:meth:`LocalLayer.trained_tensors`) and are applied in place by the layer's own
+optimizer state (``update="inplace"``) or handed to autograd, which accumulates them into
+``.grad`` for an external optimizer (``update="grad"``).
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any, Self, cast
+
+import torch
+from torch import Tensor, nn
+
+from .. import functional
+from .._checks import check_choice, gradients_are_finite
+from ..optim import LocalOptimizerState, OptimizerConfig
+
+__all__ = ["NONFINITE_POLICIES", "UPDATES", "LocalLayer", "activation_backward", "check_update"]
+
+#: ``update=``: the layer's own optimizer step in backward, or the gradients into ``.grad``
+UPDATES: tuple[str, ...] = ("inplace", "grad")
+#: ``on_nonfinite=`` of :meth:`LocalLayer.apply_local_update`
+NONFINITE_POLICIES: tuple[str, ...] = ("ignore", "skip", "raise")
+# every gradient list is in this order, absent tensors (None) left out
+_SLOTS: tuple[str, ...] = ("weight", "bias", "head_weight", "head_bias")
+
+
+def check_update(update: object) -> str:
+    """``update`` if it is one of :data:`UPDATES`, else ``ValueError``."""
+    return check_choice(
+        "update", update, UPDATES, " ('inplace': the layer's own optimizer step; 'grad': fill .grad)"
+    )
+
+
+def activation_backward(
+    grad: Tensor, output: Tensor, pre_activation: Tensor | None, activation: str, *, inplace: bool = False
+) -> Tensor:
+    """``grad * act'(z)`` from ``output = act(z)`` (``pre_activation = z`` is needed for gelu only).
+
+    ``inplace`` overwrites ``grad``. relu uses autograd's own fused ReLU backward: one pass, where
+    ``masked_fill_(h <= 0)`` took two and 6% of a local step on a 2-core CPU.
+    """
+    if activation == "relu":
+        if inplace:
+            return torch.ops.aten.threshold_backward.grad_input(grad, output, 0, grad_input=grad)
+        return torch.ops.aten.threshold_backward(grad, output, 0)
+    if activation == "identity":
+        return grad
+    z = pre_activation if pre_activation is not None else output
+    derivative = functional.activation_derivative(z, output, activation)
+    return grad.mul_(derivative) if inplace else grad * derivative
+
+
+class LocalLayer(nn.Module):
+    """Base of :class:`~torch_dad.DADLinear`, :class:`~torch_dad.DADAutogradLinear` and
+    :class:`~torch_dad.DADLMHead`: ``out = x @ weight.T + bias`` plus the local update.
+
+    Subclasses create ``weight``/``bias`` with :meth:`_init_linear` and, if they have one, the
+    local head with :meth:`_init_local_head`. ``config``/``update``/``grad_scaler`` are used by
+    the layers that update themselves inside ``backward`` (:meth:`_local_update`).
+    """
+
+    weight: nn.Parameter
+    bias: nn.Parameter | None
+    optim_state: LocalOptimizerState | None
+    config: OptimizerConfig
+    update: str = "inplace"
+    #: with ``update="grad"`` under fp16: the ``torch.amp.GradScaler`` in use
+    grad_scaler: Any = None
+    _warned_fp16: bool = False
+
+    # ------------------------------------------------------------------ construction
+    def _init_linear(
+        self, in_features: int, out_features: int, bias: bool, device: Any = None, dtype: Any = None
+    ) -> None:
+        """Uninitialised ``weight`` (out, in) and ``bias`` (out,) (or ``None``) parameters."""
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, **kw))
+        self.bias = nn.Parameter(torch.empty(out_features, **kw)) if bias else None
+
+    def _init_local_head(self, num_classes: int | None, *, as_parameters: bool = False) -> None:
+        """Uninitialised local head ``head_weight`` (C, out), ``head_bias`` (C,), or none for ``None``.
+
+        Buffers (in ``state_dict``, never in a user's optimizer) unless ``as_parameters``
+        (``update="grad"``: the external optimizer must see the local head).
+        """
+        if num_classes is None:
+            self.register_buffer("head_weight", None)
+            self.register_buffer("head_bias", None)
+            return
+        kw: dict[str, Any] = {"device": self.weight.device, "dtype": self.weight.dtype}
+        head_weight = torch.empty(num_classes, self.weight.shape[0], **kw)
+        head_bias = torch.empty(num_classes, **kw)
+        if as_parameters:
+            self.head_weight = nn.Parameter(head_weight)
+            self.head_bias = nn.Parameter(head_bias)
+        else:
+            self.register_buffer("head_weight", head_weight)
+            self.register_buffer("head_bias", head_bias)
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s initialisation for the layer and for its local head (if any)."""
+        nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
+        if self.bias is not None:
+            bound = 1.0 / math.sqrt(self.weight.shape[1])
+            nn.init.uniform_(self.bias, -bound, bound)
+        self._reset_local()
+
+    @torch.no_grad()
+    def _reset_local(self) -> None:
+        """``nn.Linear``'s initialisation for the local head, if the layer has one."""
+        head_weight, head_bias = getattr(self, "head_weight", None), getattr(self, "head_bias", None)
+        if head_weight is None or head_bias is None:
+            return
+        nn.init.kaiming_uniform_(head_weight, a=math.sqrt(5))
+        bound = 1.0 / math.sqrt(head_weight.shape[1])
+        nn.init.uniform_(head_bias, -bound, bound)
+
+    def _new_optim_state(self) -> LocalOptimizerState:
+        """Zero optimizer moments for :meth:`trained_tensors`, on the weight's device and dtype."""
+        shapes = [t.shape for t in self.trained_tensors()]
+        return LocalOptimizerState(shapes, device=self.weight.device, dtype=self.weight.dtype)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module, **kwargs: Any) -> Self:
+        """A layer with ``linear``'s shape, device and dtype and a copy (not a view) of its weights.
+
+        ``cls(linear.in_features, linear.out_features, bias=linear.bias is not None, **kwargs)``;
+        ``device``/``dtype`` default to the weight's.
+        """
+        weight = getattr(linear, "weight", None)
+        if not isinstance(weight, Tensor) or weight.dim() != 2:
+            raise TypeError(
+                f"from_linear expects a torch.nn.Linear (a module with a 2-D .weight), got {type(linear).__name__}"
+            )
+        for key in ("in_features", "out_features", "vocab_size", "bias"):
+            if key in kwargs:
+                raise TypeError(f"from_linear takes {key} from the linear layer; do not pass {key}=")
+        bias = getattr(linear, "bias", None)
+        kwargs.setdefault("device", weight.device)
+        kwargs.setdefault("dtype", weight.dtype)
+        layer = cast(Any, cls)(weight.shape[1], weight.shape[0], bias=bias is not None, **kwargs)
+        with torch.no_grad():
+            layer.weight.copy_(weight)
+            if isinstance(bias, Tensor) and layer.bias is not None:
+                layer.bias.copy_(bias)
+        return cast(Self, layer)
+
+    # ------------------------------------------------------------------ trained tensors
+    def trained_tensors(self) -> list[Tensor]:
+        """``weight, [bias,] [head_weight, head_bias]``: the order of every local gradient list."""
+        tensors = (getattr(self, name, None) for name in _SLOTS)
+        return [t for t in tensors if t is not None]
+
+    def _trains(self) -> bool:
+        """Whether autograd should update the layer: its weight or bias requires grad."""
+        return self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
+
+    # ------------------------------------------------------------------ the update
+    def _nonfinite_witnesses(self, grads: list[Tensor]) -> list[Tensor]:
+        """The gradients whose finiteness implies that of all of ``grads``."""
+        return grads
+
+    @torch.no_grad()
+    def apply_local_update(
+        self,
+        grads: list[Tensor],
+        config: OptimizerConfig,
+        lr: float | Tensor | None = None,
+        *,
+        on_nonfinite: str = "ignore",
+        loss: Tensor | None = None,
+    ) -> bool:
+        """``optim_state`` steps :meth:`trained_tensors` in place from ``grads`` (same order); True.
+
+        ``lr`` overrides ``config.lr``. ``on_nonfinite="skip"``/``"raise"`` first check that
+        ``grads`` (and ``loss``, if given) are finite (one reduction per gradient, a host sync on
+        CUDA); if not, nothing changes and it returns False (``"skip"``) or raises
+        ``FloatingPointError`` (``"raise"``). Gradients are cast to each tensor's dtype.
+        """
+        check_choice("on_nonfinite", on_nonfinite, NONFINITE_POLICIES)
+        if self.optim_state is None:
+            raise RuntimeError(f"{type(self).__name__}(update='grad') has no optimizer state; its gradients go to .grad")
+        if on_nonfinite != "ignore" and not (
+            (loss is None or bool(torch.isfinite(loss))) and gradients_are_finite(self._nonfinite_witnesses(grads))
+        ):
+            if on_nonfinite == "raise":
+                raise FloatingPointError(
+                    f"non-finite local gradients in {self!r} (lr too high, or overflow in half precision?); "
+                    "this layer was not updated. Lower lr, or pass on_nonfinite='skip' to skip such updates"
+                )
+            return False
+        params = [t.detach() for t in self.trained_tensors()]
+        grads = [g if g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(grads, params)]
+        self.optim_state.apply_(params, grads, config, lr)
+        return True
+
+    def _local_update(self, grads: list[Tensor]) -> list[Tensor] | None:
+        """``update="inplace"``: step with ``self.config`` now, return ``None``. ``update="grad"``:
+        return ``grads`` in the tensors' dtypes for autograd to accumulate into ``.grad``.
+
+        With ``grad_scaler`` set (and enabled) the handed gradients are multiplied by its scale,
+        so ``scaler.unscale_`` / ``scaler.step`` see them like backprop's.
+        """
+        if self.update == "inplace":
+            self.apply_local_update(grads, self.config)
+            return None
+        grads = [g if g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(grads, self.trained_tensors())]
+        scaler = self.grad_scaler
+        if scaler is not None and scaler.is_enabled():
+            scale = scaler._get_scale_async() if hasattr(scaler, "_get_scale_async") else scaler.get_scale()
+            if scale is not None:
+                grads = [g * scale.to(g.dtype) if isinstance(scale, Tensor) else g * scale for g in grads]
+        elif not self._warned_fp16 and any(g.dtype == torch.float16 for g in grads):
+            self._warned_fp16 = True
+            warnings.warn(
+                f"{type(self).__name__}(update='grad') with float16 weights: if a GradScaler is in use, set "
+                "layer.grad_scaler = scaler so the local gradients are scaled like backprop's",
+                stacklevel=3,
+            )
+        return grads
+
+    def _grads_by_slot(self, grads: list[Tensor] | None, needed: tuple[bool, ...]) -> list[Tensor | None]:
+        """``grads`` (in :meth:`trained_tensors` order) spread over the slots ``weight, bias,
+        head_weight, head_bias``, ``None`` where a tensor is absent or ``needed`` is False."""
+        out: list[Tensor | None] = [None] * len(_SLOTS)
+        if grads is None:
+            return out
+        given = iter(grads)
+        for slot, name in enumerate(_SLOTS):
+            if getattr(self, name, None) is not None:
+                grad = next(given)
+                if slot < len(needed) and needed[slot]:
+                    out[slot] = grad
+        return out

@@ -1,0 +1,280 @@
+"""The DAD language-model head: a causal LM's ``lm_head`` that trains itself.
+
+:class:`DADLMHead` runs the fused step :func:`torch_dad.ops.linear_cross_entropy.linear_cross_entropy`
+in its forward and applies the update in backward ("optimizer in backward"): no ``.grad`` of size
+V x D is kept and the user's optimizer never holds moments for it.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .. import functional
+from ..ops.linear_cross_entropy import (
+    BACKENDS,
+    HALF_DTYPES,
+    LinearCrossEntropyResult,
+    autocast_dtype,
+    check_token_labels,
+    linear_cross_entropy,
+    shift_labels,
+)
+from ..optim import LocalOptimizerState, OptimizerConfig
+
+__all__ = ["DADLMHead", "LMHeadOutput", "linear_cross_entropy"]
+
+UPDATES: tuple[str, ...] = ("inplace", "grad")
+
+
+@dataclass
+class LMHeadOutput:
+    """What :meth:`DADLMHead.fused_loss` returns; per-token fields have the labels' shape, 0 where ignored."""
+
+    loss: Tensor
+    log_probs: Tensor
+    entropy: Tensor | None
+    is_top1: Tensor | None
+    label_mask: Tensor
+
+
+class _DADLMHeadFunction(torch.autograd.Function):
+    """``log p(y_t)`` per valid token; backward = the head's update (+ ``dL/dhidden`` if asked).
+
+    ``apply(hidden, weight, bias, head, target, token_stats)`` with ``hidden`` (n, D) holding only
+    valid rows. Forward runs the fused step once (loss, summed ``dW``, per-row ``dh``) and keeps the
+    gradients on ``ctx``; backward scales them by the incoming per-token gradient.
+    """
+
+    @staticmethod
+    def forward(  # type: ignore[override]
+        ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, head: DADLMHead, target: Tensor,
+        token_stats: bool,
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        trains = head._trains()
+        want_gi = bool(ctx.needs_input_grad[0]) and head.backprop_gradients
+        res = linear_cross_entropy(
+            hidden, weight, target, bias, ignore_index=head.ignore_index, reduction="sum",
+            grad_weight=trains, grad_input=want_gi, token_stats=token_stats, chunk_size=head.chunk_size,
+            backend=head.impl, compute_dtype=head._compute_dtype(hidden),
+        )
+        ctx.head, ctx.res, ctx.used = head, res, False
+        head.last_impl = res.backend
+        log_probs = res.log_probs
+        assert log_probs is not None
+        entropy = res.entropy if res.entropy is not None else torch.zeros_like(log_probs)
+        top1 = res.is_top1 if res.is_top1 is not None else torch.zeros(log_probs.shape, dtype=torch.bool,
+                                                                         device=log_probs.device)
+        ctx.mark_non_differentiable(entropy, top1)
+        return log_probs, entropy.to(log_probs.dtype), top1
+
+    @staticmethod
+    def backward(ctx: Any, grad_log_probs: Tensor, _g_entropy: Tensor, _g_top1: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+        head: DADLMHead = ctx.head
+        res: LinearCrossEntropyResult = ctx.res
+        if ctx.used:
+            raise RuntimeError(
+                "DADLMHead: a second backward through the same forward; the head was already updated from it. "
+                "Run a fresh forward before each backward"
+            )
+        ctx.used = True
+        grad_hidden = None
+        if res.grad_input is not None:
+            # d log p_t / d h_t = -(p_t - onehot_t) @ W = -grad_input_t (summed reduction)
+            grad_hidden = res.grad_input * (-grad_log_probs).to(res.grad_input.dtype).unsqueeze(1)
+        n = res.num_valid
+        grads = [g for g in (res.grad_weight, res.grad_bias) if g is not None]
+        out_w = out_b = None
+        if head._trains() and n and grads:
+            if head.update == "inplace":
+                # the head's own objective: mean CE over this batch's valid tokens
+                head._apply_local([g.mul_(1.0 / n) for g in grads])
+            else:
+                weight_per_token = -grad_log_probs
+                lo, hi = (float(v) for v in torch.stack([weight_per_token.min(), weight_per_token.max()]).tolist())
+                if not math.isclose(lo, hi, rel_tol=1e-4, abs_tol=0.0):
+                    raise ValueError(
+                        "DADLMHead(update='grad') needs the loss to weight every token alike (mean or sum of the "
+                        f"token log-likelihoods); got per-token weights in [{lo:.3g}, {hi:.3g}]. Use update='inplace'"
+                    )
+                scale = float(weight_per_token.mean())
+                out_w = res.grad_weight.mul_(scale).to(head.weight.dtype) if res.grad_weight is not None else None
+                if res.grad_bias is not None and head.bias is not None:
+                    out_b = res.grad_bias.mul_(scale).to(head.bias.dtype)
+        ctx.res = None
+        return grad_hidden, out_w, out_b, None, None, None
+
+
+class DADLMHead(nn.Module):
+    """A causal LM's ``lm_head``: ``logits = hidden @ weight.T (+ bias)`` that trains itself.
+
+    ``forward(hidden)`` returns logits (evaluation, generation, ``compute_metrics``).
+    :meth:`fused_loss` (training) runs :func:`linear_cross_entropy` on the valid tokens and returns
+    per-token log-likelihoods whose backward updates the head: ``update="inplace"`` applies AdamW
+    (state in buffers) to the mean next-token CE of the batch; ``update="grad"`` accumulates the
+    upstream loss's gradient into ``.grad``. With ``backprop_gradients=True`` the backward also
+    returns the true ``dL/dhidden`` (pre-update weights) so LoRA adapters or the backbone train.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        vocab_size: int,
+        bias: bool = False,
+        *,
+        backprop_gradients: bool = False,
+        update: str = "inplace",
+        lr: float = 1e-4,
+        weight_decay: float = 0.0,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        ignore_index: int = functional.IGNORE_INDEX,
+        chunk_size: int | None = None,
+        impl: str = "auto",
+        compute_dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        for name, value in (("in_features", in_features), ("vocab_size", vocab_size)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name}={value!r} must be a positive int")
+        if update not in UPDATES:
+            raise ValueError(f"update={update!r} must be 'inplace' (own AdamW in backward) or 'grad' (fill .grad)")
+        if not isinstance(backprop_gradients, bool):
+            raise TypeError(f"backprop_gradients must be a bool, got {type(backprop_gradients).__name__}")
+        if impl not in BACKENDS:
+            raise ValueError(f"impl={impl!r} is not supported; choose one of {', '.join(BACKENDS)}")
+        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+            raise ValueError(f"chunk_size={chunk_size!r} must be a positive int or None (automatic)")
+        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
+            raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
+        self.in_features, self.vocab_size = in_features, vocab_size
+        self.config = OptimizerConfig(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps)  # type: ignore[arg-type]
+        self.update, self.backprop_gradients, self.ignore_index = update, backprop_gradients, ignore_index
+        self.chunk_size, self.impl, self.compute_dtype = chunk_size, impl, compute_dtype
+        self.last_impl: str | None = None
+        kw: dict[str, Any] = {"device": device, "dtype": dtype}
+        self.weight = nn.Parameter(torch.empty(vocab_size, in_features, **kw))
+        self.bias = nn.Parameter(torch.zeros(vocab_size, **kw)) if bias else None
+        nn.init.normal_(self.weight, std=in_features**-0.5)
+        self.optim_state: LocalOptimizerState | None = None
+        if update == "inplace":
+            self.optim_state = LocalOptimizerState([t.shape for t in self._trained_tensors()], device=device, dtype=dtype)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Module, **kwargs: Any) -> DADLMHead:
+        """A head with ``linear``'s weight (and bias) copied (not shared), on its device and dtype."""
+        weight = getattr(linear, "weight", None)
+        if not isinstance(weight, Tensor) or weight.dim() != 2:
+            raise TypeError(f"from_linear needs a module with a 2-D .weight (an nn.Linear), got {type(linear).__name__}")
+        bias = getattr(linear, "bias", None)
+        head = cls(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype,
+                   **kwargs)
+        with torch.no_grad():
+            head.weight.copy_(weight)
+            if bias is not None and head.bias is not None:
+                head.bias.copy_(bias)
+        return head
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, vocab_size={self.vocab_size}, bias={self.bias is not None}, "
+                f"update={self.update!r}, backprop_gradients={self.backprop_gradients}, impl={self.impl!r}")
+
+    @property
+    def out_features(self) -> int:
+        """``vocab_size``, as ``nn.Linear`` names it."""
+        return self.vocab_size
+
+    def _trains(self) -> bool:
+        return self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
+
+    def _trained_tensors(self) -> list[Tensor]:
+        return [self.weight] if self.bias is None else [self.weight, self.bias]
+
+    def _compute_dtype(self, hidden: Tensor) -> torch.dtype | None:
+        """``compute_dtype``, else the autocast dtype, else bf16/fp16 if ``hidden`` is (mixed precision
+        with float32 master weights: the activations' dtype decides), else ``None`` (promote)."""
+        if self.compute_dtype is not None:
+            return self.compute_dtype
+        return autocast_dtype(hidden.device) or (hidden.dtype if hidden.dtype in HALF_DTYPES else None)
+
+    def _apply_local(self, grads: list[Tensor]) -> None:
+        assert self.optim_state is not None
+        params = [t.detach() for t in self._trained_tensors()]
+        grads = [g if g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(grads, params)]
+        with torch.no_grad():
+            self.optim_state.apply_(params, grads, self.config)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        """Logits ``hidden @ weight.T (+ bias)``, as ``nn.Linear`` (no update, labels not needed).
+
+        Outside autocast, float32 master weights meet bf16/fp16 hidden states in the hidden dtype.
+        """
+        weight: Tensor = self.weight
+        bias: Tensor | None = self.bias
+        if hidden.dtype != weight.dtype and not torch.is_autocast_enabled(hidden.device.type):
+            weight = weight.to(hidden.dtype)
+            bias = None if bias is None else bias.to(hidden.dtype)
+        return nn.functional.linear(hidden, weight, bias)
+
+    def fused_loss(
+        self,
+        hidden: Tensor,
+        labels: Tensor,
+        *,
+        shift: bool = True,
+        num_items_in_batch: int | Tensor | None = None,
+        token_stats: bool = False,
+    ) -> LMHeadOutput:
+        """Next-token loss of ``hidden`` (..., D) against ``labels`` (...) without full logits.
+
+        ``shift=True`` scores position t against ``labels[..., t+1]`` (as HF causal LMs do);
+        ``shift=False`` takes ``labels`` as already shifted. ``loss = -sum(log p) / num_items_in_batch``
+        (default: the number of valid tokens). In training with autograd on, backward updates the
+        head; an all-ignored batch leaves it unchanged.
+        """
+        if not isinstance(hidden, Tensor):
+            raise TypeError(f"hidden must be a torch.Tensor, got {type(hidden).__name__}")
+        if hidden.dim() < 1 or hidden.shape[-1] != self.in_features:
+            raise ValueError(
+                f"hidden has shape {tuple(hidden.shape)}; the last dim must be in_features={self.in_features}"
+            )
+        rows_shape = tuple(hidden.shape[:-1])
+        if isinstance(labels, Tensor) and labels.device != hidden.device:
+            labels = labels.to(hidden.device)
+        check_token_labels(labels, rows_shape, self.vocab_size, self.ignore_index)
+        targets = shift_labels(labels, self.ignore_index) if shift and labels.dim() > 0 else labels
+        mask = targets != self.ignore_index
+        flat_mask = mask.reshape(-1)
+        index = flat_mask.nonzero().squeeze(1)
+        num_valid = index.numel()
+        # score only valid positions: padding and prompt tokens cost no GEMM
+        rows = hidden.reshape(-1, self.in_features).index_select(0, index)
+        weight = self.weight
+        if self.training and torch.is_grad_enabled():
+            lp, ent, top1 = _DADLMHeadFunction.apply(rows, weight, self.bias, self, targets.reshape(-1)[index],
+                                                     token_stats)
+        else:
+            with torch.no_grad():
+                res = linear_cross_entropy(rows, weight, targets.reshape(-1)[index], self.bias,
+                                           ignore_index=self.ignore_index, reduction="sum", grad_weight=False,
+                                           grad_input=False, token_stats=True, chunk_size=self.chunk_size,
+                                           backend="torch", compute_dtype=self._compute_dtype(hidden))
+            assert res.log_probs is not None and res.entropy is not None and res.is_top1 is not None
+            lp, ent, top1 = res.log_probs, res.entropy, res.is_top1
+        n_rows = flat_mask.numel()
+        log_probs = lp.new_zeros(n_rows).index_copy(0, index, lp).reshape(mask.shape)
+        entropy = ent.new_zeros(n_rows).index_copy(0, index, ent).reshape(mask.shape) if token_stats else None
+        is_top1 = top1.new_zeros(n_rows).index_copy(0, index, top1).reshape(mask.shape) if token_stats else None
+        denom = num_valid if num_items_in_batch is None else num_items_in_batch
+        if isinstance(denom, Tensor):
+            denom = denom.to(log_probs.device).clamp(min=1)
+        else:
+            denom = max(int(denom), 1)
+        loss = -log_probs.sum() / denom
+        return LMHeadOutput(loss=loss, log_probs=log_probs, entropy=entropy, is_top1=is_top1, label_mask=mask)

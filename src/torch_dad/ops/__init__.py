@@ -1,0 +1,1 @@
+"""Fused operations, each with a PyTorch twin and (on CUDA) a Triton kernel path."""

@@ -1,0 +1,150 @@
+"""Cross-entropy over the rows of a logits chunk, turned into its gradient in place.
+
+For a chunk of logits ``x`` (R, V) in the compute dtype and targets ``y`` (R,) this computes,
+per row (the chunk body of :func:`torch_dad.ops.linear_cross_entropy.linear_cross_entropy`)::
+
+    lse      = logsumexp(x)                              (float32)
+    log_p    = x[y] - lse                                (0 on ignored rows)
+    x       <- (softmax(x) - onehot(y)) * scale          (in place; 0 on ignored rows)
+    entropy  = -sum softmax(x) * log softmax(x)          (optional, 0 on ignored rows)
+    is_top1  = argmax(x) == y                            (optional, False on ignored rows)
+
+The Triton kernel (:mod:`torch_dad.kernels.cross_entropy`) is one launch, one program per row: a
+first loop over V in blocks keeps a per-lane running max and sum of exponentials (online softmax,
+float32) and the first index of the max; a second loop rereads the row (from L2 at the chunk sizes
+used) and overwrites it with the gradient in the logits' dtype. Two reads and one write of the
+compute-dtype logits, no float32 copy of the chunk.
+
+The PyTorch twin computes the gradient of :func:`torch_dad.functional.cross_entropy_error`
+(rescaled from ``1 / valid rows`` to ``scale``) in place in one float32 buffer: the oracle builds
+``one_hot``, ``log_softmax`` and their products, about five chunk-sized temporaries, which the
+chunk size (``torch_dad.ops.linear_cross_entropy.CHUNK_BYTES``) does not budget for.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..kernels import next_pow2, use_triton
+
+__all__ = ["cross_entropy_rows_"]
+
+_TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# vocabulary elements per block of the row loops: 4096 bf16 = 8 KiB a step, 16 a thread at 8 warps
+_MAX_BLOCK_V = 4096
+
+
+@dataclass
+class _Rows:
+    """One call's row targets, options and outputs (what the kernel and its twin both take)."""
+
+    target: Tensor
+    log_probs: Tensor
+    ignore_index: int
+    scale: float
+    write_grad: bool
+    entropy: Tensor | None
+    is_top1: Tensor | None
+
+    def fits_kernel(self, logits: Tensor) -> bool:
+        """Whether the Triton kernel can take these tensors (dtype, strides)."""
+        return (
+            logits.dtype in _TRITON_DTYPES
+            and logits.stride(1) == 1
+            and self.log_probs.dtype == torch.float32
+            and self.log_probs.is_contiguous()
+            and (self.entropy is None or (self.entropy.dtype == torch.float32 and self.entropy.is_contiguous()))
+            and (self.is_top1 is None or self.is_top1.is_contiguous())
+        )
+
+
+def cross_entropy_rows_(
+    logits: Tensor,
+    target: Tensor,
+    log_probs: Tensor,
+    *,
+    ignore_index: int,
+    scale: float,
+    write_grad: bool = True,
+    entropy: Tensor | None = None,
+    is_top1: Tensor | None = None,
+    backend: str = "auto",
+) -> None:
+    """Fill ``log_probs`` (R,) (and ``entropy``, ``is_top1``) and, if ``write_grad``, overwrite
+    ``logits`` (R, V) with ``(softmax - onehot(target)) * scale`` (zero on ignored rows).
+
+    ``target`` holds ids in ``[0, V)`` or ``ignore_index``. ``backend="auto"`` runs the Triton
+    kernel on CUDA (or under ``TRITON_INTERPRET=1``) for float32/fp16/bf16 logits, else the
+    PyTorch twin.
+    """
+    if logits.dim() != 2 or target.shape != (logits.shape[0],) or log_probs.shape != (logits.shape[0],):
+        raise ValueError(
+            f"logits {tuple(logits.shape)}, target {tuple(target.shape)} and log_probs {tuple(log_probs.shape)} "
+            "must be (R, V), (R,), (R,)"
+        )
+    rows = _Rows(target, log_probs, ignore_index, scale, write_grad, entropy, is_top1)
+    fits = rows.fits_kernel(logits)
+    if backend == "triton" and not fits:
+        raise ValueError(
+            "backend='triton' needs float32/fp16/bf16 logits with unit column stride and contiguous float32 "
+            "outputs; use backend='torch'"
+        )
+    if logits.shape[0] and use_triton(logits, backend) and fits:
+        _cross_entropy_rows_triton(logits, rows)
+    else:
+        _cross_entropy_rows_torch(logits, rows)
+
+
+def _cross_entropy_rows_torch(logits: Tensor, rows: _Rows) -> None:
+    """PyTorch twin, in one float32 buffer (softmax in float32 for half logits, as the kernel)."""
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        wide = logits.float()
+    else:  # overwritten anyway when the gradient is written: no copy then
+        wide = logits if rows.write_grad else logits.clone()
+    valid = rows.target != rows.ignore_index
+    t = torch.where(valid, rows.target, torch.zeros_like(rows.target)).unsqueeze(1)
+    lse = torch.logsumexp(wide, dim=1)
+    rows.log_probs.copy_((wide.gather(1, t).squeeze(1) - lse).masked_fill_(~valid, 0))
+    if rows.is_top1 is not None:
+        rows.is_top1.copy_((wide.argmax(1) == t.squeeze(1)) & valid)
+    if not (rows.write_grad or rows.entropy is not None):
+        return
+    probs = wide.sub_(lse.unsqueeze(1)).exp_()
+    if rows.entropy is not None:
+        rows.entropy.copy_(torch.special.entr(probs).sum(1).masked_fill_(~valid, 0))
+    if rows.write_grad:
+        mask = valid.to(probs.dtype).unsqueeze(1)
+        probs.scatter_add_(1, t, -mask)  # - onehot(y) on valid rows
+        probs.mul_(mask * rows.scale)  # ignored rows -> 0
+        if probs is not logits:
+            logits.copy_(probs)
+
+
+# ---------------------------------------------------------------------------------- Triton
+@functools.lru_cache(maxsize=1)
+def _kernel() -> Any:
+    from ..kernels import cross_entropy as kernels  # imports triton: only on the first launch
+
+    return kernels.ce_rows_kernel
+
+
+def _cross_entropy_rows_triton(logits: Tensor, rows: _Rows) -> None:
+    """Launch :func:`torch_dad.kernels.cross_entropy.ce_rows_kernel`, one program per row."""
+    kernel = _kernel()
+    n_rows, vocab = logits.shape
+    block = min(_MAX_BLOCK_V, max(16, next_pow2(vocab)))
+    log_probs, entropy, is_top1 = rows.log_probs, rows.entropy, rows.is_top1
+    top1 = None if is_top1 is None else (is_top1.view(torch.uint8) if is_top1.dtype == torch.bool else is_top1)
+    kernel[(n_rows,)](
+        logits, rows.target.contiguous(), log_probs,
+        log_probs if entropy is None else entropy,
+        log_probs if top1 is None else top1,
+        vocab, logits.stride(0), float(rows.scale), int(rows.ignore_index),
+        BLOCK_V=block, WRITE_GRAD=bool(rows.write_grad), ENTROPY=entropy is not None, TOP1=top1 is not None,
+        num_warps=8 if block >= 2048 else 4,
+    )

@@ -1,0 +1,438 @@
+"""Fused linear cross-entropy: loss and gradients of an LM head without the full logits.
+
+For an LM head (vocab ``V`` of 32k-256k) the costs of a training step are the (tokens x V)
+logits and the V x D gradient plus its optimizer state. :func:`linear_cross_entropy` computes
+the loss, ``dL/dW`` and (optionally) ``dL/dhidden`` of ``CE(hidden @ W.T + b, target)`` in
+token chunks, so only one chunk's logits ever exist
+(:class:`torch_dad.nn.lm_head.DADLMHead` runs it as a causal LM's ``lm_head``).
+
+The math is :func:`torch_dad.functional.head_loss_and_gradients` (the float64 oracle the
+tests compare with); here it is rearranged per chunk::
+
+    logits_c = h_c @ W.T + b                         (chunk of rows c, compute dtype)
+    lse_c    = logsumexp(logits_c)                   (float32)
+    log p_c  = logits_c[y_c] - lse_c                 (per-token log-likelihood)
+    d_c      = (softmax(logits_c) - onehot(y_c)) * scale   (0 on ignored rows)
+    dL/dW   += d_c.T @ h_c   (float32 accumulator)   dL/db += d_c.sum(0)
+    dL/dh_c  = d_c @ W
+
+``scale`` is ``1 / num_valid`` (``reduction="mean"``) or 1 (``"sum"``). The middle three lines
+are :func:`torch_dad.ops.cross_entropy.cross_entropy_rows_`: a Triton row kernel
+(``backend="triton"``) or its PyTorch twin (``backend="torch"``), in one shared chunk loop.
+``backend="liger"`` / ``"cce"`` hand the whole step to another library (:mod:`.external`).
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .. import functional
+from . import external
+from .cross_entropy import cross_entropy_rows_
+
+__all__ = [
+    "BACKENDS",
+    "CHUNK_BYTES",
+    "CUDA_PREFERENCE",
+    "HALF_DTYPES",
+    "TRITON_CHUNK_BYTES",
+    "UNUSABLE",
+    "LinearCrossEntropyResult",
+    "autocast_dtype",
+    "check_token_labels",
+    "default_chunk_size",
+    "linear_cross_entropy",
+    "resolve_backend",
+    "shift_labels",
+]
+
+BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", *external.LIBRARIES)
+# Bytes of transient logits one chunk may hold (compute-dtype logits + their float32 softmax).
+# At V=49152 in bf16 this is 224 rows (63 MiB); a 1024-row chunk (300 MiB) took the step's peak
+# from 695 to 1,144 MiB on the H200 for 2x speed (`python benchmarks/lm_head.py`, torch rows).
+CHUNK_BYTES = 64 * 2**20
+# Bytes of the logits chunk for backend="triton", which keeps only the compute-dtype logits (its row
+# kernel writes the gradient over them; no float32 copy). At V=49152 bf16 this is 2048 rows
+# (192 MiB): the dW GEMM then has K=2048 and the float32 dW accumulator (113 MiB at D=576) is read
+# and written 4 times for 8192 tokens instead of 32. The step's other memory at that shape (float32
+# weight, AdamW moments, dW, bf16 weight copy) is ~560 MiB, so the peak stays near 760 MiB, under
+# 1/6 of the unfused step's 5,773 MiB (H200, `python benchmarks/lm_head.py`, which also times 512
+# and 1024 rows).
+TRITON_CHUNK_BYTES = 192 * 2**20
+HALF_DTYPES = (torch.float16, torch.bfloat16)
+# Preference on CUDA when backend="auto". "triton" (ours) and liger-kernel both keep the logits
+# chunk in the compute dtype and turn it into the gradient in place with one row kernel (two
+# reads, one write); ours uses 2048-row chunks (large GEMMs) where liger picks ~128 rows. The
+# torch twin needs ~6 float32 passes per chunk. benchmarks/lm_head.py measures them.
+CUDA_PREFERENCE: tuple[str, ...] = ("triton", "liger", "torch")
+# backends that failed to import or run on this machine: backend="auto" skips them (name -> reason)
+UNUSABLE: dict[str, str] = {}
+
+
+@dataclass
+class LinearCrossEntropyResult:
+    """What one fused step returns; every gradient is that of ``loss``.
+
+    ``loss`` = ``scale * sum_valid CE`` (float32, 0-dim). ``grad_weight``/``grad_bias`` are
+    float32 (float64 for float64 inputs); ``grad_input`` has ``hidden``'s dtype. The
+    per-token fields are float32 (``is_top1`` bool) over all rows, 0 on ignored rows.
+    ``backend`` names the implementation that ran.
+    """
+
+    loss: Tensor
+    grad_weight: Tensor | None
+    grad_bias: Tensor | None
+    grad_input: Tensor | None
+    log_probs: Tensor | None
+    entropy: Tensor | None
+    is_top1: Tensor | None
+    num_valid: int
+    backend: str
+
+
+def default_chunk_size(vocab: int, compute_dtype: torch.dtype, token_stats: bool = False,
+                       backend: str = "torch") -> int:
+    """Rows per chunk (multiple of 16): one chunk's logits + float32 softmax fit :data:`CHUNK_BYTES`;
+    for ``backend="triton"`` the compute-dtype logits alone fit :data:`TRITON_CHUNK_BYTES`."""
+    size = torch.empty((), dtype=compute_dtype).element_size()
+    if backend == "triton":
+        per_row, budget = vocab * size, TRITON_CHUNK_BYTES
+    else:
+        per_row, budget = vocab * (size + 4 + (4 if token_stats else 0)), CHUNK_BYTES
+    rows = budget // max(per_row, 1)
+    return max(16, rows // 16 * 16)
+def shift_labels(labels: Tensor, ignore_index: int = functional.IGNORE_INDEX) -> Tensor:
+    """Next-token targets as HF causal LMs use them: ``cat(labels[..., 1:], ignore)``, same shape."""
+    pad = torch.full_like(labels[..., :1], ignore_index)
+    return torch.cat([labels[..., 1:], pad], dim=-1)
+
+
+def check_token_labels(
+    target: Tensor, rows_shape: tuple[int, ...], vocab: int, ignore_index: int = functional.IGNORE_INDEX, *, name: str = "labels"
+) -> int:
+    """Raise unless ``target`` holds integer ids of shape ``rows_shape`` in ``[0, vocab)`` or ``ignore_index``.
+
+    Returns the number of non-ignored entries (one host sync for the range check and the count).
+    """
+    if not isinstance(target, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(target).__name__}")
+    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
+        raise TypeError(f"{name} have dtype {target.dtype}; pass integer token ids (e.g. {name}.long())")
+    if tuple(target.shape) != tuple(rows_shape):
+        raise ValueError(
+            f"{name} have shape {tuple(target.shape)} but the hidden states have {tuple(rows_shape)} tokens; "
+            f"pass one token id (or {ignore_index} to ignore) per position, shape {tuple(rows_shape)}"
+        )
+    if target.numel() == 0:
+        return 0
+    valid = target != ignore_index
+    bad = valid & ((target < 0) | (target >= vocab))
+    n_bad, n_valid = (int(v) for v in torch.stack([bad.sum(), valid.sum()]).tolist())
+    if n_bad:
+        values = target[bad]
+        raise ValueError(
+            f"{name} must lie in [0, {vocab}) (the vocabulary size) or equal ignore_index={ignore_index}; "
+            f"{n_bad} entries do not (values in [{int(values.min())}, {int(values.max())}]). Mask padding with "
+            f"{ignore_index}, or resize the head if the tokenizer grew"
+        )
+    return n_valid
+
+
+def _check_hidden_weight(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> None:
+    for name, t in (("hidden", hidden), ("weight", weight)):
+        if not isinstance(t, Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if not t.dtype.is_floating_point:
+            raise TypeError(f"{name} has dtype {t.dtype}; convert it with .float()")
+    if weight.dim() != 2:
+        raise ValueError(f"weight has shape {tuple(weight.shape)}; expected (vocab, hidden)")
+    if hidden.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(
+            f"hidden has shape {tuple(hidden.shape)}; expected (tokens, {weight.shape[1]}) to match weight "
+            f"{tuple(weight.shape)} (flatten batch and sequence with hidden.reshape(-1, {weight.shape[1]}))"
+        )
+    if bias is not None and (not isinstance(bias, Tensor) or tuple(bias.shape) != (weight.shape[0],)):
+        got = tuple(bias.shape) if isinstance(bias, Tensor) else type(bias).__name__
+        raise ValueError(f"bias has shape {got}; expected ({weight.shape[0]},) or None")
+
+
+def autocast_dtype(device: torch.device) -> torch.dtype | None:
+    """``torch.get_autocast_dtype(device.type)`` while autocast is on for that device type, else ``None``."""
+    if torch.is_autocast_enabled(device.type):
+        return torch.get_autocast_dtype(device.type)
+    return None
+
+
+def _triton_runnable(device: torch.device) -> str | None:
+    """``None`` if our Triton kernels can run on ``device`` (CUDA, or CPU under ``TRITON_INTERPRET=1``)."""
+    from ..kernels import _interpreting, triton_available
+
+    if "triton" in UNUSABLE:
+        return UNUSABLE["triton"]
+    # the device first: on CPU the answer must not depend on whether triton happens to be installed
+    if device.type != "cuda" and not _interpreting():
+        return f"runs on CUDA only (or on CPU under TRITON_INTERPRET=1), not on {device.type}"
+    if not triton_available():
+        return "triton is not importable (install torch-dad[gpu])"
+    return None
+
+
+def _library_refusal(name: str, *, bias: bool, token_stats: bool, cce_refused: bool) -> str | None:
+    """Why library backend ``name`` cannot run this call (``None`` if it can); device already CUDA."""
+    if name == "cce" and bias:
+        return "backend='cce' takes no bias; use backend='triton', 'torch' or 'liger' for a head with a bias"
+    if name == "cce" and cce_refused:
+        return external.CCE_HALF_GRAD_INPUT
+    if token_stats:
+        return f"backend={name!r} returns no per-token entropy; use backend='triton' or 'torch' for token_stats=True"
+    reason = UNUSABLE.get(name) or external.import_error(name)
+    if reason is not None:
+        return (f"backend={name!r} needs a working {external.LIBRARIES[name]} package ({reason}); install it or "
+                "use backend='triton' or 'torch'")
+    return None
+
+
+def resolve_backend(
+    backend: str,
+    device: torch.device,
+    *,
+    bias: bool = False,
+    token_stats: bool = False,
+    grad_input: bool = False,
+    dtype: torch.dtype | None = None,
+) -> str:
+    """The backend ``backend`` stands for on ``device``: ``auto`` = the first usable of
+    :data:`CUDA_PREFERENCE` on CUDA, ``torch`` elsewhere; an explicit one that cannot run raises.
+
+    ``grad_input``/``dtype`` describe the call: cut-cross-entropy is refused for ``dL/dhidden`` in
+    bf16/fp16 (see :data:`torch_dad.ops.external.CCE_HALF_GRAD_INPUT`).
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend={backend!r} is not supported; choose one of {', '.join(BACKENDS)}")
+    cce_refused = grad_input and dtype in HALF_DTYPES
+    if backend == "auto":
+        if device.type != "cuda":
+            return "torch"
+        for name in CUDA_PREFERENCE:
+            if name == "torch":
+                break
+            if name == "triton":
+                reason = _triton_runnable(device)
+            else:
+                reason = _library_refusal(name, bias=bias, token_stats=token_stats, cce_refused=cce_refused)
+            if reason is None:
+                return name
+        return "torch"
+    if backend == "triton":
+        reason = _triton_runnable(device)
+        if reason is not None:
+            raise ValueError(f"backend='triton' {reason}; use backend='torch' (or 'auto')")
+    elif backend != "torch":
+        if device.type != "cuda":
+            raise ValueError(f"backend={backend!r} runs on CUDA only; use backend='torch' (or 'auto') on {device.type}")
+        reason = _library_refusal(backend, bias=bias, token_stats=token_stats, cce_refused=cce_refused)
+        if reason is not None:
+            raise ValueError(reason)
+    return backend
+
+
+def _check_options(reduction: str, chunk_size: int | None, compute_dtype: torch.dtype | None) -> None:
+    if reduction not in ("mean", "sum"):
+        raise ValueError(f"reduction={reduction!r} must be 'mean' or 'sum'")
+    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
+        raise ValueError(f"chunk_size={chunk_size!r} must be a positive int or None (automatic)")
+    if compute_dtype is not None and (not isinstance(compute_dtype, torch.dtype) or not compute_dtype.is_floating_point):
+        raise TypeError(f"compute_dtype={compute_dtype!r} must be a floating torch.dtype or None")
+
+
+@dataclass
+class _Step:
+    """One call's inputs after validation: what every backend runs on."""
+
+    hidden: Tensor
+    weight: Tensor
+    target: Tensor
+    bias: Tensor | None
+    ignore_index: int
+    scale: float
+    want_gw: bool
+    want_gi: bool
+    token_stats: bool
+    dtype: torch.dtype
+    num_valid: int
+
+
+def linear_cross_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    target: Tensor,
+    bias: Tensor | None = None,
+    *,
+    ignore_index: int = functional.IGNORE_INDEX,
+    reduction: str = "mean",
+    grad_weight: bool = True,
+    grad_input: bool = True,
+    token_stats: bool = False,
+    chunk_size: int | None = None,
+    backend: str = "auto",
+    compute_dtype: torch.dtype | None = None,
+) -> LinearCrossEntropyResult:
+    """Loss and gradients of ``CE(hidden @ weight.T + bias, target)`` without the full logits.
+
+    ``hidden`` (N, D), ``weight`` (V, D), ``target`` (N,) ids or ``ignore_index``. Equals
+    :func:`torch_dad.functional.head_loss_and_gradients` (+ ``dL/dhidden = d_logits @ W``) up to
+    the compute dtype's rounding. ``compute_dtype`` defaults to the autocast dtype when autocast
+    is on, else ``promote_types(hidden, weight)``. ``token_stats`` adds per-token ``entropy`` and
+    ``is_top1``. ``backend`` is one of :data:`BACKENDS` (see :func:`resolve_backend`). Runs
+    without autograd; the inputs are not modified.
+    """
+    _check_hidden_weight(hidden, weight, bias)
+    _check_options(reduction, chunk_size, compute_dtype)
+    num_valid = check_token_labels(target, (hidden.shape[0],), weight.shape[0], ignore_index, name="target")
+    dtype = compute_dtype or autocast_dtype(hidden.device) or torch.promote_types(hidden.dtype, weight.dtype)
+    name = resolve_backend(backend, hidden.device, bias=bias is not None, token_stats=token_stats,
+                           grad_input=grad_input, dtype=dtype)
+    scale = (1.0 / num_valid if num_valid else 0.0) if reduction == "mean" else 1.0
+    step = _Step(hidden, weight, target, bias, ignore_index, scale, grad_weight, grad_input, token_stats, dtype,
+                 num_valid)
+    with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+        if name == "torch":
+            return _chunked(step, "torch", chunk_size)
+        try:
+            if name == "triton":
+                return _chunked(step, "triton", chunk_size)
+            return _library(step, name)
+        except Exception as exc:  # backend="auto" must always work: fall back to the torch twin, say why once
+            if backend != "auto":
+                raise
+            UNUSABLE[name] = f"{type(exc).__name__}: {exc}"
+            warnings.warn(f"backend={name!r} failed here ({UNUSABLE[name]}); backend='auto' uses 'torch' from now on",
+                          RuntimeWarning, stacklevel=2)
+        return _chunked(step, "torch", chunk_size)
+
+
+def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
+    """``acc += a @ b`` with ``acc`` kept in its (wider) dtype."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda and hasattr(torch.ops.aten.addmm, "dtype_out"):
+        # cuBLAS reads bf16/fp16 and accumulates into the float32 buffer directly: no
+        # parameter-sized temporary per chunk (torch >= 2.8)
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+
+
+@dataclass
+class _ChunkSums:
+    """The outputs :func:`_chunked` fills chunk by chunk: zeroed ``dW`` (V, D), ``db`` (V,),
+    ``dh`` (N, D), per-token log-likelihood, entropy and top-1 flags (each ``None`` when not asked for)."""
+
+    grad_weight: Tensor | None
+    grad_bias: Tensor | None
+    grad_input: Tensor | None
+    log_probs: Tensor
+    entropy: Tensor | None
+    is_top1: Tensor | None
+
+    @classmethod
+    def zeros(cls, step: _Step, acc: torch.dtype) -> _ChunkSums:
+        (n, d), vocab = step.hidden.shape, step.weight.shape[0]
+        device = step.hidden.device
+        want_gw, stats = step.want_gw, step.token_stats
+        return cls(
+            grad_weight=torch.zeros(vocab, d, dtype=acc, device=device) if want_gw else None,
+            grad_bias=torch.zeros(vocab, dtype=acc, device=device) if want_gw and step.bias is not None else None,
+            grad_input=torch.zeros(n, d, dtype=step.hidden.dtype, device=device) if step.want_gi else None,
+            log_probs=torch.zeros(n, dtype=acc, device=device),
+            entropy=torch.zeros(n, dtype=acc, device=device) if stats else None,
+            is_top1=torch.zeros(n, dtype=torch.bool, device=device) if stats else None,
+        )
+
+
+def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, rows: int,
+                  dtype: torch.dtype) -> Iterator[tuple[int, int, Tensor, Tensor]]:
+    """``(start, stop, h, h @ W.T + b)`` for each chunk of ``rows`` rows, in the compute ``dtype``
+    (pass ``weight`` already in it: a cast here would be a second V x D copy)."""
+    b = None if bias is None else bias.to(dtype)
+    for start in range(0, hidden.shape[0], rows):
+        stop = min(start + rows, hidden.shape[0])
+        h = hidden[start:stop]
+        h = h if h.dtype == dtype else h.to(dtype)
+        yield start, stop, h, (h @ weight.T if b is None else torch.addmm(b, h, weight.T))
+
+
+def _chunked(step: _Step, backend: str, chunk_size: int | None) -> LinearCrossEntropyResult:
+    """The chunk loop of ``backend="torch"`` and ``"triton"``: per chunk, logits in the compute
+    dtype (cuBLAS), :func:`cross_entropy_rows_` turns them into ``d_c`` in place, then
+    ``dW += d_c.T @ h_c``, ``db += d_c.sum(0)``, ``dh_c = d_c @ W``."""
+    dtype = step.dtype
+    rows = chunk_size or default_chunk_size(step.weight.shape[0], dtype, step.token_stats, backend)
+    # backend="triton" still runs the twin where the kernel does not apply (float64 logits)
+    rows_backend = "auto" if backend == "triton" else "torch"
+    w = step.weight if step.weight.dtype == dtype else step.weight.to(dtype)
+    target = step.target.contiguous()
+    sums = _ChunkSums.zeros(step, torch.float64 if dtype == torch.float64 else torch.float32)
+    need_grad = (step.want_gw or step.want_gi) and step.num_valid > 0
+    for start, stop, h, logits in _chunk_logits(step.hidden, w, step.bias, rows, dtype):
+        cross_entropy_rows_(
+            logits, target[start:stop], sums.log_probs[start:stop], ignore_index=step.ignore_index,
+            scale=step.scale, write_grad=need_grad, backend=rows_backend,
+            entropy=None if sums.entropy is None else sums.entropy[start:stop],
+            is_top1=None if sums.is_top1 is None else sums.is_top1[start:stop],
+        )
+        if not need_grad:
+            continue
+        # logits now holds d_c = (softmax - onehot) * scale, 0 on ignored rows
+        if sums.grad_weight is not None:
+            _accumulate_mm(sums.grad_weight, logits.T, h)
+            if sums.grad_bias is not None:
+                sums.grad_bias += logits.sum(0, dtype=sums.grad_bias.dtype)
+        if sums.grad_input is not None:
+            sums.grad_input[start:stop] = logits @ w
+        del logits
+    loss = -sums.log_probs.sum() * step.scale
+    return LinearCrossEntropyResult(
+        loss=loss if loss.dtype == torch.float64 else loss.float(), grad_weight=sums.grad_weight,
+        grad_bias=sums.grad_bias, grad_input=sums.grad_input, log_probs=sums.log_probs, entropy=sums.entropy,
+        is_top1=sums.is_top1, num_valid=step.num_valid, backend=backend,
+    )
+
+
+def _library(step: _Step, name: str) -> LinearCrossEntropyResult:
+    """Backend ``liger`` or ``cce`` (:mod:`.external`) behind the same contract (CUDA)."""
+    hidden, scale, device = step.hidden, step.scale, step.hidden.device
+    (n, d), vocab = hidden.shape, step.weight.shape[0]
+    target = step.target.long().contiguous()
+    log_probs = torch.zeros(n, dtype=torch.float32, device=device)
+    loss = torch.zeros((), dtype=torch.float32, device=device)
+    gi = gw = gb = None
+    if step.num_valid == 0:  # the libraries' mean over no token is undefined: the zeros directly
+        if step.want_gw:
+            gw = torch.zeros(vocab, d, dtype=torch.float32, device=device)
+            gb = None if step.bias is None else torch.zeros(vocab, dtype=torch.float32, device=device)
+        gi = torch.zeros_like(hidden) if step.want_gi else None
+    else:
+        h = hidden.to(step.dtype).contiguous()
+        w = step.weight.to(step.dtype)
+        if name == "liger":
+            b = None if step.bias is None else step.bias.to(step.dtype)
+            token_loss, gi, gw, gb = external.liger_step(h, w, b, target, step.ignore_index, step.want_gw,
+                                                         step.want_gi)
+        else:
+            token_loss, gi, gw, gb = external.cce_step(h, w, target, step.ignore_index, step.want_gw, step.want_gi)
+        # the adapters return gradients of the token losses' sum: scale once here
+        gi = None if gi is None else gi.mul_(scale).to(hidden.dtype)
+        gw = None if gw is None else gw.float().mul_(scale)
+        gb = None if gb is None else gb.float().mul_(scale)
+        log_probs = (-token_loss.float()).masked_fill(target == step.ignore_index, 0.0)
+        loss = -log_probs.sum() * scale
+    return LinearCrossEntropyResult(
+        loss=loss, grad_weight=gw, grad_bias=gb, grad_input=gi, log_probs=log_probs, entropy=None, is_top1=None,
+        num_valid=step.num_valid, backend=name,
+    )

@@ -1,0 +1,404 @@
+"""A decoupled layer pipeline for DAD on ``torch.distributed``: :class:`Pipeline`.
+
+The DAD layers are split into contiguous stages, one per rank. Stage ``s`` trains its layers
+on batch ``t`` (each layer updates at once), sends the activations and labels to stage
+``s+1`` with ``isend`` and goes on with batch ``t+1``. Stage ``s+1`` sees stage ``s``'s output
+for batch ``t`` under stage ``s``'s weights from before batch ``t``, exactly what sequential DAD
+computes, so the result equals single-process training. There is no backward pass, so there
+is no pipeline bubble beyond filling and draining once per stream.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ..nn.linear import DADModel
+from ..ridge import GramAccumulator, RidgeSolution
+from .data_parallel import DataParallelTrainer
+from .distributed import broadcast, check_same_on_all_ranks, group_info
+from .step import Batch, progress_bar
+from .trainer import DADTrainer
+
+__all__ = ["Pipeline", "layer_costs", "partition_layers"]
+
+
+def layer_costs(model: DADModel, accumulate_head_statistics: bool = True) -> list[float]:
+    """Relative cost of one step of each DAD layer: ``2*in*out`` (forward + weight gradient GEMMs)
+    plus ``out*classes`` (local head), plus ``out*out`` for the Gram update after the last layer."""
+    layers = model.require_layers()
+    costs = [2.0 * m.in_features * m.out_features + 2.0 * m.out_features * m.num_classes for m in layers]
+    if model.head is not None and accumulate_head_statistics:
+        costs[-1] += float(layers[-1].out_features) ** 2
+    return costs
+
+
+def partition_layers(costs: Sequence[float], num_stages: int) -> list[tuple[int, int]]:
+    """Contiguous ``[start, stop)`` ranges, one per stage, minimising the most expensive stage.
+
+    ``num_stages`` may not exceed ``len(costs)``: every stage needs a layer.
+    """
+    n = len(costs)
+    if isinstance(num_stages, bool) or not isinstance(num_stages, int) or num_stages < 1:
+        raise ValueError(f"num_stages={num_stages!r} must be a positive int")
+    if num_stages > n:
+        raise ValueError(
+            f"{num_stages} pipeline stages but the model has only {n} DADLinear layers; "
+            f"launch at most {n} processes (one stage per process)"
+        )
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    # best[s][i]: smallest max-stage cost splitting layers[:i] into s stages
+    best = [[math.inf] * (n + 1) for _ in range(num_stages + 1)]
+    cut = [[0] * (n + 1) for _ in range(num_stages + 1)]
+    best[0][0] = 0.0
+    for s in range(1, num_stages + 1):
+        for i in range(s, n + 1):
+            for j in range(s - 1, i):
+                value = max(best[s - 1][j], prefix[i] - prefix[j])
+                if value < best[s][i]:
+                    best[s][i], cut[s][i] = value, j
+    bounds, stop = [], n
+    for s in range(num_stages, 0, -1):
+        start = cut[s][stop]
+        bounds.append((start, stop))
+        stop = start
+    return bounds[::-1]
+
+
+_DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+_END, _TRAIN, _FORWARD = 0.0, 1.0, 2.0
+
+
+class Pipeline:
+    """Runs ``trainer``'s DAD layers as a pipeline: stage ``s`` = rank ``s`` of ``process_group``.
+
+    ``balance`` gives the number of layers per stage (default: :func:`partition_layers`
+    on :func:`layer_costs`). Every rank builds the same model and ``DADTrainer``; rank 0's
+    initial weights are copied to all. Stage 0 reads the data; activations and labels
+    stream to the next stage with ``isend``/``irecv`` (at most ``max_in_flight`` batches
+    buffered per link); the classifier head, its Gram statistics and ``solve_head`` live
+    on the last stage. With NCCL, small headers travel over a gloo group so no rank waits
+    on a GPU to learn a batch's shape.
+    """
+
+    def __init__(self, trainer: DADTrainer, *, process_group: Any = None, balance: Sequence[int] | None = None,
+                 max_in_flight: int = 2) -> None:
+        if not isinstance(trainer, DADTrainer):
+            raise TypeError(f"trainer must be a torch_dad.DADTrainer, got {type(trainer).__name__}")
+        if isinstance(trainer, DataParallelTrainer):
+            raise TypeError("Pipeline takes a plain DADTrainer, not a DataParallelTrainer")
+        rank, world = group_info(process_group)
+        if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
+            raise ValueError(f"max_in_flight={max_in_flight!r} must be a positive int")
+        layers = trainer.model.require_layers()
+        # Stage 0 keeps the trainer's input sample, if it has one (head_sample_size > 0, the
+        # default): solve_head() streams it through the stages with the current weights, as
+        # DADTrainer.solve_head() recomputes its features. Without a sample the last stage
+        # accumulates the Gram statistics every step, one width x width GEMM: 4 ms of a 55 ms
+        # stage at B=65536, width 4096 on an H200, which made it the slower stage.
+        self._sampled = trainer.head_sample is not None
+        trainer.accumulate_head_statistics = not self._sampled
+        if trainer.gradient_reducer is not None:
+            raise ValueError("trainer.gradient_reducer is set; a Pipeline stage updates from its own batch only")
+        # agree first, so a rank with another model cannot fail alone and leave the others waiting
+        check_same_on_all_ranks(
+            trainer, process_group, {"mode": "pipeline", "balance": None if balance is None else list(balance)}
+        )
+        if balance is None:
+            bounds = partition_layers(layer_costs(trainer.model, trainer.accumulate_head_statistics), world)
+        else:
+            counts = list(balance)
+            if len(counts) != world or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts) \
+                    or sum(counts) != len(layers):
+                raise ValueError(
+                    f"balance={counts!r} must list {world} positive layer counts (one per process) "
+                    f"summing to the model's {len(layers)} DADLinear layers"
+                )
+            starts = [sum(counts[:i]) for i in range(world)]
+            bounds = [(a, a + c) for a, c in zip(starts, counts)]
+        broadcast(trainer.state_tensors(), 0, process_group)
+        self.trainer = trainer
+        self.process_group = process_group
+        self.stage, self.num_stages = rank, world
+        self.bounds = bounds
+        self.layers = layers[bounds[rank][0] : bounds[rank][1]]
+        self.is_first, self.is_last = rank == 0, rank == world - 1
+        if not self.is_first:
+            trainer.head_sample = None  # only stage 0 sees raw inputs
+        self.max_in_flight = max_in_flight
+        self._sends: deque[list[Any]] = deque()
+        nccl = dist.get_backend(process_group) == "nccl"
+        ranks = [self._global(r) for r in range(world)]
+        # shapes must be known before a GPU buffer can be posted; a CPU header avoids a device sync
+        self._control = dist.new_group(ranks, backend="gloo") if nccl else process_group
+
+    def _global(self, stage: int) -> int:
+        return dist.get_global_rank(self.process_group, stage) if self.process_group is not None else stage
+
+    # -------------------------------------------------------------- point-to-point
+    def _send(self, kind: float, h: Tensor | None, y: Tensor | None, lr: float, compute: torch.dtype | None) -> None:
+        dst = self._global(self.stage + 1)
+        rows = h.shape[0] if h is not None else 0
+        cols = h.shape[1] if h is not None else 0
+        code = _DTYPES.index(h.dtype) if h is not None else 0
+        amp = _DTYPES.index(compute) if compute is not None else -1
+        header = torch.tensor([kind, rows, cols, code, lr, amp], dtype=torch.float64)
+        works = [dist.isend(header, dst, group=self._control)]
+        keep: list[Any] = [header]
+        if h is not None and y is not None:
+            h, y = h.contiguous(), y.contiguous()
+            works += [dist.isend(h, dst, group=self.process_group), dist.isend(y, dst, group=self.process_group)]
+            keep += [h, y]
+        self._sends.append([works, keep])
+        while len(self._sends) > self.max_in_flight:
+            self._wait_oldest_send()
+
+    def _wait_oldest_send(self) -> None:
+        works, _ = self._sends.popleft()
+        for work in works:
+            work.wait()
+
+    def _flush(self) -> None:
+        while self._sends:
+            self._wait_oldest_send()
+
+    def _receive(self) -> tuple[float, Tensor | None, Tensor | None, float, torch.dtype | None]:
+        src = self._global(self.stage - 1)
+        header = torch.empty(6, dtype=torch.float64)
+        dist.recv(header, src, group=self._control)
+        kind, rows, cols, code, lr, amp = header.tolist()
+        compute = _DTYPES[int(amp)] if amp >= 0 else None
+        if kind == _END:
+            return kind, None, None, lr, compute
+        device = self.trainer.device
+        h = torch.empty(int(rows), int(cols), dtype=_DTYPES[int(code)], device=device)
+        y = torch.empty(int(rows), dtype=torch.long, device=device)
+        for work in (dist.irecv(h, src, group=self.process_group), dist.irecv(y, src, group=self.process_group)):
+            if work is not None:  # None only on ranks outside the group, which never get here
+                work.wait()
+        return kind, h, y, lr, compute
+
+    # -------------------------------------------------------------- streaming
+    def _stream(self, batches: Iterable[tuple[Tensor, Tensor]] | None, kind: float, lr: float | None,
+                on_output: Callable[[int, Tensor, Tensor, Any], None] | None) -> int:
+        """Push ``batches`` through every stage; returns the number of batches this stage handled."""
+        trainer = self.trainer
+        count = 0
+        if self.is_first:
+            if batches is None:
+                raise ValueError("stage 0 reads the data: pass the batches on rank 0")
+            for inputs, labels in batches:
+                self._process(kind, trainer.prepare_batch(inputs, labels, lr), count, on_output)
+                count += 1
+        else:
+            while True:
+                kind_in, h, y_in, lr_in, compute = self._receive()
+                if kind_in == _END:
+                    break
+                assert h is not None and y_in is not None
+                self._process(kind_in, Batch(h, y_in, lr_in, compute), count, on_output)
+                count += 1
+        if not self.is_last:
+            self._send(_END, None, None, 0.0, None)
+        self._flush()
+        return count
+
+    @torch.no_grad()
+    def _process(self, kind: float, batch: Batch, index: int,
+                 on_output: Callable[[int, Tensor, Tensor, Any], None] | None) -> None:
+        """Train this stage's layers on ``batch`` (or, for forward passes, run them), send the
+        output on; only training rows reach the stage's layers' updates and the input sample."""
+        result: Any = None
+        if kind == _TRAIN:
+            start, stop = self.bounds[self.stage]
+            out = self.trainer.train_layers(batch, span=(start, stop), with_classifier=self.is_last)
+            h = out.features
+            logits_loss = self.trainer.finish_step(out)
+            result = logits_loss if self.is_last else None
+        else:
+            h = batch.x
+            for layer in self.layers:
+                h = layer(h)
+        if not self.is_last:
+            self._send(kind, h, batch.y, batch.lr, batch.compute_dtype)
+        if on_output is not None:
+            on_output(index, h, batch.y, result)
+
+    def run(self, batches: Iterable[tuple[Tensor, Tensor]] | None, lr: float | None = None,
+            callback: Callable[[int, Tensor, Tensor, Any], None] | None = None) -> int:
+        """Train on ``batches`` (an iterable of ``(x, y)``; rank 0 only, ``None`` elsewhere).
+
+        Every rank must call ``run``. ``callback(index, h, y, result)`` is called on every
+        stage after each batch (``result`` is the last stage's ``(logits, loss)``, else
+        ``None``). Returns the number of batches this stage trained on.
+        """
+        return self._stream(batches, _TRAIN, lr, callback)
+
+    def _stage0_batches(self, data: Any, batch_size: int, shuffle: bool, generator: torch.Generator | None) -> Any:
+        return self.trainer.batches(data, batch_size, shuffle, generator) if self.is_first else None
+
+    def fit(self, train: Any, epochs: int = 1, eval: Any = None, *, batch_size: int = 256, shuffle: bool = True,
+            seed: int | None = 0, progress: bool = True) -> list[dict[str, float]]:
+        """Pipelined ``DADTrainer.fit``: same batches, same result; records are returned on every rank.
+
+        ``train``/``eval`` matter on rank 0 only (pass ``None`` elsewhere). Records hold
+        ``epoch, loss, train_s, img_per_s`` (+ ``accuracy, eval_loss`` with ``eval``).
+        """
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+            raise ValueError(f"epochs={epochs!r} must be a positive int")
+        if self.is_first and train is None:
+            raise ValueError("stage 0 reads the data: pass train= on rank 0")
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        records = []
+        for epoch in range(epochs):
+            batches = self._stage0_batches(train, batch_size, shuffle, generator)
+            if batches is not None:
+                batches = progress_bar(batches, progress, desc=f"epoch {epoch + 1}/{epochs}")
+            seen = torch.zeros((), dtype=torch.float64)
+            losses = torch.zeros((), device=self.trainer.device)
+
+            def tally(_: int, h: Tensor, y: Tensor, result: Any, seen: Tensor = seen, losses: Tensor = losses) -> None:
+                seen.add_(y.shape[0])
+                if result is not None:
+                    losses.add_(result[1])
+
+            self._sync()
+            start = time.perf_counter()
+            count = self.run(batches, callback=tally)
+            self._sync()
+            elapsed = time.perf_counter() - start
+            record = {"epoch": float(len(self.trainer.history) + 1), "loss": float(losses) / max(count, 1),
+                      "train_s": elapsed, "img_per_s": float(seen) / elapsed if elapsed > 0 else float("nan")}
+            metrics = self.evaluate(eval if self.is_first else None, batch_size=batch_size)
+            if metrics is not None:
+                record["accuracy"], record["eval_loss"] = metrics["accuracy"], metrics["loss"]
+            record = self._from_last(record)
+            self.trainer.history.append(record)
+            records.append(record)
+        return records
+
+    def _sync(self) -> None:
+        if self.trainer.device.type == "cuda":
+            torch.cuda.synchronize(self.trainer.device)
+        dist.barrier(group=self._control)
+
+    def _from_last(self, obj: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=self._global(self.num_stages - 1), group=self._control)
+        return box[0]
+
+    @torch.no_grad()
+    def evaluate(self, data: Any, *, batch_size: int = 1024) -> dict[str, float] | None:
+        """Pipelined ``DADTrainer.evaluate`` (rank 0 passes the data, ``None`` elsewhere; every rank calls).
+
+        Returns the metrics on every rank, or ``None`` on all ranks when rank 0 passed ``None``.
+        """
+        has_data = self._from_first(data is not None)
+        if not has_data:
+            return None
+        trainer = self.trainer
+        sums = torch.zeros(3, dtype=torch.float64, device=trainer.device)
+
+        def score(_: int, h: Tensor, y: Tensor, result: Any) -> None:
+            if not self.is_last:
+                return
+            head = trainer.model.head
+            logits = head(h) if head is not None else self.layers[-1].local_head(h)
+            sums[0] += (logits.argmax(1) == y).sum()
+            sums[1] += torch.nn.functional.cross_entropy(logits.float(), y, reduction="sum").double()
+            sums[2] += y.shape[0]
+
+        was_training = trainer.model.training
+        trainer.model.eval()
+        try:
+            self._stream(self._stage0_batches(data, batch_size, False, None), _FORWARD, None, score)
+        finally:
+            trainer.model.train(was_training)
+        values = self._from_last(sums.tolist())
+        if values[2] == 0:
+            raise ValueError("evaluate() got no batches")
+        return {"accuracy": values[0] / values[2], "loss": values[1] / values[2], "samples": values[2]}
+
+    def _from_first(self, obj: Any) -> Any:
+        box = [obj]
+        dist.broadcast_object_list(box, src=self._global(0), group=self._control)
+        return box[0]
+
+    @torch.no_grad()
+    def solve_head(self, lambda_reg: float | str = "auto", data: Any = None, *,
+                   batch_size: int = 4096) -> RidgeSolution | None:
+        """``DADTrainer.solve_head`` on the last stage (every rank calls; returns ``None`` elsewhere).
+
+        With ``data`` (rank 0's ``(X, Y)`` or loader) the features are streamed through the
+        stages with the current weights. Without it, stage 0's input sample is streamed the
+        same way (then reset), or, with ``head_sample_size=0``, the last stage solves from
+        the Gram statistics it accumulated while training.
+        """
+        trainer = self.trainer
+        head = trainer.require_classifier()
+        from_sample = data is None and self._sampled
+        if from_sample:
+            sample = trainer.head_sample
+            rows = self._from_first(sample.size if self.is_first and sample is not None else 0)
+            if rows == 0:
+                raise ValueError("solve_head(): stage 0 has sampled no rows yet; train first, or pass data=")
+            if self.is_first and sample is not None:
+                data = list(sample.batches())
+        streamed = self._from_first(data is not None)
+        solution = None
+        if streamed:
+            stats = GramAccumulator(head.in_features, head.out_features, device=trainer.device)
+            was_training = trainer.model.training
+            trainer.model.eval()
+            try:
+                self._stream(self._stage0_batches(data, batch_size, False, None), _FORWARD, None,
+                             lambda _, h, y, __: stats.update(h, y) if self.is_last else None)
+            finally:
+                trainer.model.train(was_training)
+            if self.is_last:
+                solution = trainer.solve_head(lambda_reg, statistics=stats)
+        elif self.is_last:
+            solution = trainer.solve_head(lambda_reg)
+        if from_sample and trainer.head_sample is not None:
+            trainer.head_sample.reset()
+        return solution
+
+    @torch.no_grad()
+    def synchronize(self) -> None:
+        """Copy every stage's layers (and the last stage's classifier state) to all ranks.
+
+        Afterwards ``trainer.state_dict()`` on any rank is the whole trained model, as a
+        sequential run would have left it.
+        """
+        trainer = self.trainer
+        for stage, (start, stop) in enumerate(self.bounds):
+            for layer in trainer.model.dad_layers[start:stop]:
+                broadcast(list(layer.state_dict().values()), stage, self.process_group)
+        rest: list[Tensor] = []
+        head = trainer.model.head
+        if head is not None:
+            rest += list(head.state_dict().values())
+        if trainer.head_state is not None:
+            rest += list(trainer.head_state.buffers())
+        if trainer.head_statistics is not None:
+            rest += list(trainer.head_statistics.buffers())
+        broadcast(rest, self.num_stages - 1, self.process_group)
+        step = self._from_last(trainer.step_count)
+        trainer.step_count = int(step)
+
+    def save(self, path: str | os.PathLike[str]) -> None:
+        """:meth:`synchronize`, then ``torch.save(trainer.state_dict(), path)`` on rank 0 only."""
+        self.synchronize()
+        if self.stage == 0:
+            torch.save(self.trainer.state_dict(), path)
+        dist.barrier(group=self._control)

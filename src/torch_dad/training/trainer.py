@@ -1,0 +1,674 @@
+"""``DADTrainer``: the decoupled training step, fit/evaluate, the closed-form classifier, checkpoints."""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .. import functional
+from .._checks import check_inputs, check_labels, gradients_are_finite
+from ..nn.linear import DADLinear, DADModel
+from ..optim import LocalOptimizerState, OptimizerConfig, check_optimizer
+from ..ridge import GramAccumulator, RidgeSolution
+from .head_sample import InputReservoir
+from .step import Batch, GradientReducer, StepOutput, progress_bar
+
+__all__ = ["DADTrainer"]
+
+_AMP_DTYPES = (torch.bfloat16, torch.float16)
+BACKENDS: tuple[str, ...] = ("auto", "eager", "fused", "cuda-graph")
+
+
+def _resolve_device(device: torch.device | str | None, model: nn.Module) -> torch.device:
+    if device is None:
+        first = next(iter(model.parameters()), None)
+        return first.device if first is not None else torch.device("cpu")
+    if isinstance(device, str):
+        try:
+            return torch.device(device)
+        except RuntimeError as err:
+            raise ValueError(f"device={device!r} is not a valid torch device string ({err})") from None
+    if isinstance(device, torch.device):
+        return device
+    raise TypeError(f"device must be a str, torch.device or None, got {type(device).__name__}")
+
+
+def _check_choice(name: str, value: object, choices: tuple[object, ...]) -> None:
+    if value not in choices:
+        raise ValueError(f"{name}={value!r} must be one of {', '.join(repr(c) for c in choices)}")
+
+
+def _check_amp(amp_dtype: torch.dtype | None, name: str, device: torch.device) -> None:
+    if amp_dtype is None or amp_dtype == torch.float32:
+        return
+    if amp_dtype not in _AMP_DTYPES:
+        raise ValueError(f"{name}={amp_dtype!r}: use torch.bfloat16, torch.float16 or None")
+    if amp_dtype == torch.float16 and device.type == "cpu":
+        raise ValueError(f"{name}=torch.float16 is not supported on CPU; use torch.bfloat16")
+
+
+class DADTrainer:
+    """Trains a :class:`~torch_dad.DADModel` layer by layer from local targets.
+
+    ``step(x, y)`` runs, for each DAD layer in order: forward, local error, in-place update;
+    only the current layer's activations are alive. If the model has a ``classifier``
+    (``nn.Linear``), it is trained as an output head (its gradient is exactly backprop's for
+    that layer) and its input features are accumulated into float64 Gram statistics for
+    :meth:`solve_head`.
+
+    Args:
+        model: the ``DADModel`` to train (moved to ``device``).
+        device: ``"cuda"``, ``torch.device(...)`` or ``None`` for the model's device.
+        lr, weight_decay, optimizer, betas, eps, momentum: the local optimizer
+            (``"adamw"``: decoupled weight decay as ``torch.optim.AdamW``; ``"sgd"``: momentum).
+        amp_dtype: default compute dtype for :meth:`step` (``torch.bfloat16`` / ``torch.float16``
+            on CUDA, ``torch.bfloat16`` on CPU); master weights stay float32.
+        accumulate_head_statistics: accumulate the classifier's streamed Gram statistics in
+            ``step``. ``"auto"``: only when ``head_sample_size=0``, since ``solve_head()`` then
+            needs them; otherwise it solves from the input sample and the streamed GEMM
+            would be wasted (on fmnist-wide-2 it was 228 of a 603 us H200 step at B=1024).
+        head_statistics_window: forget statistics older than about this many samples
+            (exponential decay), because features from early, stale weights hurt the solve.
+            Measured on MNIST, the quickstart model, 3 epochs: window 10k gives 97.22% after
+            ``solve_head()``, 30k 97.07%, no forgetting 96.90% (local head: 96.93%).
+            ``None`` keeps every sample since the last solve/reset.
+        head_sample_size: ``step`` also keeps a uniform random sample of this many input rows
+            (:class:`~torch_dad.training.head_sample.InputReservoir`, no host sync) since the last solve/reset;
+            ``solve_head()`` without a loader recomputes their features with the current
+            weights and solves from those (streamed statistics mix in stale features: on real
+            MNIST, 3 epochs, 2 seeds, 98.03%/97.84% against 97.20%/97.11% for the streamed
+            statistics and 96.61%/97.06% for the last local head). ``0`` solves from the
+            streamed Gram statistics instead.
+        check_values: check label ranges and finiteness of inputs in ``step``. These checks
+            read the tensors, which is free on CPU but a host sync on CUDA, so ``"auto"``
+            checks on CPU only. Shapes and dtypes are always checked.
+        on_nonfinite: what to do when a layer's local gradients contain NaN/Inf (e.g. a huge
+            lr, or fp16 overflow): ``"raise"`` (``FloatingPointError``; that layer is not
+            updated), ``"skip"`` (the update is skipped and counted in
+            ``skipped_updates``), or ``"ignore"``. Checked whenever value checks are on
+            (see ``check_values``); on CUDA without them, :meth:`fit` still raises when
+            the running loss it reads every ``log_every`` steps is not finite.
+        backend: how :meth:`step` runs (see :mod:`torch_dad.training.engine`): ``"eager"`` (reference
+            PyTorch), ``"fused"`` (Triton kernels on CUDA, their twins on CPU),
+            ``"cuda-graph"`` (the fused step captured per input shape) or ``"auto"``
+            (``"cuda-graph"`` on CUDA where supported, else ``"eager"``). The fused step has
+            no per-layer non-finite guard: with ``on_nonfinite`` other than ``"ignore"`` (the
+            CPU default), ``step`` runs the eager loop, and a warning says so.
+        engine_options: a :class:`~torch_dad.training.engine.EngineOptions` tuning the fused
+            step (stream overlap, row-block updates); ``None`` takes the measured defaults.
+        local_loss: ``"ce"``, ``"predsim"`` or ``"drtp"`` sets every layer's local rule
+            (:meth:`DADLinear.set_local_loss`); ``None`` keeps each layer's own.
+        dropout: in ``step``, drop each hidden output with this probability (scaled by
+            ``1/(1-p)``, as ``nn.Dropout``) before the next layer and the classifier (and its
+            Gram statistics) see it; never at inference. Off by default (measurements:
+            ``docs/benchmarks.md``).
+    """
+
+    def __init__(
+        self,
+        model: DADModel,
+        device: torch.device | str | None = None,
+        lr: float = 1e-3,
+        weight_decay: float = 0.01,
+        optimizer: str = "adamw",
+        *,
+        betas: tuple[float, float] = (0.9, 0.999),
+        eps: float = 1e-8,
+        momentum: float = 0.9,
+        amp_dtype: torch.dtype | None = None,
+        accumulate_head_statistics: bool | str = "auto",
+        head_statistics_window: float | None = 10_000,
+        head_sample_size: int = 4096,
+        check_values: bool | str = "auto",
+        on_nonfinite: str = "raise",
+        backend: str = "auto",
+        engine_options: Any = None,
+        local_loss: str | None = None,
+        dropout: float = 0.0,
+    ) -> None:
+        if not isinstance(model, DADModel):
+            raise TypeError(
+                f"model must be a torch_dad.DADModel (a subclass declaring DADLinear layers), "
+                f"got {type(model).__name__}"
+            )
+        layers = model.require_layers()
+        _check_choice("backend", backend, BACKENDS)
+        check_optimizer(optimizer)
+        self.device = _resolve_device(device, model)
+        _check_amp(amp_dtype, "amp_dtype", self.device)
+        _check_choice("on_nonfinite", on_nonfinite, ("raise", "skip", "ignore"))
+        _check_choice("check_values", check_values, (True, False, "auto"))
+        _check_choice("accumulate_head_statistics", accumulate_head_statistics, (True, False, "auto"))
+        if local_loss is not None:
+            functional.check_local_loss(local_loss)
+        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"dropout={dropout!r} must be a float in [0, 1)")
+        if isinstance(head_sample_size, bool) or not isinstance(head_sample_size, int) or head_sample_size < 0:
+            raise ValueError(f"head_sample_size={head_sample_size!r} must be an int >= 0 (0 disables the sample)")
+        self.config = OptimizerConfig(
+            name=optimizer, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, momentum=momentum
+        )
+        self._check_layers(model, layers)
+        if local_loss is not None:
+            for layer in layers:
+                layer.set_local_loss(local_loss)
+        self.model = model.to(self.device)
+        self.dropout = float(dropout)
+        self.amp_dtype = amp_dtype
+        self.check_values = (self.device.type == "cpu") if check_values == "auto" else bool(check_values)
+        if accumulate_head_statistics == "auto":
+            accumulate_head_statistics = head_sample_size == 0
+        self.accumulate_head_statistics = bool(accumulate_head_statistics)
+        self.on_nonfinite = on_nonfinite if self.check_values else "ignore"
+        self.skipped_updates = 0
+        self.num_classes = model.num_classes
+        self._build_classifier_state(head_statistics_window, head_sample_size)
+        #: reduces every local gradient list across processes before it is applied (set by
+        #: :class:`~torch_dad.training.DataParallelTrainer`); ``None`` on a single process
+        self.gradient_reducer: GradientReducer | None = None
+        #: sums the Gram statistics across processes before a solve
+        self.statistics_reducer: Callable[[GramAccumulator], None] | None = None
+        # per-layer reusable buffers (CPU only: CUDA's caching allocator already reuses memory)
+        self._workspaces: list[dict[str, Tensor] | None] = [
+            {} if self.device.type == "cpu" else None for _ in layers
+        ]
+        self.step_count = 0
+        self._loss_sum = torch.zeros((), device=self.device)
+        self._loss_batches = 0
+        self.history: list[dict[str, float]] = []
+        self.backend = backend
+        self._engine = self._make_engine(backend, engine_options)
+
+    # ------------------------------------------------------------------ construction
+    @staticmethod
+    def _check_layers(model: DADModel, layers: list[DADLinear]) -> None:
+        for layer in layers:
+            if layer.num_classes != model.num_classes:
+                raise ValueError(
+                    f"every DADLinear must have num_classes={model.num_classes} (the classifier's), "
+                    f"but {layer!r} has {layer.num_classes}"
+                )
+        classifier = model.head
+        if classifier is not None and classifier.in_features != layers[-1].out_features:
+            raise ValueError(
+                f"model.classifier takes {classifier.in_features} features but the last DADLinear "
+                f"gives {layers[-1].out_features}"
+            )
+
+    def _build_classifier_state(self, window: float | None, sample_size: int) -> None:
+        """The classifier's optimizer state, its Gram statistics and the input sample for its solve."""
+        classifier = self.model.head
+        self.head_state: LocalOptimizerState | None = None
+        self.head_statistics: GramAccumulator | None = None
+        self.head_sample: InputReservoir | None = None
+        if classifier is None:
+            return
+        shapes = [p.shape for p in self._classifier_tensors()]
+        self.head_state = LocalOptimizerState(shapes, device=self.device, dtype=classifier.weight.dtype)
+        self.head_statistics = GramAccumulator(
+            classifier.in_features, classifier.out_features, device=self.device, window=window
+        )
+        if sample_size:
+            first = self.model.dad_layers[0]
+            self.head_sample = InputReservoir(sample_size, first.in_features, device=self.device, dtype=first.weight.dtype)
+
+    def _make_engine(self, backend: str, options: Any) -> Any:
+        if backend == "eager" or (backend == "auto" and self.device.type != "cuda"):
+            if options is not None:
+                raise ValueError("engine_options apply to backend='fused' or 'cuda-graph'; drop them or pick one")
+            return None  # lazily imported: the CPU never imports the engine (nor triton)
+        from .engine import make_engine
+
+        engine = make_engine(self, backend, options, loss_total=self._loss_sum)
+        if engine is not None and self.on_nonfinite != "ignore":
+            warnings.warn(
+                f"backend={backend!r} with on_nonfinite={self.on_nonfinite!r}: the fused step has no per-layer "
+                "non-finite guard, so step() runs the eager layer loop. Pass on_nonfinite='ignore' (or "
+                "check_values=False) to run the fused step",
+                UserWarning,
+                stacklevel=3,
+            )
+        return engine
+
+    @property
+    def engine(self) -> Any:
+        """The fused step (:class:`~torch_dad.training.engine.FusedStep`) or ``None`` for the eager loop."""
+        return self._engine
+
+    @property
+    def uses_engine(self) -> bool:
+        """Whether :meth:`step` runs the fused engine: one exists, and neither the per-layer
+        non-finite guard nor dropout (both in the eager layer loop only) is asked for."""
+        return self._engine is not None and self.on_nonfinite == "ignore" and not self.dropout
+
+    def _classifier_tensors(self) -> list[Tensor]:
+        classifier = self.model.head
+        assert classifier is not None
+        return [classifier.weight.data] + ([classifier.bias.data] if classifier.bias is not None else [])
+
+    # ------------------------------------------------------------------ the step
+    def step(
+        self,
+        inputs: Tensor,
+        labels: Tensor,
+        lr: float | None = None,
+        amp_dtype: torch.dtype | None = None,
+    ) -> tuple[Tensor, Tensor]:
+        """One decoupled training step; returns ``(logits, loss)``, both detached, no host sync.
+
+        ``logits`` are the model's outputs for the batch, computed with the weights before
+        this step's update; ``loss`` is their cross-entropy (a 0-dim tensor on the device).
+        ``lr`` overrides the learning rate for this step; ``amp_dtype`` the compute dtype.
+        Invalid input raises before anything is modified.
+        """
+        batch = self.prepare_batch(inputs, labels, lr, amp_dtype)
+        return self.finish_step(self.train_layers(batch))
+
+    def prepare_batch(
+        self, inputs: Tensor, labels: Tensor, lr: float | None = None, amp_dtype: torch.dtype | None = None
+    ) -> Batch:
+        """Validate a step's arguments and move the batch to the device: a :class:`Batch`."""
+        if lr is not None and (isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr >= 0):
+            raise ValueError(f"lr={lr!r} must be a finite float >= 0")
+        compute = amp_dtype if amp_dtype is not None else self.amp_dtype
+        _check_amp(compute, "amp_dtype", self.device)
+        x, y = self._prepare(inputs, labels)
+        lr = self.config.lr if lr is None else float(lr)
+        return Batch(x, y, lr, None if compute == torch.float32 else compute)
+
+    def _prepare(self, inputs: Tensor, target: Tensor) -> tuple[Tensor, Tensor]:
+        if not isinstance(inputs, Tensor):
+            raise TypeError(f"inputs must be a torch.Tensor, got {type(inputs).__name__}")
+        if inputs.dim() == 0:
+            raise ValueError("inputs must have a batch dimension, got a 0-dim tensor")
+        if inputs.shape[0] == 0:
+            raise ValueError("inputs are an empty batch; pass at least one row")
+        first = self.model.dad_layers[0]
+        x = inputs.to(self.device, non_blocking=True).reshape(inputs.shape[0], -1)
+        if not x.dtype.is_floating_point:
+            raise TypeError(f"inputs have dtype {inputs.dtype}; convert them with .float()")
+        if x.dtype != first.weight.dtype:
+            x = x.to(first.weight.dtype)
+        check_inputs(x, first.in_features, check_values=self.check_values)
+        if not isinstance(target, Tensor):
+            raise TypeError(f"labels must be a torch.Tensor of class ids, got {type(target).__name__}")
+        y = target.to(self.device, non_blocking=True)
+        check_labels(y, x.shape[0], self.num_classes, check_values=self.check_values)
+        return x, y.long()
+
+    @torch.no_grad()
+    def train_layers(
+        self, batch: Batch, *, span: tuple[int, int] | None = None, with_classifier: bool = True
+    ) -> StepOutput:
+        """Train DAD layers ``span`` (``[start, stop)``, default all) on ``batch``, then the
+        classifier if ``with_classifier`` and the span ends at the last layer.
+
+        Each layer runs forward, local error and in-place update; with a
+        ``gradient_reducer`` every gradient list is reduced before it is applied. Rows entering
+        the first layer are offered to the classifier's input sample. A span that ends at the
+        model's output adds its loss to the running loss.
+        """
+        count = len(self.model.dad_layers)
+        start, stop = span if span is not None else (0, count)
+        if not 0 <= start < stop <= count:
+            raise ValueError(f"span={span!r} must be a [start, stop) range of the {count} DAD layers")
+        with_classifier = with_classifier and stop == count and self.model.head is not None
+        is_model_output = stop == count and (with_classifier or self.model.head is None)
+        if self.uses_engine:
+            return self._engine.run(
+                batch, self.config, span=(start, stop), with_classifier=with_classifier,
+                reducer=self.gradient_reducer, count_loss=is_model_output,
+                accumulate_statistics=self.accumulate_head_statistics,
+            )
+        if start == 0 and self.head_sample is not None:
+            self.head_sample.add(batch.x, batch.y)
+        logits, loss, features = self._eager_layers(batch, start, stop, with_classifier)
+        if is_model_output:
+            self._loss_sum += loss.detach().float()
+        return StepOutput(logits, loss, features, is_model_output)
+
+    def _eager_layers(
+        self, batch: Batch, start: int, stop: int, with_classifier: bool
+    ) -> tuple[Tensor, Tensor, Tensor]:
+        """The reference layer loop. With a reducer, layer ``k``'s update waits until layer
+        ``k+1`` has run: its gradients reduce meanwhile, and layer ``k+1`` consumes layer ``k``'s
+        pre-update output anyway, so the result is the same as updating at once."""
+        layers = self.model.dad_layers[start:stop]
+        workspaces = self._workspaces[start:stop]
+        if stop < len(self.model.dad_layers):
+            # the span's output leaves (e.g. with an asynchronous send): it must not live in a
+            # workspace that the next batch overwrites
+            workspaces[-1] = None
+        reducer = self.gradient_reducer
+        pending: deque[tuple[DADLinear, Any, list[Tensor]]] = deque()
+        h = batch.x
+        for layer, workspace in zip(layers, workspaces):
+            result, grads = layer.local_gradients(h, batch.y, batch.compute_dtype, workspace)
+            if reducer is None:
+                self._apply_layer_update(layer, grads, batch.lr, result.loss)
+            else:
+                # grads[0] may alias the workspace: launch() copies it into its buffer at once
+                work, views = reducer.launch(grads)
+                pending.append((layer, work, views))
+                while len(pending) > 1:
+                    self._apply_reduced(*pending.popleft(), batch.lr)
+            h = result.output
+            if self.dropout:
+                h = nn.functional.dropout(h, self.dropout, training=True)
+        logits, loss = result.logits, result.loss
+        if with_classifier:
+            # the classifier reads the last layer's pre-update output: with a reducer its step
+            # runs while the last layer's gradients are still being reduced
+            logits, loss = self._classifier_step(h, batch)
+        while pending:
+            self._apply_reduced(*pending.popleft(), batch.lr)
+        return logits, loss, h
+
+    def _apply_layer_update(self, layer: DADLinear, grads: list[Tensor], lr: float, loss: Tensor | None) -> None:
+        policy = "skip" if self.on_nonfinite != "ignore" else "ignore"
+        if not layer.apply_local_update(grads, self.config, lr, on_nonfinite=policy, loss=loss):
+            self._skipped_update(repr(layer))
+
+    def _apply_reduced(self, layer: DADLinear, work: Any, views: list[Tensor], lr: float) -> None:
+        if work is not None:
+            work.wait()
+        # the reduced gradients are the same on every rank, so every rank skips alike
+        self._apply_layer_update(layer, views, lr, None)
+
+    def _skipped_update(self, where: str) -> None:
+        """Count an update skipped for non-finite gradients; raise ``FloatingPointError`` under ``"raise"``."""
+        self.skipped_updates += 1
+        if self.on_nonfinite == "raise":
+            raise FloatingPointError(
+                f"non-finite local gradients in {where} at step {self.step_count} (lr too high, or "
+                "half-precision overflow?); it and the layers above it were not updated. Lower lr, "
+                "or pass DADTrainer(on_nonfinite='skip') to skip and count such updates"
+            )
+
+    @torch.no_grad()
+    def _classifier_step(self, features: Tensor, batch: Batch) -> tuple[Tensor, Tensor]:
+        """The classifier trained as an output head (its gradient is exactly backprop's), and its
+        input features added to the Gram statistics."""
+        classifier = self.model.head
+        assert classifier is not None and self.head_state is not None and self.head_statistics is not None
+        if self.accumulate_head_statistics:
+            if features.is_cuda:
+                from ..ops.gram import gram_update_  # lazily: the CPU never imports the kernels
+
+                gram_update_(self.head_statistics, features, batch.y)
+            else:
+                self.head_statistics.update(features, batch.y)
+        dtype = batch.compute_dtype or classifier.weight.dtype
+        bias = classifier.bias.to(dtype) if classifier.bias is not None else None
+        result = functional.head_loss_and_gradients(features.to(dtype), classifier.weight.to(dtype), bias, batch.y)
+        grads = [result.grad_weight.to(classifier.weight.dtype)]
+        if result.grad_bias is not None:
+            grads.append(result.grad_bias.to(classifier.weight.dtype))
+        if self.gradient_reducer is not None:
+            self.gradient_reducer(grads)
+        if self.on_nonfinite != "ignore" and not gradients_are_finite(grads):
+            self._skipped_update("model.classifier")
+        else:
+            self.head_state.apply_(self._classifier_tensors(), grads, self.config, batch.lr)
+        return result.logits, result.loss.float()
+
+    def finish_step(self, output: StepOutput) -> tuple[Tensor, Tensor]:
+        """Count the step (and, for the model's output, its loss; no host sync): detached ``(logits, loss)``."""
+        self.step_count += 1
+        if output.is_model_output:
+            self._loss_batches += 1
+        return output.logits.detach().float(), output.loss.detach().float()
+
+    @property
+    def running_loss(self) -> float:
+        """Mean loss over the steps since the last call (reads the device once)."""
+        if self._loss_batches == 0:
+            return float("nan")
+        value = float(self._loss_sum) / self._loss_batches
+        self._loss_sum.zero_()
+        self._loss_batches = 0
+        return value
+
+    # ------------------------------------------------------------------ closed-form classifier
+    def reset_head_statistics(self) -> None:
+        """Forget the Gram statistics and the input sample accumulated by :meth:`step`."""
+        if self.head_statistics is not None:
+            self.head_statistics.reset()
+        if self.head_sample is not None:
+            self.head_sample.reset()
+
+    def require_classifier(self) -> nn.Linear:
+        """``model.classifier``; raises ``ValueError`` naming the fix when the model has none."""
+        classifier = self.model.head
+        if classifier is None or self.head_statistics is None:
+            raise ValueError(
+                "solve_head() needs model.classifier (an nn.Linear on the last DAD layer's output); "
+                f"{type(self.model).__name__} has none. Add `self.classifier = torch.nn.Linear(features, classes)`"
+            )
+        return classifier
+
+    @torch.no_grad()
+    def features_statistics(self, batches: Iterable[tuple[Tensor, Tensor]]) -> GramAccumulator:
+        """Gram statistics of ``model.features(x)`` over ``batches``, computed in eval mode."""
+        classifier = self.require_classifier()
+        stats = GramAccumulator(classifier.in_features, classifier.out_features, device=self.device)
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            for inputs, labels in batches:
+                x, y = self._prepare(inputs, labels)
+                stats.update(self.model.features(x), y)
+        finally:
+            self.model.train(was_training)
+        return stats
+
+    @torch.no_grad()
+    def solve_head(
+        self,
+        lambda_reg: float | str = "auto",
+        loader: Iterable[tuple[Tensor, Tensor]] | None = None,
+        *,
+        statistics: GramAccumulator | None = None,
+    ) -> RidgeSolution:
+        """Solve ``model.classifier`` in closed form by ridge regression onto one-hot labels.
+
+        With ``loader``, one no-grad pass computes the final features with the current
+        weights. With ``statistics``, it solves from those (e.g. gathered by a pipeline's last
+        stage). Without either, it uses what ``step()`` accumulated since the last solve or
+        reset (then reset): the features of the input sample recomputed with the current
+        weights (``head_sample_size > 0``, the default), else the streamed Gram statistics.
+        ``lambda_reg="auto"`` picks lambda by GCV.
+        """
+        classifier = self.require_classifier()
+        assert self.head_statistics is not None and self.head_state is not None
+        if statistics is not None:
+            stats = statistics
+        elif loader is not None:
+            stats = self.features_statistics(loader)
+        elif self.head_sample is not None and self.head_sample.size > 0:
+            stats = self.features_statistics(self.head_sample.batches())
+        else:
+            stats = self.head_statistics
+        if self.statistics_reducer is not None:
+            self.statistics_reducer(stats)
+        solution = stats.solve(lambda_reg)
+        # without a bias the intercept is dropped: the solve centred it away
+        classifier.weight.copy_(solution.weight.to(classifier.weight.dtype))
+        if classifier.bias is not None:
+            classifier.bias.copy_(solution.bias.to(classifier.bias.dtype))
+        for buffer in self.head_state.buffers():
+            buffer.zero_()
+        if loader is None and statistics is None:
+            self.reset_head_statistics()
+        return solution
+
+    # ------------------------------------------------------------------ loops
+    def batches(
+        self, data: Any, batch_size: int, shuffle: bool, generator: torch.Generator | None
+    ) -> Iterator[tuple[Tensor, Tensor]]:
+        """``(x, y)`` batches of ``data``: a pair of tensors ``(X, Y)`` is cut into ``batch_size``
+        rows (shuffled with ``generator``); any other iterable of batches is passed through."""
+        if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, Tensor) for t in data):
+            inputs, labels = data
+            n = inputs.shape[0]
+            if labels.shape[0] != n:
+                raise ValueError(f"inputs have {n} rows but labels have {labels.shape[0]}")
+            order = torch.randperm(n, generator=generator) if shuffle else torch.arange(n)
+            for start in range(0, n, batch_size):
+                idx = order[start : start + batch_size]
+                yield inputs[idx], labels[idx]
+        else:
+            yield from data
+
+    def fit(
+        self,
+        train: Any,
+        epochs: int = 1,
+        eval: Any = None,
+        *,
+        batch_size: int = 256,
+        shuffle: bool = True,
+        seed: int | None = 0,
+        progress: bool = True,
+        log_every: int = 50,
+        schedule: Callable[[int], float] | None = None,
+    ) -> list[dict[str, float]]:
+        """Train for ``epochs``; returns (and appends to ``self.history``) one record per epoch.
+
+        ``train``/``eval`` are iterables of ``(x, y)`` batches (e.g. a ``DataLoader``) or a
+        pair of tensors ``(X, Y)`` batched here with ``batch_size``. Each record holds
+        ``epoch, loss, train_s, img_per_s`` and, with ``eval``, ``accuracy`` / ``eval_loss``.
+        A tqdm bar shows progress if tqdm is installed; the loss it shows is read every
+        ``log_every`` steps only, so training stays free of host syncs in between.
+        ``schedule(step_count) -> lr`` sets each step's learning rate (e.g.
+        :func:`torch_dad.training.schedules.warmup_cosine`); ``None`` keeps the trainer's ``lr``.
+        """
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+            raise ValueError(f"epochs={epochs!r} must be a positive int")
+        if schedule is not None and not callable(schedule):
+            raise TypeError(f"schedule must be a callable step -> lr, got {type(schedule).__name__}")
+        generator = torch.Generator().manual_seed(seed) if seed is not None else None
+        records = []
+        for epoch in range(epochs):
+            batches = self.batches(train, batch_size, shuffle, generator)
+            bar = progress_bar(batches, progress, desc=f"epoch {epoch + 1}/{epochs}")
+            record = self._train_epoch(bar, log_every, schedule)
+            if eval is not None:
+                metrics = self.evaluate(eval, batch_size=batch_size)
+                record["accuracy"] = metrics["accuracy"]
+                record["eval_loss"] = metrics["loss"]
+            if hasattr(bar, "close"):
+                bar.close()
+            self.history.append(record)
+            records.append(record)
+        return records
+
+    def _train_epoch(self, bar: Any, log_every: int, schedule: Callable[[int], float] | None) -> dict[str, float]:
+        """One pass of :meth:`step` over ``bar``: ``{epoch, loss, train_s, img_per_s}``."""
+        seen, count = 0, 0
+        losses = torch.zeros((), device=self.device)
+        self._synchronize()
+        start = time.perf_counter()
+        for inputs, labels in bar:
+            _, loss = self.step(inputs, labels, lr=None if schedule is None else schedule(self.step_count))
+            losses += loss
+            count += 1
+            seen += inputs.shape[0]
+            if count % log_every == 0:
+                mean_loss = float(losses) / count
+                if mean_loss != mean_loss or mean_loss in (float("inf"), float("-inf")):
+                    raise FloatingPointError(
+                        f"training loss became non-finite by step {self.step_count}; lower lr, or use "
+                        "amp_dtype=torch.bfloat16 instead of float16"
+                    )
+                if hasattr(bar, "set_postfix"):
+                    bar.set_postfix(loss=f"{mean_loss:.4f}")
+        self._synchronize()
+        elapsed = time.perf_counter() - start
+        return {
+            "epoch": float(len(self.history) + 1),
+            "loss": float(losses) / max(count, 1),
+            "train_s": elapsed,
+            "img_per_s": seen / elapsed if elapsed > 0 else float("nan"),
+        }
+
+    def _synchronize(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @torch.no_grad()
+    def evaluate(self, data: Any, *, batch_size: int = 1024, use_local_head: bool = False) -> dict[str, float]:
+        """Accuracy and mean cross-entropy of ``model(x)`` (or the last local head) over ``data``."""
+        was_training = self.model.training
+        self.model.eval()
+        correct = torch.zeros((), device=self.device, dtype=torch.long)
+        loss_sum = torch.zeros((), device=self.device, dtype=torch.float64)
+        total = 0
+        try:
+            for inputs, labels in self.batches(data, batch_size, False, None):
+                x, y = self._prepare(inputs, labels)
+                logits = self.model.local_head_logits(x) if use_local_head else self.model(x)
+                correct += (logits.argmax(1) == y).sum()
+                loss_sum += nn.functional.cross_entropy(logits.float(), y, reduction="sum").double()
+                total += y.shape[0]
+        finally:
+            self.model.train(was_training)
+        if total == 0:
+            raise ValueError("evaluate() got no batches")
+        return {"accuracy": int(correct) / total, "loss": float(loss_sum) / total, "samples": float(total)}
+
+    # ------------------------------------------------------------------ checkpoints
+    def state_tensors(self) -> list[Tensor]:
+        """Every tensor of the trainer's state in a fixed order: model, classifier optimizer, Gram statistics."""
+        tensors = list(self.model.state_dict().values())
+        if self.head_state is not None:
+            tensors += list(self.head_state.buffers())
+        if self.head_statistics is not None:
+            tensors += list(self.head_statistics.buffers())
+        return tensors
+
+    def state_dict(self) -> dict[str, Any]:
+        """Everything needed to resume bit-for-bit: model (with local heads and moments),
+        classifier optimizer state, Gram statistics, input sample, step count and hyper-parameters."""
+        return {
+            "model": self.model.state_dict(),
+            "head_state": self.head_state.state_dict() if self.head_state is not None else None,
+            "head_statistics": self.head_statistics.state_dict() if self.head_statistics is not None else None,
+            "head_sample": self.head_sample.state_dict() if self.head_sample is not None else None,
+            "step_count": self.step_count,
+            "config": dict(vars(self.config)),
+            "history": list(self.history),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`state_dict` saved."""
+        missing = {"model", "head_state", "head_statistics", "step_count", "config"} - set(state)
+        if missing:
+            raise ValueError(f"trainer state_dict is missing keys {sorted(missing)}")
+        if self.head_state is not None and state["head_state"] is None:
+            raise ValueError("checkpoint has no classifier state but this model has a classifier")
+        if self.head_state is not None and (self.head_sample is None) != (state.get("head_sample") is None):
+            raise ValueError(
+                "checkpoint and trainer disagree on head_sample_size (one keeps an input sample, the "
+                "other does not); build the trainer with the head_sample_size used when saving"
+            )
+        self.model.load_state_dict(state["model"])
+        if self.head_state is not None:
+            assert self.head_statistics is not None
+            self.head_state.load_state_dict(state["head_state"])
+            self.head_statistics.load_state_dict(state["head_statistics"])
+            if self.head_sample is not None:
+                self.head_sample.load_state_dict(state["head_sample"])
+        config = dict(state["config"])
+        config["betas"] = tuple(config["betas"])
+        self.config = OptimizerConfig(**config)
+        self.step_count = int(state["step_count"])
+        self.history = list(state.get("history", []))
+        if self._engine is not None:
+            self._engine.refresh_shadows()
