@@ -67,8 +67,8 @@ def median_time(fn: Callable[[], Any], *, warmup: int, repeats: int, sync: Calla
     return statistics.median(samples)
 
 
-class SeedMLP(td.DADModel):
-    """The seed's Option A model: DAD hidden layers + an ``nn.Linear`` classifier."""
+class DADMLP(td.DADModel):
+    """The quickstart model: DAD hidden layers + an ``nn.Linear`` classifier."""
 
     def __init__(self, widths: Sequence[int], num_classes: int = 10, activation: str = "relu") -> None:
         super().__init__()
@@ -79,7 +79,7 @@ class SeedMLP(td.DADModel):
 
 
 def backprop_mlp(widths: Sequence[int], num_classes: int = 10) -> torch.nn.Sequential:
-    """The same MLP as :class:`SeedMLP` for plain backprop: Linear+ReLU blocks, then a Linear head."""
+    """The same MLP as :class:`DADMLP` for plain backprop: Linear+ReLU blocks, then a Linear head."""
     mods: list[torch.nn.Module] = []
     for a, b in zip(widths[:-1], widths[1:]):
         mods += [torch.nn.Linear(a, b), torch.nn.ReLU()]

@@ -10,9 +10,9 @@ import torch
 import torch.nn.functional as F
 
 import torch_dad as td
-from _common import SeedMLP, backprop_mlp
+from _common import DADMLP, backprop_mlp
 
-# name: (input width, hidden widths, classes); the issue's four topologies
+# name: (input width, hidden widths, classes); the four topologies of docs/benchmarks.md
 TOPOLOGIES: dict[str, tuple[int, list[int], int]] = {
     "mnist-medium-3": (784, [1024, 512, 256], 10),
     "fmnist-wide-2": (784, [4096, 4096], 10),
@@ -39,8 +39,8 @@ def cuda_sync() -> None:
 def warm_up(step: Callable[[int], Any], steps: int, seconds: float = 0.0) -> None:
     """``steps`` calls, then more until ``seconds`` of wall time have passed: the GPU's clocks sit
     low after idle or host-bound phases (compiles, captures), and a short warm-up timed the
-    first system of a run at up to 1.3x its steady step (device call 23: mnist-medium-3 B=1024
-    123.5 us measured first in its group vs 101-103 us for the same step measured later)."""
+    first system of a run at up to 1.3x its steady step (H200, mnist-medium-3 B=1024: 123.5 us
+    measured first in its group vs 101-103 us for the same step measured later)."""
     import time
 
     for i in range(steps):
@@ -89,7 +89,7 @@ def make_data(n_in: int, classes: int, batch: int, pool: int, device: torch.devi
 def dad_system(n_in: int, widths: Sequence[int], classes: int, device: torch.device, backend: str,
                amp: torch.dtype | None, head: str = "sample"
                ) -> tuple[td.DADTrainer, Callable[[torch.Tensor, torch.Tensor], Any]]:
-    """A seed MLP (DAD hidden layers + classifier) and its ``DADTrainer.step``.
+    """The quickstart MLP (DAD hidden layers + classifier) and its ``DADTrainer.step``.
 
     ``head`` says what ``step`` keeps for ``solve_head()``: ``"sample"`` (the default
     ``head_sample_size=4096`` reservoir of input rows), ``"gram"`` (the streamed Gram statistics
@@ -97,7 +97,7 @@ def dad_system(n_in: int, widths: Sequence[int], classes: int, device: torch.dev
     d = 4096) or ``"none"`` (the training step alone)."""
     if head not in ("sample", "gram", "none"):
         raise ValueError(f"head={head!r} must be 'sample', 'gram' or 'none'")
-    model = SeedMLP([n_in, *widths], num_classes=classes)
+    model = DADMLP([n_in, *widths], num_classes=classes)
     # on_nonfinite='ignore' (the CUDA default) so that CPU smoke runs take the fused step too
     trainer = td.DADTrainer(model, device=device, lr=1e-3, amp_dtype=amp, backend=backend, on_nonfinite="ignore",
                             accumulate_head_statistics=head == "gram",

@@ -1,4 +1,4 @@
-"""Kernel-level profile of one training step (dad vs backprop-graphed) for notes/issue-6.md.
+"""Kernel-level profile of one training step (dad vs backprop-graphed), for docs/design-engine.md.
 
 For each system: kernels per step, summed kernel time per step, and the step's wall time, so
 launch gaps (wall - busy) are visible; plus the ten costliest kernels. Also the arithmetic

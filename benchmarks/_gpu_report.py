@@ -1,4 +1,4 @@
-"""Markdown tables from results/gpu_*.json (for docs/benchmarks-gpu.md): python _gpu_report.py"""
+"""Markdown tables from results/gpu_*.json (for docs/benchmarks.md): python _gpu_report.py"""
 
 from __future__ import annotations
 
@@ -13,17 +13,16 @@ def throughput() -> None:
     ips = {(r["topology"], r["batch"], r["system"]): r["img_per_s"] for r in rows}
     ratio = {r["topology"]: r["flop_ratio"] for r in rows}
     systems = ["dad", "dad-no-head-stats", "backprop-graphed", "backprop-eager", "wheel-2026.5.24"]
-    print("| topology | B | " + " | ".join(systems) + " | dad / bp-graphed | no-stats / bp-graphed | target | dad / wheel |")
-    print("|---" * (len(systems) + 6) + "|")
+    print("| topology | B | " + " | ".join(systems) + " | dad / bp-graphed | no-stats / bp-graphed | dad / wheel |")
+    print("|---" * (len(systems) + 5) + "|")
     for topo, b in sorted({(r["topology"], r["batch"]) for r in rows}, key=lambda k: (k[1], list(ratio).index(k[0]))):
         cells = [f"{ips[(topo, b, s)]:,.0f}" if (topo, b, s) in ips else "–" for s in systems]
         ref = ips.get((topo, b, "backprop-graphed"))
         wheel = ips.get((topo, b, "wheel-2026.5.24"))
-        target = 1.3 if b == 1024 else 0.9 * ratio[topo]
         dad = ips.get((topo, b, "dad"), float("nan"))
         nost = ips.get((topo, b, "dad-no-head-stats"), float("nan"))
         print(f"| {topo} | {b} | " + " | ".join(cells)
-              + f" | {dad / ref:.2f} | {nost / ref:.2f} | {target:.2f} | "
+              + f" | {dad / ref:.2f} | {nost / ref:.2f} | "
               + (f"{dad / wheel:.1f}" if wheel else "–") + " |")
 
 

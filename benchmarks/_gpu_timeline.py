@@ -1,10 +1,9 @@
-"""Kernel timeline of one training step from a torch.profiler chrome trace (for notes/issue-6.md).
+"""Kernel timeline of one training step from a torch.profiler chrome trace (for docs/design-engine.md).
 
 The trace must cover ``steps`` identical steps (e.g. 5 graph replays), as written by
-``prof.export_chrome_trace`` in the device scripts of ``notes/gpu-2026-11-30/`` (calls 35, 38, 39). The GPU
-events are split into ``steps`` equal runs, and one of them is printed: start, duration and end in µs from the
-step's first event, the stream, and the kernel. This is how the call-38 timeline showed each row-block GEMM waiting
-for the previous block's AdamW to dispatch.
+``prof.export_chrome_trace`` around them. The GPU events are split into ``steps`` equal runs, and one of them is
+printed: start, duration and end in µs from the step's first event, the stream, and the kernel. Such a timeline of
+fmnist-wide-2 at B=1024 showed each row-block GEMM waiting for the previous block's AdamW to dispatch.
 
 Run: python benchmarks/_gpu_timeline.py TRACE[.json|.json.gz] [--steps 5] [--step 3]
 """

@@ -1,7 +1,8 @@
 """Learning quality: DAD (each local rule, each option) against backprop and the published wheel.
 
 Real MNIST / Fashion-MNIST (offline, ``torch_dad.data``), CIFAR-10 only with ``--cifar DIR``.
-Seed topologies, batch 256, AdamW with weight decay 0.01 for every system, no augmentation.
+Topologies mnist-medium-3, fmnist-wide-2 and cifar10-medium-3 (docs/benchmarks.md), batch 256, AdamW with
+weight decay 0.01 for every system, no augmentation.
 Every system runs the lr grid {3e-4, 1e-3, 3e-3} x seeds {0, 1, 2}; test accuracy is recorded
 after every epoch. A 3-epoch result of a constant-lr system is the epoch-3 point of its 20-epoch
 run (identical computation: same seed, same batches, same lr); schedule systems run 3 epochs apart.
@@ -46,7 +47,7 @@ SEEDS = (0, 1, 2)
 WEIGHT_DECAY = 0.01  # DADTrainer's and torch.optim.AdamW's default: the shared recipe
 BATCH = 256
 WHEEL = "wheel-2026.5.24"
-# system -> options. "dad" is the recommended default (see docs/benchmarks-accuracy.md).
+# system -> options. "dad" is the recommended default (see docs/benchmarks.md).
 DAD_SYSTEMS: dict[str, dict[str, Any]] = {
     "dad": {"local_loss": "ce"},
     "dad-predsim": {"local_loss": "predsim"},
@@ -128,12 +129,12 @@ def _schedule(opts: dict[str, Any], lr: float, steps: int) -> Callable[[int], fl
 def train_dad(job: dict[str, Any], data: tuple[torch.Tensor, ...], device: torch.device) -> dict[str, Any]:
     """One DAD run; per-epoch test accuracy of ``model(x)`` (trained classifier), + solve_head at the end."""
     import torch_dad as td
-    from _common import SeedMLP
+    from _common import DADMLP
 
     opts = DAD_SYSTEMS[job["system"]]
     xtr, ytr, xte, yte = data
     torch.manual_seed(job["seed"])
-    model = SeedMLP(job["widths"])
+    model = DADMLP(job["widths"])
     for layer in model.dad_layers:
         layer.label_smoothing = float(opts.get("label_smoothing", 0.0))
         layer.normalize = opts.get("normalize")
@@ -252,7 +253,7 @@ def _graphable_step(
 ) -> tuple[torch.nn.Module, Callable[[], None]]:
     """The model and a closure doing one whole training step on the static batch ``(x, y)``."""
     import torch_dad as td
-    from _common import SeedMLP, backprop_mlp
+    from _common import DADMLP, backprop_mlp
 
     if system == "dad":
         # the eager DADTrainer.step syncs the host (one_hot/bincount checks), so it cannot be
@@ -261,7 +262,7 @@ def _graphable_step(
 
         if "backend" not in inspect.signature(td.DADTrainer).parameters:
             raise RuntimeError("needs the GPU engine: DADTrainer(backend='cuda-graph') (torch_dad.training.engine)")
-        model: torch.nn.Module = SeedMLP(widths)
+        model: torch.nn.Module = DADMLP(widths)
         trainer = td.DADTrainer(model, device=device, lr=lr, weight_decay=WEIGHT_DECAY, backend="cuda-graph")
 
         def dad_step() -> None:
@@ -436,7 +437,7 @@ def main() -> None:
     parser.add_argument("--fmnist-dir", default=None, help="Fashion-MNIST IDX folder (default: Debian's)")
     parser.add_argument("--epochs", type=int, nargs="+", default=[3, 20])
     parser.add_argument("--widths", type=int, nargs="+", default=None,
-                        help="hidden widths for every dataset instead of the seed topologies, e.g. 1024 512 256")
+                        help="hidden widths for every dataset instead of the default topologies, e.g. 1024 512 256")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
     parser.add_argument("--lrs", type=float, nargs="+", default=list(LRS))
     parser.add_argument("--systems", nargs="+", default=[*DAD_SYSTEMS, *BACKPROP_SYSTEMS, WHEEL])

@@ -1,6 +1,6 @@
 """The CPU speed ceiling of DAD over backprop: each step's matrix products and AdamW, timed alone.
 
-For the seed MLP (784-1024-512-256-10) at a batch size, this times, with the same torch calls the
+For the quickstart MLP (784-1024-512-256-10) at a batch size, this times, with the same torch calls the
 two steps make and preallocated outputs:
 
 - ``dad-gemms``: per hidden layer the forward ``addmm``, the local logits ``addmm``, ``dL/dh = d_logits @ W_head``,
@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 import torch_dad as td
-from _common import SeedMLP, backprop_mlp, environment, median_time, write_records
+from _common import DADMLP, backprop_mlp, environment, median_time, write_records
 
 WIDTHS = [784, 1024, 512, 256]
 CLASSES = 10
@@ -94,7 +94,7 @@ def adamw_sets(trainer: td.DADTrainer, net: torch.nn.Module) -> dict[str, Callab
 
         return run
 
-    dad_params = [t for layer in trainer.model.dad_layers for t in layer._trained_tensors()]
+    dad_params = [t for layer in trainer.model.dad_layers for t in layer.trained_tensors()]
     dad_params += list(trainer.model.classifier.parameters())
     return {"dad-adamw": make(dad_params), "backprop-adamw": make(list(net.parameters()))}
 
@@ -115,7 +115,7 @@ def main() -> None:
         torch.manual_seed(0)
         x = torch.randn(batch, widths[0])
         y = torch.randint(0, CLASSES, (batch,))
-        trainer = td.DADTrainer(SeedMLP(widths), device="cpu")
+        trainer = td.DADTrainer(DADMLP(widths), device="cpu")
         net = backprop_mlp(widths)
         opt = torch.optim.AdamW(net.parameters(), lr=1e-3, weight_decay=0.01, fused=True)
 

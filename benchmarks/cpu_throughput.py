@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 import torch_dad as td
-from _common import SeedMLP, backprop_mlp, environment, median_time, write_records
+from _common import DADMLP, backprop_mlp, environment, median_time, write_records
 
 TOPOLOGIES = {"mnist-medium-3": [784, 1024, 512, 256], "fmnist-wide-2": [784, 4096, 4096]}
 SYSTEMS = ("dad", "backprop-eager", "backprop-eager-fused")
@@ -42,7 +42,7 @@ def make_step(system: str, widths: Sequence[int], batch: int) -> Callable[[], No
     x = torch.randn(batch, widths[0])
     y = torch.randint(0, 10, (batch,))
     if system == "dad":
-        dad = td.DADTrainer(SeedMLP(widths), device="cpu")
+        dad = td.DADTrainer(DADMLP(widths), device="cpu")
 
         def dad_step() -> None:
             dad.step(x, y)

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 
 import torch_dad as td
-from _common import RESULTS, SeedMLP, environment
+from _common import DADMLP, RESULTS, environment
 from torch_dad.training import Batch, DataParallelTrainer, Pipeline
 from torch_dad.training.pipeline import partition_layers
 
@@ -182,7 +182,7 @@ def main() -> None:
 
     def build(trainer_cls: Any = td.DADTrainer, **kw: Any) -> Any:
         torch.manual_seed(0)
-        return trainer_cls(SeedMLP(widths), device=device, lr=1e-3, amp_dtype=amp, **kw)
+        return trainer_cls(DADMLP(widths), device=device, lr=1e-3, amp_dtype=amp, **kw)
 
     def save(record: dict[str, Any]) -> None:
         record = {"backend": "eager", **record, **common}

@@ -19,20 +19,20 @@ import torch
 import torch.nn.functional as F
 
 import torch_dad as td
-from _common import SeedMLP, backprop_mlp, environment, write_records
+from _common import DADMLP, backprop_mlp, environment, write_records
 
 MIB = 2**20
 
 
 def dad_peak(depth: int, width: int, batch: int, device: torch.device, backend: str, amp: torch.dtype | None) -> dict:
-    model = SeedMLP([width] * (depth + 1), num_classes=10)
+    model = DADMLP([width] * (depth + 1), num_classes=10)
     # on_nonfinite='ignore' (the CUDA default) so that CPU smoke runs take the fused step too
     trainer = td.DADTrainer(model, device=device, amp_dtype=amp, backend=backend, on_nonfinite="ignore")
     x = torch.randn(batch, width, device=device)
     y = torch.randint(0, 10, (batch,), device=device)
     if device.type == "cuda":
         # return blocks cached by earlier systems first: else the pool is measured against a
-        # reserve that shrinks while it is captured (negative pools at depth 16/32, call 20)
+        # reserve that shrinks while it is captured (that gave negative pools at depths 16 and 32)
         gc.collect()
         torch.cuda.empty_cache()
     reserved0 = torch.cuda.memory_reserved() if device.type == "cuda" else 0

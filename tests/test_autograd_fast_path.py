@@ -31,10 +31,9 @@ import torch
 
 from tests.conftest import relative_error
 from tests.gpu.conftest import DEVICE, requires_cuda, requires_kernels
-from torch_dad import DADAutogradLinear
-from torch_dad import functional as F
+from torch_dad import DADAutogradLinear, functional
 
-IGNORE = F.IGNORE_INDEX
+IGNORE = functional.IGNORE_INDEX
 LOW = torch.bfloat16 if DEVICE == "cuda" else torch.float16
 MARGIN = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 # (rows, in_features, out_features, classes): tiny, for the interpreter
@@ -71,7 +70,7 @@ def _layer(shape, activation, bias, dtype, backend, device, update="grad", **kw)
 
 def _copy(src: DADAutogradLinear, dst: DADAutogradLinear) -> None:
     with torch.no_grad():
-        for a, b in zip(src._trained_tensors(), dst._trained_tensors()):
+        for a, b in zip(src.trained_tensors(), dst.trained_tensors()):
             b.copy_(a)
 
 
@@ -85,7 +84,7 @@ def _forward64(layer: DADAutogradLinear, x: torch.Tensor) -> torch.Tensor:
     z = x.reshape(-1, x.shape[-1]).double() @ layer.weight.detach().double().T
     if layer.bias is not None:
         z = z + layer.bias.detach().double()
-    return F.activation_forward(z, layer.activation)
+    return functional.activation_forward(z, layer.activation)
 
 
 def _oracle_given_output(layer, x, h, y, dtype=torch.float64):  # type: ignore[no-untyped-def]
@@ -96,8 +95,8 @@ def _oracle_given_output(layer, x, h, y, dtype=torch.float64):  # type: ignore[n
     """
     a, h, y = x.reshape(-1, x.shape[-1]).to(dtype), h.reshape(-1, h.shape[-1]).to(dtype), y.reshape(-1)
     hw, hb = layer.head_weight.detach().to(dtype), layer.head_bias.detach().to(dtype)  # type: ignore[union-attr]
-    rule = F.local_rule_error("ce", h, y, hw, hb, ignore_index=layer.ignore_index)
-    d_z = rule.grad_output * F.activation_derivative(h, h, layer.activation)
+    rule = functional.local_rule_error("ce", h, y, hw, hb, ignore_index=layer.ignore_index)
+    d_z = rule.grad_output * functional.activation_derivative(h, h, layer.activation)
     return SimpleNamespace(
         loss=rule.loss, grad_weight=d_z.T @ a, grad_bias=d_z.sum(0) if layer.bias is not None else None,
         grad_head_weight=rule.grad_head_weight, grad_head_bias=rule.grad_head_bias,
@@ -109,7 +108,7 @@ def _oracle(layer: DADAutogradLinear, x: torch.Tensor, y: torch.Tensor, dtype: t
     t = [p.detach().to(dtype) for p in (layer.weight, layer.bias, layer.head_weight, layer.head_bias) if p is not None]
     w, rest = t[0], t[1:]
     b = rest.pop(0) if layer.bias is not None else None
-    return F.local_loss_and_gradients(
+    return functional.local_loss_and_gradients(
         x.reshape(-1, x.shape[-1]).to(dtype),
         w,
         b,
@@ -135,7 +134,7 @@ def _grads_and_output(layer: DADAutogradLinear, x: torch.Tensor, y: torch.Tensor
         warnings.simplefilter("ignore")  # the float16 GradScaler hint
         out = layer(x)
         out.sum().backward()
-    return [p.grad for p in layer._trained_tensors()], out.detach()
+    return [p.grad for p in layer.trained_tensors()], out.detach()
 
 
 def _check_against_oracle(layer, x, y, got, dtype, h):  # type: ignore[no-untyped-def]
@@ -240,7 +239,7 @@ def _adamw_trajectory(shape, activation, bias, device, steps=3, tol=1e-5):  # ty
         x = torch.randn(shape[0], shape[1], device=device)
         y = _labels(shape[0], shape[3], device)
         for layer, name in ((fast, "triton"), (slow, "eager")):
-            before = [t.detach().double().clone() for t in layer._trained_tensors()]
+            before = [t.detach().double().clone() for t in layer.trained_tensors()]
             layer.set_y_context(y)
             out = layer(x)
             assert relative_error(out.detach(), _forward64(layer, x)) <= MARGIN[torch.float32]
@@ -253,7 +252,7 @@ def _adamw_trajectory(shape, activation, bias, device, steps=3, tol=1e-5):  # ty
             out.sum().backward()
             assert layer.last_backend == name
             # compared on the change: the parameters themselves would hide an error in the update
-            for i, (p, p0, p_want, p_own) in enumerate(zip(layer._trained_tensors(), before, want, own)):
+            for i, (p, p0, p_want, p_own) in enumerate(zip(layer.trained_tensors(), before, want, own)):
                 bound = tol + 2 * relative_error(p_own - p0, p_want - p0)
                 assert relative_error(p.detach().double() - p0, p_want - p0) <= bound, (name, step, i, bound)
     assert float(fast.optim_state.step) == float(slow.optim_state.step) == steps  # type: ignore[union-attr]
@@ -314,7 +313,7 @@ def test_cuda_autocast_bf16_with_fp32_masters(activation):  # type: ignore[no-un
         out = fast(x)
     out.float().sum().backward()
     assert fast.last_backend == "triton"
-    got = [p.grad for p in fast._trained_tensors()]
+    got = [p.grad for p in fast.trained_tensors()]
     assert all(g is not None and g.dtype == torch.float32 for g in got)
     # the oracle on the bf16-rounded operands autocast hands the layer
     ref = _oracle(fast, x, y)
@@ -417,8 +416,8 @@ def test_triton_backend_falls_back_where_the_kernel_does_not_apply(monkeypatch):
     assert head.last_backend == "eager"
     # where the kernel applies but cannot run (CPU, no interpreter): a clear error, no update
     layer = _layer((6, 4, 5, 3), "relu", True, torch.float32, "triton", "cpu", update="inplace")
-    before = [t.clone() for t in layer._trained_tensors()]
+    before = [t.clone() for t in layer.trained_tensors()]
     layer.set_y_context(y)
     with pytest.raises(ValueError, match="backend='triton'"):
         layer(x).sum().backward()
-    assert all(torch.equal(a, b) for a, b in zip(before, layer._trained_tensors()))
+    assert all(torch.equal(a, b) for a, b in zip(before, layer.trained_tensors()))

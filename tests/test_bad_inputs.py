@@ -176,3 +176,15 @@ def test_replace_head_on_unsupported_model_lists_candidates():
     with pytest.raises((ValueError, TypeError), match="nn.Linear|head"):
         replace_head(model)
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())
+
+
+def test_check_labels_allows_ignore_index_only_when_given():
+    from torch_dad._checks import check_labels
+
+    labels = torch.tensor([0, 2, -100, 1])
+    check_labels(labels, 4, 3, ignore_index=-100)
+    with pytest.raises(ValueError, match=r"labels must lie in \[0, 3\) \(num_classes=3\); got values in \[-100, -100\]"):
+        check_labels(labels, 4, 3)
+    with pytest.raises(ValueError, match="or equal ignore_index=-1; got values in"):
+        check_labels(labels, 4, 3, ignore_index=-1)
+    check_labels(labels, 4, 3, check_values=False)  # shape and dtype only

@@ -3,11 +3,11 @@
 import pytest
 import torch
 
-from torch_dad import functional as F
+from torch_dad import functional
 
 from .conftest import relative_error
 
-ACTS = list(F.ACTIVATIONS)
+ACTS = list(functional.ACTIVATIONS)
 
 
 def _autograd_local(a, w, b, wl, bl, y, act, smoothing=0.0):
@@ -32,7 +32,7 @@ def test_local_gradients_match_autograd(act, bias, batch, width):
     wl = torch.randn(classes, width, dtype=torch.float64)
     bl = torch.randn(classes, dtype=torch.float64)
     y = torch.randint(0, classes, (batch,))
-    got = F.local_loss_and_gradients(a, w, b, wl, bl, y, act)
+    got = functional.local_loss_and_gradients(a, w, b, wl, bl, y, act)
     loss, gw, gb, gwl, gbl = _autograd_local(a, w, b, wl, bl, y, act)
     assert relative_error(got.loss, loss) < 1e-10
     assert relative_error(got.grad_weight, gw) < 1e-10
@@ -49,7 +49,7 @@ def test_label_smoothing_matches_autograd():
     w, wl = torch.randn(9, 6, dtype=torch.float64), torch.randn(5, 9, dtype=torch.float64)
     b, bl = torch.randn(9, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
     y = torch.randint(0, 5, (33,))
-    got = F.local_loss_and_gradients(a, w, b, wl, bl, y, "gelu", label_smoothing=0.1)
+    got = functional.local_loss_and_gradients(a, w, b, wl, bl, y, "gelu", label_smoothing=0.1)
     loss, gw, gb, *_ = _autograd_local(a, w, b, wl, bl, y, "gelu", smoothing=0.1)
     assert relative_error(got.loss, loss) < 1e-10
     assert relative_error(got.grad_weight, gw) < 1e-10
@@ -58,13 +58,13 @@ def test_label_smoothing_matches_autograd():
 def test_ignore_index_rows_get_no_gradient():
     logits = torch.randn(6, 3, dtype=torch.float64, requires_grad=True)
     y = torch.tensor([0, -100, 2, 1, -100, 0])
-    loss, d = F.cross_entropy_error(logits.detach(), y)
+    loss, d = functional.cross_entropy_error(logits.detach(), y)
     ref = torch.nn.functional.cross_entropy(logits, y, ignore_index=-100)
     ref.backward()
     assert relative_error(loss, ref.detach()) < 1e-12
     assert relative_error(d, logits.grad) < 1e-12
     all_ignored = torch.full((6,), -100)
-    loss0, d0 = F.cross_entropy_error(logits.detach(), all_ignored)
+    loss0, d0 = functional.cross_entropy_error(logits.detach(), all_ignored)
     assert float(loss0) == 0.0 and float(d0.abs().sum()) == 0.0
 
 
@@ -75,7 +75,7 @@ def test_head_gradients_equal_backprop(bias):
     b = torch.randn(7, dtype=torch.float64, requires_grad=True) if bias else None
     y = torch.randint(0, 7, (17,))
     torch.nn.functional.cross_entropy(torch.nn.functional.linear(a, w, b), y).backward()
-    got = F.head_loss_and_gradients(a, w.detach(), b.detach() if bias else None, y)
+    got = functional.head_loss_and_gradients(a, w.detach(), b.detach() if bias else None, y)
     assert relative_error(got.grad_weight, w.grad) < 1e-10
     if bias:
         assert relative_error(got.grad_bias, b.grad) < 1e-10
@@ -83,14 +83,43 @@ def test_head_gradients_equal_backprop(bias):
 
 def test_unknown_activation_is_rejected():
     with pytest.raises(ValueError, match="activation='swish'.*relu"):
-        F.check_activation("swish")
+        functional.check_activation("swish")
 
 
 def test_ridge_solve_minimises_the_objective():
     h = torch.randn(200, 6, dtype=torch.float64)
     y = torch.nn.functional.one_hot(torch.randint(0, 3, (200,)), 3).double()
-    w, b = F.ridge_solve(h, y, 0.5)
+    w, b = functional.ridge_solve(h, y, 0.5)
     # gradient of ||H W^T + b - Y||^2 + lam ||W||^2 vanishes at the optimum
     r = h @ w.T + b - y
     assert float((2 * r.T @ h + 2 * 0.5 * w).abs().max()) < 1e-9
     assert float(r.sum(0).abs().max()) < 1e-9
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+def test_cross_entropy_error_matches_torch_autograd(smoothing, dtype):
+    """Loss and d_logits in every dtype equal torch's own cross-entropy and its autograd gradient."""
+    logits = (torch.randn(53, 11, dtype=torch.float64) * 3).requires_grad_(True)
+    target = torch.randint(0, 11, (53,))
+    target[::7] = -100
+    want_loss = torch.nn.functional.cross_entropy(logits, target, label_smoothing=smoothing)
+    (want_grad,) = torch.autograd.grad(want_loss, logits)
+    loss, grad = functional.cross_entropy_error(logits.detach().to(dtype), target, label_smoothing=smoothing)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 1e-2}[dtype]
+    assert grad.dtype == dtype
+    assert relative_error(grad, want_grad) < tol
+    assert relative_error(loss, want_loss.detach()) < tol
+    assert torch.equal(grad[::7], torch.zeros_like(grad[::7]))
+
+
+@pytest.mark.parametrize("smoothing", [0.0, 0.2])
+def test_cross_entropy_error_without_ignore_index_is_the_unmasked_mean(smoothing):
+    """``ignore_index=None``: no mask, the same values as the default when no row is ignored."""
+    logits = torch.randn(3, 5, 7, dtype=torch.float64)
+    target = torch.randint(0, 7, (3, 5))
+    loss, grad = functional.cross_entropy_error(logits, target, label_smoothing=smoothing, ignore_index=None)
+    want_loss, want_grad = functional.cross_entropy_error(logits, target, label_smoothing=smoothing)
+    assert torch.allclose(loss, want_loss, rtol=1e-14) and torch.allclose(grad, want_grad, rtol=1e-14)
+    ref = torch.nn.functional.cross_entropy(logits.reshape(-1, 7), target.reshape(-1), label_smoothing=smoothing)
+    assert relative_error(loss, ref) < 1e-12

@@ -15,8 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-import torch_dad.functional as F
-from torch_dad import DADAutogradLinear
+from torch_dad import DADAutogradLinear, functional
 
 transformers = pytest.importorskip("transformers")
 from torch_dad.integrations.transformers import (  # noqa: E402
@@ -244,8 +243,8 @@ def test_checkpoint_loads_into_plain_model_and_back(tmp_path) -> None:
     torch.testing.assert_close(again(**inputs).logits, model(**inputs).logits)
 
 
-def test_seed_readme_wrapper_example_runs_as_written(tmp_path, monkeypatch) -> None:
-    """The seed README's HF example, verbatim except for the model source and dataset."""
+def test_trainer_wrapper_example_runs_as_written(tmp_path, monkeypatch) -> None:
+    """A user's HF ``Trainer`` script with a DAD head, unchanged except for the model source and dataset."""
     from transformers import Trainer, TrainingArguments
 
     monkeypatch.chdir(tmp_path)  # its output_dir is "./vit_dad"
@@ -307,7 +306,7 @@ def test_fit_head_closed_form_equals_ridge_reference(arch: str) -> None:
     model.train()
     h = torch.cat(features)
     y = torch.cat([b["labels"] for b in loader])
-    w_ref, b_ref = F.ridge_solve(h, nn.functional.one_hot(y, 3).double(), 0.37)
+    w_ref, b_ref = functional.ridge_solve(h, nn.functional.one_hot(y, 3).double(), 0.37)
     solution = fit_head_closed_form(model, loader, lambda_reg=0.37)
     assert all(m.training for m in model.modules())  # train mode restored after the pass
     assert rel_err(model.classifier.weight, w_ref) < 1e-10

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import torch_dad as td
-from torch_dad import functional as F
+from torch_dad import functional
 from torch_dad.data import synthetic
 from torch_dad.training.schedules import warmup_cosine
 
@@ -21,7 +21,7 @@ def _autograd_rule_loss(rule, x, w, b, hw, hb, proj, y, act, beta, smoothing, no
     if normalize == "layernorm":
         z = torch.nn.functional.layer_norm(z, (z.shape[1],), eps=1e-5)
     h = {"relu": torch.relu, "gelu": torch.nn.functional.gelu, "tanh": torch.tanh, "identity": lambda t: t}[act](z)
-    valid = y != F.IGNORE_INDEX
+    valid = y != functional.IGNORE_INDEX
     hv, yv = h[valid], y[valid]
     if rule == "drtp":
         return 0.5 * (hv - proj[yv]).pow(2).sum() / max(int(valid.sum()), 1)
@@ -32,32 +32,32 @@ def _autograd_rule_loss(rule, x, w, b, hw, hb, proj, y, act, beta, smoothing, no
 
     def sim(t):  # adjusted cosine similarity: centre each row, then cosine
         c = t - t.mean(1, keepdim=True)
-        u = c / (c.pow(2).sum(1, keepdim=True) + F.SIMILARITY_EPS).sqrt()
+        u = c / (c.pow(2).sum(1, keepdim=True) + functional.SIMILARITY_EPS).sqrt()
         return u @ u.T
 
     sim_loss = torch.nn.functional.mse_loss(sim(hv), sim(onehot), reduction="mean")
     return (1 - beta) * ce + beta * sim_loss
 
 
-@pytest.mark.parametrize("rule", list(F.LOCAL_LOSSES))
-@pytest.mark.parametrize("act", list(F.ACTIVATIONS))
+@pytest.mark.parametrize("rule", list(functional.LOCAL_LOSSES))
+@pytest.mark.parametrize("act", list(functional.ACTIVATIONS))
 @pytest.mark.parametrize("bias", [True, False])
 @pytest.mark.parametrize("normalize", [None, "layernorm"])
 def test_rule_gradients_match_autograd_float64(rule, act, bias, normalize):
     n, d_in, d_out, classes = 23, 17, 29, 6
     x = torch.randn(n, d_in, dtype=torch.float64)
     y = torch.randint(0, classes, (n,))
-    y[3] = F.IGNORE_INDEX  # an unlabelled row must not contribute
+    y[3] = functional.IGNORE_INDEX  # an unlabelled row must not contribute
     w = (torch.randn(d_out, d_in, dtype=torch.float64) * 0.3).requires_grad_(True)
     b = torch.randn(d_out, dtype=torch.float64).requires_grad_(True) if bias else None
     hw = torch.randn(classes, d_out, dtype=torch.float64).requires_grad_(True)
     hb = torch.randn(classes, dtype=torch.float64).requires_grad_(True)
-    proj = F.target_projection(d_out, classes, seed=3, dtype=torch.float64)
-    beta, smoothing = (0.7, 0.1) if rule == "predsim" else (F.PREDSIM_BETA, 0.0)
+    proj = functional.target_projection(d_out, classes, seed=3, dtype=torch.float64)
+    beta, smoothing = (0.7, 0.1) if rule == "predsim" else (functional.PREDSIM_BETA, 0.0)
     loss = _autograd_rule_loss(rule, x, w, b, hw, hb, proj, y, act, beta, smoothing, normalize)
     wanted = [w] + ([b] if bias else []) + ([hw, hb] if rule != "drtp" else [])
     auto = torch.autograd.grad(loss, wanted)
-    got = F.local_loss_and_gradients(
+    got = functional.local_loss_and_gradients(
         x, w.detach(), b.detach() if bias else None, hw.detach(), hb.detach(), y, act,
         local_loss=rule, projection=proj, beta=beta, label_smoothing=smoothing, normalize=normalize,
     )
@@ -72,11 +72,11 @@ def test_rule_gradients_match_autograd_float64(rule, act, bias, normalize):
 
 def test_similarity_matrix_is_correlation():
     x = torch.randn(11, 7, dtype=torch.float64)
-    s = F.similarity_matrix(x, eps=0.0)
+    s = functional.similarity_matrix(x, eps=0.0)
     want = torch.corrcoef(x)  # Pearson correlation of rows == cosine of row-centred rows
     assert relative_error(s, want) < 1e-12
     onehot = torch.nn.functional.one_hot(torch.tensor([0, 1, 0, 2]), 3).double()
-    s_y = F.similarity_matrix(onehot, eps=0.0)
+    s_y = functional.similarity_matrix(onehot, eps=0.0)
     assert torch.allclose(s_y[0, 2], torch.tensor(1.0, dtype=torch.float64))
     assert torch.allclose(s_y[0, 1], torch.tensor(-0.5, dtype=torch.float64))  # -1/(C-1)
 
@@ -91,8 +91,8 @@ def test_layer_fast_path_matches_functional(rule, normalize, dtype):
     hw = layer.head_weight if rule != "drtp" else None
     hb = layer.head_bias if rule != "drtp" else None
     kw = {"local_loss": rule, "projection": layer.target_projection, "normalize": normalize}
-    ref = F.local_loss_and_gradients(x, layer.weight.detach(), layer.bias.detach(), hw, hb, y, "relu", **kw)
-    low = F.local_loss_and_gradients(
+    ref = functional.local_loss_and_gradients(x, layer.weight.detach(), layer.bias.detach(), hw, hb, y, "relu", **kw)
+    low = functional.local_loss_and_gradients(
         *(t.to(dtype) if t is not None else None for t in (x, layer.weight.detach(), layer.bias.detach(), hw, hb)),
         y, "relu", local_loss=rule, normalize=normalize,
         projection=layer.target_projection.to(dtype) if rule == "drtp" else None,
@@ -179,7 +179,7 @@ def test_trainer_bad_options_raise_and_leave_model_unchanged(kwargs, match):
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
 
 
-@pytest.mark.parametrize("rule", list(F.LOCAL_LOSSES))
+@pytest.mark.parametrize("rule", list(functional.LOCAL_LOSSES))
 def test_every_rule_learns_a_separable_task(rule):
     (xtr, ytr), (xte, yte) = synthetic(num_train=1024, num_test=512, num_features=10, num_classes=3, seed=1)
     torch.manual_seed(0)

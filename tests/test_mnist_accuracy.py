@@ -1,4 +1,4 @@
-"""Acceptance: the seed's Option A model on real MNIST, batch 256, 3 epochs, CPU."""
+"""Acceptance: the README's quickstart model on real MNIST, batch 256, 3 epochs, CPU."""
 
 import importlib.util
 

@@ -6,7 +6,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import torch_dad as td
-from torch_dad import functional as F
+from torch_dad import functional
 
 SETTINGS = settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 DTYPES = st.sampled_from([torch.float32, torch.float64, torch.bfloat16])
@@ -30,7 +30,7 @@ def _model(widths, classes, act, classifier):
     widths=st.lists(st.integers(1, 24), min_size=2, max_size=4),
     classes=st.integers(2, 6),
     batch=st.integers(1, 40),
-    act=st.sampled_from(F.ACTIVATIONS),
+    act=st.sampled_from(functional.ACTIVATIONS),
     classifier=st.booleans(),
     amp=st.sampled_from([None, torch.bfloat16]),
     only_class=st.booleans(),
@@ -56,7 +56,7 @@ def test_training_stays_finite_and_eval_changes_nothing(widths, classes, batch, 
     # forward equals the manual composition
     h = x
     for layer in model.layers:
-        h = F.activation_forward(h @ layer.weight.T + layer.bias, act)
+        h = functional.activation_forward(h @ layer.weight.T + layer.bias, act)
     expected = model.classifier(h) if classifier else model.layers[-1].local_head(h)
     assert torch.allclose(model(x), expected, atol=1e-5, rtol=1e-4)
 
@@ -67,7 +67,7 @@ def test_training_stays_finite_and_eval_changes_nothing(widths, classes, batch, 
     d_in=st.integers(1, 20),
     d_out=st.integers(1, 20),
     classes=st.integers(2, 7),
-    act=st.sampled_from(F.ACTIVATIONS),
+    act=st.sampled_from(functional.ACTIVATIONS),
     dtype=DTYPES,
     seed=st.integers(0, 2**16),
 )
@@ -75,7 +75,7 @@ def test_local_step_matches_oracle_for_random_shapes_and_dtypes(batch, d_in, d_o
     torch.manual_seed(seed)
     layer = td.DADLinear(d_in, d_out, num_classes=classes, activation=act, dtype=torch.float64)
     x, y = torch.randn(batch, d_in, dtype=torch.float64), torch.randint(0, classes, (batch,))
-    ref = F.local_loss_and_gradients(x, layer.weight.detach(), layer.bias.detach(), layer.head_weight,
+    ref = functional.local_loss_and_gradients(x, layer.weight.detach(), layer.bias.detach(), layer.head_weight,
                                      layer.head_bias, y, act)
     compute = None if dtype == torch.float64 else dtype
     result, grads = layer.local_gradients(x, y, compute_dtype=compute)

@@ -45,7 +45,29 @@ def _demo(args: argparse.Namespace) -> int:
     trainer.solve_head(loader=data.batches(xtr_d, ytr_d, 2048, shuffle=False))
     one_pass = trainer.evaluate(test)["accuracy"]
 
-    # backprop + AdamW on the same MLP, same batches, same epochs
+    bp_acc, bp_s = _train_backprop(args, device, (xtr_d, ytr_d), test)
+    n = len(xtr) * args.epochs
+    print()
+    print(f"{'system':44s} {'test acc':>9s} {'img/s':>10s}")
+    print(f"{'DAD, last local head':44s} {local:9.2%} {n / dad_s:10,.0f}")
+    print(f"{'DAD, solve_head() (sample of inputs seen)':44s} {streamed:9.2%} {'':>10s}")
+    print(f"{'DAD, solve_head(loader=train) one pass':44s} {one_pass:9.2%} {'':>10s}")
+    print(f"{'backprop + AdamW, same MLP':44s} {bp_acc:9.2%} {n / bp_s:10,.0f}")
+    print(f"(ridge lambda chosen by GCV: {solved.lambda_reg:.3g})")
+    if args.json:
+        _write_json(args, {
+            "train_images": len(xtr), "test_acc_local_head": local, "test_acc_solve_head": streamed,
+            "test_acc_solve_head_loader": one_pass, "test_acc_backprop_adamw": bp_acc,
+            "dad_img_per_s": n / dad_s, "backprop_img_per_s": n / bp_s,
+        }, device)
+    return 0
+
+
+def _train_backprop(
+    args: argparse.Namespace, device: torch.device, train: tuple[torch.Tensor, torch.Tensor],
+    test: tuple[torch.Tensor, torch.Tensor],
+) -> tuple[float, float]:
+    """Backprop + AdamW on the same MLP, same batches, same epochs: ``(test accuracy, train seconds)``."""
     torch.manual_seed(args.seed)
     layers: list[torch.nn.Module] = []
     for a, b in ((784, 1024), (1024, 512), (512, 256)):
@@ -53,6 +75,7 @@ def _demo(args: argparse.Namespace) -> int:
     net = torch.nn.Sequential(*layers, torch.nn.Linear(256, 10)).to(device)
     opt = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.01)
     generator = torch.Generator().manual_seed(args.seed)
+    xtr_d, ytr_d = train
     start = time.perf_counter()
     for _ in range(args.epochs):
         order = torch.randperm(len(xtr_d), generator=generator).to(device)
@@ -63,36 +86,29 @@ def _demo(args: argparse.Namespace) -> int:
             opt.step()
     if device.type == "cuda":
         torch.cuda.synchronize()
-    bp_s = time.perf_counter() - start
+    seconds = time.perf_counter() - start
     with torch.no_grad():
-        bp_acc = (net(test[0]).argmax(1) == test[1]).float().mean().item()
-    n = len(xtr) * args.epochs
-    print()
-    print(f"{'system':44s} {'test acc':>9s} {'img/s':>10s}")
-    print(f"{'DAD, last local head':44s} {local:9.2%} {n / dad_s:10,.0f}")
-    print(f"{'DAD, solve_head() (sample of inputs seen)':44s} {streamed:9.2%} {'':>10s}")
-    print(f"{'DAD, solve_head(loader=train) one pass':44s} {one_pass:9.2%} {'':>10s}")
-    print(f"{'backprop + AdamW, same MLP':44s} {bp_acc:9.2%} {n / bp_s:10,.0f}")
-    print(f"(ridge lambda chosen by GCV: {solved.lambda_reg:.3g})")
-    if args.json:
-        import json
-        import platform
-        import subprocess
+        accuracy = (net(test[0]).argmax(1) == test[1]).float().mean().item()
+    return accuracy, seconds
 
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                                check=False).stdout.strip() or "unknown"
-        record = {
-            "dataset": "mnist", "topology": "784-1024-512-256-10", "epochs": args.epochs, "batch": args.batch_size,
-            "lr": args.lr, "seed": args.seed, "train_images": len(xtr),
-            "test_acc_local_head": local, "test_acc_solve_head": streamed, "test_acc_solve_head_loader": one_pass,
-            "test_acc_backprop_adamw": bp_acc, "dad_img_per_s": n / dad_s, "backprop_img_per_s": n / bp_s,
-            "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})",
-            "torch": torch.__version__, "commit": commit, "date": time.strftime("%Y-%m-%d"),
-        }
-        with open(args.json, "w") as handle:
-            json.dump(record, handle, indent=2)
-        print(f"wrote {args.json}")
-    return 0
+
+def _write_json(args: argparse.Namespace, results: dict[str, float], device: torch.device) -> None:
+    """The demo's record, with the device, torch version, commit and date."""
+    import json
+    import platform
+    import subprocess
+
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                            check=False).stdout.strip() or "unknown"
+    record = {
+        "dataset": "mnist", "topology": "784-1024-512-256-10", "epochs": args.epochs, "batch": args.batch_size,
+        "lr": args.lr, "seed": args.seed, **results,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.machine()})",
+        "torch": torch.__version__, "commit": commit, "date": time.strftime("%Y-%m-%d"),
+    }
+    with open(args.json, "w") as handle:
+        json.dump(record, handle, indent=2)
+    print(f"wrote {args.json}")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

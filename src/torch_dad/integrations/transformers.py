@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._checks import check_labels
+from .._checks import check_labels, check_num_classes
 from ..nn.autograd import DADAutogradLinear
 from ..ridge import GramAccumulator, RidgeSolution
 
@@ -153,8 +153,7 @@ def replace_head(
         )
     if num_labels is None:
         num_labels = old.out_features
-    if isinstance(num_labels, bool) or not isinstance(num_labels, int) or num_labels < 2:
-        raise ValueError(f"num_labels={num_labels!r} must be an int >= 2 (a DAD head classifies)")
+    check_num_classes(num_labels, "num_labels")
     if num_labels != old.out_features or (config_labels is not None and num_labels != config_labels):
         raise ValueError(
             f"num_labels={num_labels} but the model's head {name!r} has {old.out_features} outputs "

@@ -67,6 +67,8 @@ class LocalLayer(nn.Module):
 
     weight: nn.Parameter
     bias: nn.Parameter | None
+    head_weight: Tensor | None
+    head_bias: Tensor | None
     optim_state: LocalOptimizerState | None
     config: OptimizerConfig
     update: str = "inplace"
@@ -161,6 +163,16 @@ class LocalLayer(nn.Module):
         """Whether autograd should update the layer: its weight or bias requires grad."""
         return self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
 
+    def _matched(self, grads: list[Tensor]) -> tuple[list[Tensor], list[Tensor]]:
+        """``(tensors, grads)``: :meth:`trained_tensors` (detached) and ``grads`` cast to their dtypes."""
+        tensors = [t.detach() for t in self.trained_tensors()]
+        if len(grads) != len(tensors):
+            raise ValueError(
+                f"grads has {len(grads)} tensors but {type(self).__name__} trains {len(tensors)}; pass one "
+                "gradient per tensor of trained_tensors(), in that order"
+            )
+        return tensors, [g if g.dtype == t.dtype else g.to(t.dtype) for g, t in zip(grads, tensors)]
+
     # ------------------------------------------------------------------ the update
     def _nonfinite_witnesses(self, grads: list[Tensor]) -> list[Tensor]:
         """The gradients whose finiteness implies that of all of ``grads``."""
@@ -184,6 +196,7 @@ class LocalLayer(nn.Module):
         ``FloatingPointError`` (``"raise"``). Gradients are cast to each tensor's dtype.
         """
         check_choice("on_nonfinite", on_nonfinite, NONFINITE_POLICIES)
+        params, grads = self._matched(grads)
         if self.optim_state is None:
             raise RuntimeError(f"{type(self).__name__}(update='grad') has no optimizer state; its gradients go to .grad")
         if on_nonfinite != "ignore" and not (
@@ -195,8 +208,6 @@ class LocalLayer(nn.Module):
                     "this layer was not updated. Lower lr, or pass on_nonfinite='skip' to skip such updates"
                 )
             return False
-        params = [t.detach() for t in self.trained_tensors()]
-        grads = [g if g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(grads, params)]
         self.optim_state.apply_(params, grads, config, lr)
         return True
 
@@ -210,7 +221,7 @@ class LocalLayer(nn.Module):
         if self.update == "inplace":
             self.apply_local_update(grads, self.config)
             return None
-        grads = [g if g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(grads, self.trained_tensors())]
+        grads = self._matched(grads)[1]
         scaler = self.grad_scaler
         if scaler is not None and scaler.is_enabled():
             scale = scaler._get_scale_async() if hasattr(scaler, "_get_scale_async") else scaler.get_scale()

@@ -323,7 +323,8 @@ class DADAutogradLinear(LocalLayer):
         keeps what was not trained.
         """
         layer = super().from_linear(linear, num_classes=num_classes, **kwargs)
-        layer.weight.requires_grad_(linear.weight.requires_grad)  # type: ignore[union-attr]
+        assert isinstance(linear.weight, Tensor)  # from_linear checked it
+        layer.weight.requires_grad_(linear.weight.requires_grad)
         return layer
 
     def extra_repr(self) -> str:

@@ -23,6 +23,8 @@ import math
 import torch
 from torch import Tensor, nn
 
+from .._checks import check_positive_int
+
 __all__ = ["PRECONDITIONERS", "GramPreconditioner", "check_precondition"]
 
 PRECONDITIONERS: tuple[str, ...] = ("gram",)
@@ -50,8 +52,7 @@ class GramPreconditioner(nn.Module):
         self, num_features: int, *, damping: float = 1e-3, window: float | None = None, device=None
     ) -> None:
         super().__init__()
-        if isinstance(num_features, bool) or not isinstance(num_features, int) or num_features < 1:
-            raise ValueError(f"num_features={num_features!r} must be a positive int")
+        check_positive_int("num_features", num_features)
         if not isinstance(damping, (int, float)) or not math.isfinite(damping) or damping <= 0:
             raise ValueError(f"precondition_damping={damping!r} must be a finite float > 0 (e.g. 1e-3)")
         if window is not None and not (isinstance(window, (int, float)) and window > 0):

@@ -54,7 +54,7 @@ __all__ = [
 BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", *external.LIBRARIES)
 # Bytes of transient logits one chunk may hold (compute-dtype logits + their float32 softmax).
 # At V=49152 in bf16 this is 224 rows (63 MiB); a 1024-row chunk (300 MiB) took the step's peak
-# from 695 to 1,144 MiB on the H200 for 2x speed (`python benchmarks/lm_head.py`, torch rows).
+# from 674 to 1,048 MiB on the H200 for 1.8x speed (`python benchmarks/lm_head.py`, torch rows).
 CHUNK_BYTES = 64 * 2**20
 # Bytes of the logits chunk for backend="triton", which keeps only the compute-dtype logits (its row
 # kernel writes the gradient over them; no float32 copy). At V=49152 bf16 this is 2048 rows

@@ -32,7 +32,7 @@ import gc
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, cast
+from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor
@@ -181,6 +181,9 @@ class FusedStep:
         sample: InputReservoir | None, loss_total: Tensor,
     ) -> None:
         self.model, self.device, self.options, self.graphed = model, device, options, graphed
+        # read once: the module walk behind model.dad_layers costs host time every step
+        self.layers = model.dad_layers
+        self.classifier = model.head
         self.classifier_state, self.statistics, self.sample = classifier_state, statistics, sample
         self.loss_total = loss_total
         self.config = OptimizerConfig()
@@ -196,7 +199,7 @@ class FusedStep:
     # ------------------------------------------------------------------ state
     def shadows(self, dtype: torch.dtype) -> list[tuple[Tensor, Tensor | None]]:
         """bf16/fp16 copies of every layer's (weight, bias), refreshed by the AdamW kernel."""
-        layers = self.model.dad_layers
+        layers = self.layers
         cached = self._shadows.get(dtype)
         if cached is None or len(cached) != len(layers):
             cached = [
@@ -209,7 +212,7 @@ class FusedStep:
     def refresh_shadows(self) -> None:
         """Re-copy the low-precision weights from the fp32 masters (after an outside edit)."""
         for pairs in self._shadows.values():
-            for layer, (w, b) in zip(self.model.dad_layers, pairs):
+            for layer, (w, b) in zip(self.layers, pairs):
                 w.copy_(layer.weight.detach())
                 if b is not None and layer.bias is not None:
                     b.copy_(layer.bias.detach())
@@ -260,7 +263,7 @@ class FusedStep:
         """``options.stream_priorities``, with ``None`` resolved by the largest DAD layer."""
         if self.options.stream_priorities is not None:
             return self.options.stream_priorities
-        return all(layer.weight.numel() < self.options.update_chunk_numel for layer in self.model.dad_layers)
+        return all(layer.weight.numel() < self.options.update_chunk_numel for layer in self.layers)
 
     def local_error_off_main(self, layers: list[DADLinear]) -> bool:
         """``options.local_error_off_main``, with ``None`` resolved by the widest of ``layers``."""
@@ -317,7 +320,7 @@ class FusedStep:
                 self.sample.count_rows(batch.x.shape[0])  # the step adds the rows on the device
             else:
                 self.sample.add(batch.x, batch.y)
-        whole = span == (0, len(self.model.dad_layers)) and with_classifier == (self.model.head is not None)
+        whole = span == (0, len(self.layers)) and with_classifier == (self.classifier is not None)
         settings = _Settings(span, with_classifier, reducer, count_loss, accumulate_statistics)
         if not (self.graphed and whole and reducer is None and count_loss):
             logits, loss, features = _Run(self, batch, settings, overlap=False).train()
@@ -373,8 +376,7 @@ def _no_garbage_collection() -> Iterator[None]:
         gc.enable()
 
 
-@dataclass(frozen=True)
-class _Settings:
+class _Settings(NamedTuple):
     span: tuple[int, int]
     with_classifier: bool
     reducer: GradientReducer | None
@@ -391,7 +393,7 @@ class _Run:
     def __init__(self, engine: FusedStep, batch: Batch, settings: _Settings, overlap: bool) -> None:
         self.engine, self.batch, self.settings, self.overlap = engine, batch, settings, overlap
         start, stop = settings.span
-        self.layers = engine.model.dad_layers[start:stop]
+        self.layers = engine.layers[start:stop]
         compute = batch.compute_dtype
         low = compute is not None and compute != torch.float32
         self.shadows = engine.shadows(compute)[start:stop] if low and compute is not None else None
@@ -409,7 +411,7 @@ class _Run:
     def train(self) -> tuple[Tensor, Tensor, Tensor]:
         """``(logits, loss, span output)`` of the step on the span, updates applied."""
         engine, batch, settings = self.engine, self.batch, self.settings
-        classifier = engine.model.head if settings.with_classifier else None
+        classifier = engine.classifier if settings.with_classifier else None
         steps = [_tensor(layer.optim_state.step) for layer in self.layers]
         if classifier is not None and engine.classifier_state is not None:
             steps.append(_tensor(engine.classifier_state.step))

@@ -8,7 +8,6 @@ parallelism plugs in a :class:`GradientReducer`, the pipeline trains a span of l
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol
 
 import torch
@@ -17,8 +16,7 @@ from torch import Tensor
 __all__ = ["Batch", "GradientReducer", "StepOutput", "progress_bar"]
 
 
-@dataclass(frozen=True)
-class Batch:
+class Batch(NamedTuple):
     """A validated training batch: ``x`` (B, in) on the trainer's device in the master dtype,
     int64 labels ``y``, the step's ``lr`` and ``compute_dtype`` (``None``: the master dtype)."""
 
@@ -29,10 +27,10 @@ class Batch:
 
 
 class StepOutput(NamedTuple):
-    """What training a span of layers returns: the logits and loss of the last trained part (the
-    classifier, or the span's last local head), the span's output ``features`` (the next stage's
-    input), and ``is_model_output``: whether that part was the model's output, whose loss the
-    trainer's running loss counts."""
+    """What training a span of layers returns: the detached float32 logits and loss of the last
+    trained part (the classifier, or the span's last local head), the span's output ``features``
+    (the next stage's input), and ``is_model_output``: whether that part was the model's output,
+    whose loss the trainer's running loss counts."""
 
     logits: Tensor
     loss: Tensor

@@ -155,6 +155,11 @@ class DADTrainer:
             name=optimizer, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, momentum=momentum
         )
         self._check_layers(model, layers)
+        # the module walk behind model.dad_layers costs microseconds a call, and a graphed step
+        # is bound by its host time: the layout is read once (the model is fixed from here on)
+        self._num_layers = len(layers)
+        self._first_layer = layers[0]
+        self._has_classifier = model.head is not None
         if local_loss is not None:
             for layer in layers:
                 layer.set_local_loss(local_loss)
@@ -289,7 +294,7 @@ class DADTrainer:
             raise ValueError("inputs must have a batch dimension, got a 0-dim tensor")
         if inputs.shape[0] == 0:
             raise ValueError("inputs are an empty batch; pass at least one row")
-        first = self.model.dad_layers[0]
+        first = self._first_layer
         x = inputs.to(self.device, non_blocking=True).reshape(inputs.shape[0], -1)
         if not x.dtype.is_floating_point:
             raise TypeError(f"inputs have dtype {inputs.dtype}; convert them with .float()")
@@ -302,7 +307,6 @@ class DADTrainer:
         check_labels(y, x.shape[0], self.num_classes, check_values=self.check_values)
         return x, y.long()
 
-    @torch.no_grad()
     def train_layers(
         self, batch: Batch, *, span: tuple[int, int] | None = None, with_classifier: bool = True
     ) -> StepOutput:
@@ -314,12 +318,12 @@ class DADTrainer:
         the first layer are offered to the classifier's input sample. A span that ends at the
         model's output adds its loss to the running loss.
         """
-        count = len(self.model.dad_layers)
+        count = self._num_layers
         start, stop = span if span is not None else (0, count)
         if not 0 <= start < stop <= count:
             raise ValueError(f"span={span!r} must be a [start, stop) range of the {count} DAD layers")
-        with_classifier = with_classifier and stop == count and self.model.head is not None
-        is_model_output = stop == count and (with_classifier or self.model.head is None)
+        with_classifier = with_classifier and stop == count and self._has_classifier
+        is_model_output = stop == count and (with_classifier or not self._has_classifier)
         if self.uses_engine:
             return self._engine.run(
                 batch, self.config, span=(start, stop), with_classifier=with_classifier,
@@ -329,10 +333,12 @@ class DADTrainer:
         if start == 0 and self.head_sample is not None:
             self.head_sample.add(batch.x, batch.y)
         logits, loss, features = self._eager_layers(batch, start, stop, with_classifier)
+        logits, loss = logits.detach().float(), loss.detach().float()
         if is_model_output:
-            self._loss_sum += loss.detach().float()
+            self._loss_sum += loss
         return StepOutput(logits, loss, features, is_model_output)
 
+    @torch.no_grad()
     def _eager_layers(
         self, batch: Batch, start: int, stop: int, with_classifier: bool
     ) -> tuple[Tensor, Tensor, Tensor]:
@@ -341,7 +347,7 @@ class DADTrainer:
         pre-update output anyway, so the result is the same as updating at once."""
         layers = self.model.dad_layers[start:stop]
         workspaces = self._workspaces[start:stop]
-        if stop < len(self.model.dad_layers):
+        if stop < self._num_layers:
             # the span's output leaves (e.g. with an asynchronous send): it must not live in a
             # workspace that the next batch overwrites
             workspaces[-1] = None
@@ -419,11 +425,11 @@ class DADTrainer:
         return result.logits, result.loss.float()
 
     def finish_step(self, output: StepOutput) -> tuple[Tensor, Tensor]:
-        """Count the step (and, for the model's output, its loss; no host sync): detached ``(logits, loss)``."""
+        """Count the step (and, for the model's output, its loss; no host sync): ``(logits, loss)``."""
         self.step_count += 1
         if output.is_model_output:
             self._loss_batches += 1
-        return output.logits.detach().float(), output.loss.detach().float()
+        return output.logits, output.loss
 
     @property
     def running_loss(self) -> float:
