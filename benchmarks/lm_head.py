@@ -97,7 +97,7 @@ def hf_adamw(vocab: int, hidden: int, h: torch.Tensor, y: torch.Tensor, dtype: t
 def dad_fused(vocab: int, hidden: int, h: torch.Tensor, y: torch.Tensor, dtype: torch.dtype, backend: str,
               chunk: int | None = None, grad_hidden: bool = False) -> tuple[Callable[[], None], DADLMHead]:
     """One DAD head step: fused loss forward, in-place AdamW in backward; ``y`` is already shifted."""
-    head = DADLMHead(hidden, vocab, lr=1e-3, weight_decay=0.01, impl=backend, chunk_size=chunk,
+    head = DADLMHead(hidden, vocab, lr=1e-3, weight_decay=0.01, backend=backend, chunk_size=chunk,
                      backprop_gradients=grad_hidden, compute_dtype=dtype, device=h.device)
     with torch.no_grad():
         head.weight.normal_(std=0.02)
@@ -164,7 +164,7 @@ def main() -> None:
         try:
             step, head = build()
             stats = measure(step, device, warmup, repeats)
-            backend = backend if head is None else head.last_impl
+            backend = backend if head is None else head.last_backend
         except Exception as exc:  # a library kernel failing on this machine must not hide the other rows
             print(f"{name:24s} FAILED: {type(exc).__name__}: {exc}")
             records.append({"system": name, "backend": backend, "error": f"{type(exc).__name__}: {exc}", **env})

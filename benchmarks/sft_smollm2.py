@@ -174,7 +174,7 @@ def main() -> None:
         "eval_mean_token_accuracy_before": before.get("eval_mean_token_accuracy"),
         "eval_mean_token_accuracy_after": after.get("eval_mean_token_accuracy"),
         "compute_metrics_logits_shape": seen.get("logits_shape"),
-        "head_backend": head.last_impl, "head_weight_grad_is_none": head.weight.grad is None,
+        "head_backend": head.last_backend, "head_weight_grad_is_none": head.weight.grad is None,
         "train_s": train_s, "eval_s": t_eval, "trl": trl.__version__,
         "transformers": sys.modules["transformers"].__version__, **environment(),
     }

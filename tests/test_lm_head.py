@@ -388,7 +388,7 @@ def test_head_bad_labels_leave_state_unchanged(labels, exc, match):
 
 @pytest.mark.parametrize(
     "kwargs,match",
-    [({"update": "adam"}, "update"), ({"impl": "x"}, "impl"), ({"chunk_size": -1}, "chunk_size"), ({"lr": -1.0}, "lr")],
+    [({"update": "adam"}, "update"), ({"backend": "x"}, "backend"), ({"chunk_size": -1}, "chunk_size"), ({"lr": -1.0}, "lr")],
 )
 def test_head_bad_config(kwargs, match):
     with pytest.raises(ValueError, match=match):

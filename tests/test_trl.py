@@ -197,7 +197,7 @@ def test_unsloth_patch_refuses_plain_model_and_works_on_the_generic_path():
     w0 = head.weight.detach().clone()
     out = model(input_ids=ids, labels=labels)
     out.loss.backward()
-    assert head.last_impl == "torch" and not torch.equal(head.weight, w0)
+    assert head.last_backend == "torch" and not torch.equal(head.weight, w0)
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=ids).logits

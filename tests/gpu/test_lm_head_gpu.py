@@ -95,7 +95,7 @@ def test_bf16_within_reference_error(backend, shape):
 def test_head_step_on_cuda_applies_the_reference_gradient(backend):
     d, v, lr = 96, 5003, 100.0  # large: the update must dwarf float32 rounding of w
     h, w, y = case(512, d, v, seed=2)
-    head = DADLMHead(d, v, impl=backend, compute_dtype=torch.bfloat16, device="cuda")
+    head = DADLMHead(d, v, backend=backend, compute_dtype=torch.bfloat16, device="cuda")
     assert not head.backprop_gradients  # so backend 'cce' is allowed (no bf16 dL/dhidden)
     # plain SGD (no momentum, no decay): the update is exactly -lr * dL/dW, so it can be compared
     head.config = OptimizerConfig(name="sgd", lr=lr, momentum=0.0, weight_decay=0.0)
@@ -104,7 +104,7 @@ def test_head_step_on_cuda_applies_the_reference_gradient(backend):
     out = head.fused_loss(h.float().cuda(), y.cuda(), shift=False)
     out.loss.backward()
     ref, _ = truth(h, w, y)
-    assert head.last_impl == backend and head.weight.grad is None
+    assert head.last_backend == backend and head.weight.grad is None
     delta = head.weight.detach().cpu().double() - w
     assert rel(delta, -lr * ref.grad_weight) <= 1e-2
 

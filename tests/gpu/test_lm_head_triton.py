@@ -125,10 +125,10 @@ def test_head_step_matches_torch_backend():
     heads, grads = [], []
     for backend in ("torch", "triton"):
         torch.manual_seed(0)
-        head = DADLMHead(16, 97, bias=True, impl=backend, lr=1e-2, backprop_gradients=True, device=DEVICE)
+        head = DADLMHead(16, 97, bias=True, backend=backend, lr=1e-2, backprop_gradients=True, device=DEVICE)
         xx = x.clone().requires_grad_(True)
         head.fused_loss(xx, labels).loss.backward()
-        assert head.last_impl == backend and head.weight.grad is None
+        assert head.last_backend == backend and head.weight.grad is None
         heads.append(head)
         grads.append(xx.grad)
     assert rel(heads[1].weight, heads[0].weight) <= 1e-6 and rel(heads[1].bias, heads[0].bias) <= 1e-6

@@ -92,7 +92,7 @@ def _untie_config(model: Any) -> None:
 def replace_lm_head(model: nn.Module, *, untie_embeddings: bool = False, **head_kwargs: Any) -> DADLMHead:
     """Replace ``model``'s output embedding (``lm_head``) by a :class:`DADLMHead` with its weights; returns it.
 
-    ``head_kwargs`` go to :class:`DADLMHead` (``lr``, ``update``, ``backprop_gradients``, ``impl`` ...).
+    ``head_kwargs`` go to :class:`DADLMHead` (``lr``, ``update``, ``backprop_gradients``, ``backend`` ...).
     A head tied to the input embeddings raises unless ``untie_embeddings=True``, which gives the
     head its own copy and sets ``config.tie_word_embeddings=False``.
     """

@@ -15,20 +15,19 @@ import torch
 from torch import Tensor, nn
 
 from .. import functional
+from .._checks import HALF_DTYPES, check_bool, check_choice, check_int, check_positive_int
 from ..ops.linear_cross_entropy import (
     BACKENDS,
-    HALF_DTYPES,
     LinearCrossEntropyResult,
     autocast_dtype,
     check_token_labels,
     linear_cross_entropy,
     shift_labels,
 )
-from ..optim import LocalOptimizerState, OptimizerConfig
+from ..optim import OptimizerConfig
+from ._local import LocalLayer, check_update
 
 __all__ = ["DADLMHead", "LMHeadOutput", "linear_cross_entropy"]
-
-UPDATES: tuple[str, ...] = ("inplace", "grad")
 
 
 @dataclass
@@ -40,6 +39,22 @@ class LMHeadOutput:
     entropy: Tensor | None
     is_top1: Tensor | None
     label_mask: Tensor
+
+
+def _uniform_token_weight(grad_log_probs: Tensor) -> float:
+    """The one weight ``-dL/dlog p_t`` the upstream loss gives every token (``update="grad"``).
+
+    ``.grad`` can only hold a weight gradient that is the same sum over tokens as the head's
+    own, so a loss that weights tokens differently is refused.
+    """
+    weights = -grad_log_probs
+    lo, hi = (float(v) for v in torch.stack([weights.min(), weights.max()]).tolist())
+    if not math.isclose(lo, hi, rel_tol=1e-4, abs_tol=0.0):
+        raise ValueError(
+            "DADLMHead(update='grad') needs the loss to weight every token alike (mean or sum of the "
+            f"token log-likelihoods); got per-token weights in [{lo:.3g}, {hi:.3g}]. Use update='inplace'"
+        )
+    return float(weights.mean())
 
 
 class _DADLMHeadFunction(torch.autograd.Function):
@@ -55,15 +70,14 @@ class _DADLMHeadFunction(torch.autograd.Function):
         ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, head: DADLMHead, target: Tensor,
         token_stats: bool,
     ) -> tuple[Tensor, Tensor, Tensor]:
-        trains = head._trains()
         want_gi = bool(ctx.needs_input_grad[0]) and head.backprop_gradients
         res = linear_cross_entropy(
             hidden, weight, target, bias, ignore_index=head.ignore_index, reduction="sum",
-            grad_weight=trains, grad_input=want_gi, token_stats=token_stats, chunk_size=head.chunk_size,
-            backend=head.impl, compute_dtype=head._compute_dtype(hidden),
+            grad_weight=head._trains(), grad_input=want_gi, token_stats=token_stats, chunk_size=head.chunk_size,
+            backend=head.backend, compute_dtype=head._compute_dtype(hidden),
         )
         ctx.head, ctx.res, ctx.used = head, res, False
-        head.last_impl = res.backend
+        head.last_backend = res.backend
         log_probs = res.log_probs
         assert log_probs is not None
         entropy = res.entropy if res.entropy is not None else torch.zeros_like(log_probs)
@@ -86,30 +100,19 @@ class _DADLMHeadFunction(torch.autograd.Function):
         if res.grad_input is not None:
             # d log p_t / d h_t = -(p_t - onehot_t) @ W = -grad_input_t (summed reduction)
             grad_hidden = res.grad_input * (-grad_log_probs).to(res.grad_input.dtype).unsqueeze(1)
-        n = res.num_valid
         grads = [g for g in (res.grad_weight, res.grad_bias) if g is not None]
-        out_w = out_b = None
-        if head._trains() and n and grads:
-            if head.update == "inplace":
-                # the head's own objective: mean CE over this batch's valid tokens
-                head._apply_local([g.mul_(1.0 / n) for g in grads])
-            else:
-                weight_per_token = -grad_log_probs
-                lo, hi = (float(v) for v in torch.stack([weight_per_token.min(), weight_per_token.max()]).tolist())
-                if not math.isclose(lo, hi, rel_tol=1e-4, abs_tol=0.0):
-                    raise ValueError(
-                        "DADLMHead(update='grad') needs the loss to weight every token alike (mean or sum of the "
-                        f"token log-likelihoods); got per-token weights in [{lo:.3g}, {hi:.3g}]. Use update='inplace'"
-                    )
-                scale = float(weight_per_token.mean())
-                out_w = res.grad_weight.mul_(scale).to(head.weight.dtype) if res.grad_weight is not None else None
-                if res.grad_bias is not None and head.bias is not None:
-                    out_b = res.grad_bias.mul_(scale).to(head.bias.dtype)
+        handed = None
+        if head._trains() and res.num_valid and grads:
+            # "inplace": the head's own objective, the mean CE over this batch's valid tokens;
+            # "grad": the upstream loss's gradient
+            scale = 1.0 / res.num_valid if head.update == "inplace" else _uniform_token_weight(grad_log_probs)
+            handed = head._local_update([g.mul_(scale) for g in grads])
         ctx.res = None
-        return grad_hidden, out_w, out_b, None, None, None
+        grad_weight, grad_bias = head._grads_by_slot(handed, ctx.needs_input_grad[1:3])[:2]
+        return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
-class DADLMHead(nn.Module):
+class DADLMHead(LocalLayer):
     """A causal LM's ``lm_head``: ``logits = hidden @ weight.T (+ bias)`` that trains itself.
 
     ``forward(hidden)`` returns logits (evaluation, generation, ``compute_metrics``).
@@ -118,6 +121,8 @@ class DADLMHead(nn.Module):
     (state in buffers) to the mean next-token CE of the batch; ``update="grad"`` accumulates the
     upstream loss's gradient into ``.grad``. With ``backprop_gradients=True`` the backward also
     returns the true ``dL/dhidden`` (pre-update weights) so LoRA adapters or the backbone train.
+    ``backend`` picks the fused step's implementation (see
+    :func:`~torch_dad.ops.linear_cross_entropy.linear_cross_entropy`); ``last_backend`` says which ran.
     """
 
     def __init__(
@@ -134,67 +139,43 @@ class DADLMHead(nn.Module):
         eps: float = 1e-8,
         ignore_index: int = functional.IGNORE_INDEX,
         chunk_size: int | None = None,
-        impl: str = "auto",
+        backend: str = "auto",
         compute_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        for name, value in (("in_features", in_features), ("vocab_size", vocab_size)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name}={value!r} must be a positive int")
-        if update not in UPDATES:
-            raise ValueError(f"update={update!r} must be 'inplace' (own AdamW in backward) or 'grad' (fill .grad)")
-        if not isinstance(backprop_gradients, bool):
-            raise TypeError(f"backprop_gradients must be a bool, got {type(backprop_gradients).__name__}")
-        if impl not in BACKENDS:
-            raise ValueError(f"impl={impl!r} is not supported; choose one of {', '.join(BACKENDS)}")
-        if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-            raise ValueError(f"chunk_size={chunk_size!r} must be a positive int or None (automatic)")
-        if isinstance(ignore_index, bool) or not isinstance(ignore_index, int):
-            raise TypeError(f"ignore_index must be an int, got {type(ignore_index).__name__}")
-        self.in_features, self.vocab_size = in_features, vocab_size
+        self.in_features = check_positive_int("in_features", in_features)
+        self.vocab_size = check_positive_int("vocab_size", vocab_size)
+        self.update = check_update(update)
+        self.backprop_gradients = check_bool("backprop_gradients", backprop_gradients)
+        self.ignore_index = check_int("ignore_index", ignore_index)
+        self.backend = check_choice("backend", backend, BACKENDS)
+        if chunk_size is not None:
+            check_positive_int("chunk_size", chunk_size)
+        if compute_dtype is not None and (not isinstance(compute_dtype, torch.dtype) or not compute_dtype.is_floating_point):
+            raise TypeError(f"compute_dtype={compute_dtype!r} must be a floating torch.dtype or None")
+        self.chunk_size, self.compute_dtype = chunk_size, compute_dtype
         self.config = OptimizerConfig(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps)  # type: ignore[arg-type]
-        self.update, self.backprop_gradients, self.ignore_index = update, backprop_gradients, ignore_index
-        self.chunk_size, self.impl, self.compute_dtype = chunk_size, impl, compute_dtype
-        self.last_impl: str | None = None
-        kw: dict[str, Any] = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(vocab_size, in_features, **kw))
-        self.bias = nn.Parameter(torch.zeros(vocab_size, **kw)) if bias else None
-        nn.init.normal_(self.weight, std=in_features**-0.5)
-        self.optim_state: LocalOptimizerState | None = None
-        if update == "inplace":
-            self.optim_state = LocalOptimizerState([t.shape for t in self._trained_tensors()], device=device, dtype=dtype)
+        self.last_backend: str | None = None
+        self._init_linear(in_features, vocab_size, bias, device, dtype)
+        self.reset_parameters()
+        self.optim_state = self._new_optim_state() if update == "inplace" else None
 
-    @classmethod
-    def from_linear(cls, linear: nn.Module, **kwargs: Any) -> DADLMHead:
-        """A head with ``linear``'s weight (and bias) copied (not shared), on its device and dtype."""
-        weight = getattr(linear, "weight", None)
-        if not isinstance(weight, Tensor) or weight.dim() != 2:
-            raise TypeError(f"from_linear needs a module with a 2-D .weight (an nn.Linear), got {type(linear).__name__}")
-        bias = getattr(linear, "bias", None)
-        head = cls(weight.shape[1], weight.shape[0], bias=bias is not None, device=weight.device, dtype=weight.dtype,
-                   **kwargs)
-        with torch.no_grad():
-            head.weight.copy_(weight)
-            if bias is not None and head.bias is not None:
-                head.bias.copy_(bias)
-        return head
+    def reset_parameters(self) -> None:
+        """``weight ~ N(0, 1 / in_features)``, ``bias = 0``."""
+        nn.init.normal_(self.weight, std=self.in_features**-0.5)
+        if self.bias is not None:
+            nn.init.zeros_(self.bias)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, vocab_size={self.vocab_size}, bias={self.bias is not None}, "
-                f"update={self.update!r}, backprop_gradients={self.backprop_gradients}, impl={self.impl!r}")
+                f"update={self.update!r}, backprop_gradients={self.backprop_gradients}, backend={self.backend!r}")
 
     @property
     def out_features(self) -> int:
         """``vocab_size``, as ``nn.Linear`` names it."""
         return self.vocab_size
-
-    def _trains(self) -> bool:
-        return self.weight.requires_grad or (self.bias is not None and self.bias.requires_grad)
-
-    def _trained_tensors(self) -> list[Tensor]:
-        return [self.weight] if self.bias is None else [self.weight, self.bias]
 
     def _compute_dtype(self, hidden: Tensor) -> torch.dtype | None:
         """``compute_dtype``, else the autocast dtype, else bf16/fp16 if ``hidden`` is (mixed precision
@@ -202,13 +183,6 @@ class DADLMHead(nn.Module):
         if self.compute_dtype is not None:
             return self.compute_dtype
         return autocast_dtype(hidden.device) or (hidden.dtype if hidden.dtype in HALF_DTYPES else None)
-
-    def _apply_local(self, grads: list[Tensor]) -> None:
-        assert self.optim_state is not None
-        params = [t.detach() for t in self._trained_tensors()]
-        grads = [g if g.dtype == p.dtype else g.to(p.dtype) for g, p in zip(grads, params)]
-        with torch.no_grad():
-            self.optim_state.apply_(params, grads, self.config)
 
     def forward(self, hidden: Tensor) -> Tensor:
         """Logits ``hidden @ weight.T (+ bias)``, as ``nn.Linear`` (no update, labels not needed).

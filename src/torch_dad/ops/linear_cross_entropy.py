@@ -32,6 +32,7 @@ import torch
 from torch import Tensor
 
 from .. import functional
+from .._checks import HALF_DTYPES
 from . import external
 from .cross_entropy import cross_entropy_rows_
 
@@ -64,7 +65,6 @@ CHUNK_BYTES = 64 * 2**20
 # 1/6 of the unfused step's 5,773 MiB (H200, `python benchmarks/lm_head.py`, which also times 512
 # and 1024 rows).
 TRITON_CHUNK_BYTES = 192 * 2**20
-HALF_DTYPES = (torch.float16, torch.bfloat16)
 # Preference on CUDA when backend="auto". "triton" (ours) and liger-kernel both keep the logits
 # chunk in the compute dtype and turn it into the gradient in place with one row kernel (two
 # reads, one write); ours uses 2048-row chunks (large GEMMs) where liger picks ~128 rows. The
