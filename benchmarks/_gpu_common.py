@@ -92,7 +92,7 @@ def dad_system(n_in: int, widths: Sequence[int], classes: int, device: torch.dev
     """The quickstart MLP (DAD hidden layers + classifier) and its ``DADTrainer.step``.
 
     ``head`` says what ``step`` keeps for ``solve_head()``: ``"sample"`` (the default
-    ``head_sample_size=4096`` reservoir of input rows), ``"gram"`` (the streamed Gram statistics
+    ``classifier_sample_size=4096`` reservoir of input rows), ``"gram"`` (the streamed Gram statistics
     ``H^T H``: a d x d x B GEMM that backprop never does, as large as a layer's GEMM when
     d = 4096) or ``"none"`` (the training step alone)."""
     if head not in ("sample", "gram", "none"):
@@ -100,8 +100,8 @@ def dad_system(n_in: int, widths: Sequence[int], classes: int, device: torch.dev
     model = DADMLP([n_in, *widths], num_classes=classes)
     # on_nonfinite='ignore' (the CUDA default) so that CPU smoke runs take the fused step too
     trainer = td.DADTrainer(model, device=device, lr=1e-3, amp_dtype=amp, backend=backend, on_nonfinite="ignore",
-                            accumulate_head_statistics=head == "gram",
-                            head_sample_size=4096 if head == "sample" else 0)
+                            accumulate_classifier_statistics=head == "gram",
+                            classifier_sample_size=4096 if head == "sample" else 0)
     return trainer, trainer.step
 
 

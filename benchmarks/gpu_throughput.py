@@ -4,10 +4,10 @@ Systems, measured in one run on the same synthetic data (fp32 inputs resident on
 rotated over 8 batches), bf16 compute, fp32 master weights, AdamW:
 
 - ``dad``: ``DADTrainer(backend="auto")`` with its defaults, i.e. the fused step captured in a
-  CUDA graph, plus the ``head_sample_size=4096`` reservoir of input rows for ``solve_head()``
+  CUDA graph, plus the ``classifier_sample_size=4096`` reservoir of input rows for ``solve_head()``
   (a few copies outside the graph);
 - ``dad-gram-stats``: instead of the sample, the streamed Gram statistics of the classifier's
-  input (``accumulate_head_statistics=True, head_sample_size=0``; the default in earlier versions);
+  input (``accumulate_classifier_statistics=True, classifier_sample_size=0``; the default in earlier versions);
 - ``dad-no-head-stats``: neither, i.e. the training step alone;
 - ``backprop-graphed``: forward, backward and fused AdamW (``capturable=True``) in one CUDA graph;
 - ``backprop-eager``: the same, op by op;

@@ -10,7 +10,7 @@ import torch
 
 import torch_dad as td
 from torch_dad.ridge import GramAccumulator
-from torch_dad.training.head_sample import InputReservoir
+from torch_dad.training.input_sample import InputReservoir
 
 
 class Net(td.DADModel):
@@ -25,7 +25,7 @@ class Net(td.DADModel):
 def trainer_state(trainer):
     state = trainer.state_dict()
     flat = {}
-    for group in ("model", "head_state", "head_statistics", "head_sample"):
+    for group in ("model", "classifier_state", "classifier_statistics", "classifier_sample"):
         for key, value in (state.get(group) or {}).items():
             if isinstance(value, torch.Tensor):
                 flat[f"{group}.{key}"] = value.clone()
@@ -102,7 +102,7 @@ def test_solve_head_before_any_data():
 CONSTRUCTION_CASES = [
     ("trainer: unknown optimizer", lambda: td.DADTrainer(Net(), optimizer="lion"), ValueError, "optimizer='lion'"),
     ("trainer: unknown local_loss", lambda: td.DADTrainer(Net(), local_loss="hebb"), ValueError, "hebb"),
-    ("trainer: negative head_sample_size", lambda: td.DADTrainer(Net(), head_sample_size=-1), ValueError, "head_sample_size"),
+    ("trainer: negative classifier_sample_size", lambda: td.DADTrainer(Net(), classifier_sample_size=-1), ValueError, "classifier_sample_size"),
     ("trainer: unknown on_nonfinite", lambda: td.DADTrainer(Net(), on_nonfinite="warn"), ValueError, "on_nonfinite"),
     ("trainer: device type", lambda: td.DADTrainer(Net(), device=0.5), TypeError, "device"),
     ("trainer: dropout 1", lambda: td.DADTrainer(Net(), dropout=1.0), ValueError, "dropout"),

@@ -57,14 +57,14 @@ def make_data(n=107, seed=3):
 def full_state(trainer):
     state = trainer.state_dict()
     flat = {f"model.{k}": v for k, v in state["model"].items()}
-    flat.update({f"head.{k}": v for k, v in (state["head_state"] or {}).items()})
-    flat.update({f"stats.{k}": v for k, v in (state["head_statistics"] or {}).items()})
+    flat.update({f"head.{k}": v for k, v in (state["classifier_state"] or {}).items()})
+    flat.update({f"stats.{k}": v for k, v in (state["classifier_statistics"] or {}).items()})
     return {k: v.detach().cpu().clone() for k, v in flat.items()}
 
 
 def trainer_kwargs():
     # solve_head() from streamed statistics on both sides (what the parallel trainers use)
-    return {"lr": 3e-2, "weight_decay": 0.01, "head_sample_size": 0}
+    return {"lr": 3e-2, "weight_decay": 0.01, "classifier_sample_size": 0}
 
 
 def fused_kwargs():
@@ -129,14 +129,14 @@ def _pipeline_fused(rank, out):
 
 
 def _data_parallel_sampled(rank, out):
-    # the default head_sample_size: each rank samples its own rows for solve_head()
+    # the default classifier_sample_size: each rank samples its own rows for solve_head()
     torch.manual_seed(100 + rank)
     trainer = DataParallelTrainer(Net(), DEVICE, lr=3e-2, weight_decay=0.01)
     x, y, _, _ = make_data()
     trainer.fit((x, y), epochs=2, batch_size=24, progress=False)
-    sample = trainer.head_sample
+    sample = trainer.classifier_sample
     out["sample"] = (sample.inputs[: sample.size].cpu().clone(), sample.labels[: sample.size].cpu().clone())
-    out["gram_count"] = float(trainer.head_statistics.count)
+    out["gram_count"] = float(trainer.classifier_statistics.count)
     out["model"] = {k: v.cpu().clone() for k, v in trainer.model.state_dict().items()}
     out["solution"] = trainer.solve_head(lambda_reg=0.1)
     out["sample_after"] = sample.size
@@ -144,13 +144,13 @@ def _data_parallel_sampled(rank, out):
 
 def _pipeline_sampled(rank, out):
     torch.manual_seed(200 + rank)
-    trainer = td.DADTrainer(Net(), DEVICE, lr=3e-2, weight_decay=0.01, head_sample_size=50)
+    trainer = td.DADTrainer(Net(), DEVICE, lr=3e-2, weight_decay=0.01, classifier_sample_size=50)
     pipe = Pipeline(trainer, balance=[1, 2])
     x, y, _, _ = make_data()
     pipe.fit((x, y) if rank == 0 else None, epochs=2, batch_size=16, progress=False)
-    out["has_sample"] = trainer.head_sample is not None
+    out["has_sample"] = trainer.classifier_sample is not None
     out["evaluate"] = pipe.evaluate((x, y) if rank == 0 else None, batch_size=10)  # must not feed the sample
-    out["gram_count"] = float(trainer.head_statistics.count)
+    out["gram_count"] = float(trainer.classifier_statistics.count)
     out["solution"] = pipe.solve_head(lambda_reg=0.1)
     out["again"] = _catch(lambda: pipe.solve_head(lambda_reg=0.1))  # the sample was reset by the solve
 
@@ -479,7 +479,7 @@ def test_solve_head_from_input_samples(ranks):
         assert r["sample_after"] == 0
     # pipeline: stage 0's sample streamed through the stages = DADTrainer.solve_head()'s own sample
     torch.manual_seed(200)
-    trainer = td.DADTrainer(Net(), ranks.device, lr=3e-2, weight_decay=0.01, head_sample_size=50)
+    trainer = td.DADTrainer(Net(), ranks.device, lr=3e-2, weight_decay=0.01, classifier_sample_size=50)
     trainer.fit((x, y), epochs=2, batch_size=16, progress=False)
     p0, p1 = ranks[0]["pipe_sampled"], ranks[1]["pipe_sampled"]
     want = trainer.solve_head(lambda_reg=0.1)

@@ -25,9 +25,9 @@ class Net(td.DADModel):
 def full_state(trainer):
     state = trainer.state_dict()
     flat = {f"model.{k}": v for k, v in state["model"].items()}
-    flat.update({f"head.{k}": v for k, v in (state["head_state"] or {}).items()})
-    flat.update({f"stats.{k}": v for k, v in (state["head_statistics"] or {}).items()})
-    flat.update({f"sample.{k}": v for k, v in (state["head_sample"] or {}).items()})
+    flat.update({f"head.{k}": v for k, v in (state["classifier_state"] or {}).items()})
+    flat.update({f"stats.{k}": v for k, v in (state["classifier_statistics"] or {}).items()})
+    flat.update({f"sample.{k}": v for k, v in (state["classifier_sample"] or {}).items()})
     return {k: v.clone() for k, v in flat.items()}
 
 
@@ -92,18 +92,18 @@ def test_solve_head_from_loader_equals_functional_ridge():
 @pytest.mark.parametrize("sample_size", [0, 256])
 def test_solve_head_uses_statistics_accumulated_by_step(sample_size):
     (xtr, ytr), (xte, yte) = data.synthetic(num_train=4096, num_features=20, seed=3)
-    trainer = td.DADTrainer(Net(), lr=3e-3, head_sample_size=sample_size)
-    assert trainer.accumulate_head_statistics == (sample_size == 0)
+    trainer = td.DADTrainer(Net(), lr=3e-3, classifier_sample_size=sample_size)
+    assert trainer.accumulate_classifier_statistics == (sample_size == 0)
     for x, y in data.batches(xtr, ytr, 128):
         trainer.step(x, y)
     if sample_size:
-        assert trainer.head_sample.size == sample_size
+        assert trainer.classifier_sample.size == sample_size
     else:
-        assert trainer.head_statistics.num_samples > 0
+        assert trainer.classifier_statistics.num_samples > 0
     solution = trainer.solve_head()
     assert solution.gcv is not None and solution.lambda_reg > 0
-    assert trainer.head_statistics.num_samples == 0  # reset after a solve
-    assert trainer.head_sample is None or trainer.head_sample.size == 0
+    assert trainer.classifier_statistics.num_samples == 0  # reset after a solve
+    assert trainer.classifier_sample is None or trainer.classifier_sample.size == 0
     assert trainer.evaluate((xte, yte))["accuracy"] > 0.9
     with pytest.raises(ValueError, match="no Gram statistics"):
         trainer.solve_head()
@@ -219,12 +219,12 @@ def test_huge_lr_is_detected_and_never_leaves_nan_weights():
 
 
 def test_input_sample_is_uniform_and_solve_uses_fresh_features():
-    trainer = td.DADTrainer(Net(d=3, classes=4, classifier=True), head_sample_size=64)
+    trainer = td.DADTrainer(Net(d=3, classes=4, classifier=True), classifier_sample_size=64)
     # feed the row index as the single feature: the kept rows must span the whole stream
     for start in range(0, 2048, 32):
         rows = torch.arange(start, start + 32, dtype=torch.float32)
         trainer.step(torch.stack([rows, rows.sin(), rows.cos()], 1) / 2048, rows.long() % 4)
-    sample = trainer.head_sample
+    sample = trainer.classifier_sample
     assert sample.size == 64
     kept = sample.inputs[:64, 0] * 2048
     assert len(set(kept.tolist())) == 64
@@ -236,13 +236,13 @@ def test_input_sample_is_uniform_and_solve_uses_fresh_features():
     trainer.solve_head(lambda_reg=0.5)
     w, b = F.ridge_solve(feats, torch.nn.functional.one_hot(labels, 4).double(), 0.5)
     assert relative_error(trainer.model.classifier.weight.detach(), w) < 1e-4
-    assert trainer.head_sample.size == 0  # reset after a solve
+    assert trainer.classifier_sample.size == 0  # reset after a solve
 
 
 def test_input_reservoir_equals_sequential_algorithm_r():
     """Batched add() keeps exactly the rows the one-row-at-a-time rule keeps with the same draws,
     including a slot drawn twice within one batch (the later row wins)."""
-    from torch_dad.training.head_sample import InputReservoir
+    from torch_dad.training.input_sample import InputReservoir
 
     capacity, width = 5, 3
     sample = InputReservoir(capacity, width, seed=7)
@@ -271,7 +271,7 @@ def test_input_reservoir_state_dict_carries_its_seed_and_stream():
     """state_dict() holds the Philox seed of the device path and the CPU generator's state: a sample loaded
     into one built with another seed takes both over and draws what the saved one would have drawn next;
     a checkpoint without the seed entry (before 2026-11-30) keeps the constructor's seed."""
-    from torch_dad.training.head_sample import InputReservoir
+    from torch_dad.training.input_sample import InputReservoir
 
     saved = InputReservoir(4, 3, seed=5)
     stream = torch.Generator().manual_seed(0)
@@ -295,7 +295,7 @@ def test_input_reservoir_state_dict_carries_its_seed_and_stream():
 def test_input_reservoir_device_path_equals_sequential_algorithm_r():
     """add_on_device (the CUDA graph's path, here on CPU tensors with the PyTorch twin of its copy
     kernel) keeps exactly the rows the one-row-at-a-time rule keeps with the same uniform draws."""
-    from torch_dad.training.head_sample import InputReservoir
+    from torch_dad.training.input_sample import InputReservoir
 
     capacity, width = 6, 4
     sample = InputReservoir(capacity, width)

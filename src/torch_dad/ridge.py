@@ -39,7 +39,7 @@ class GramAccumulator(torch.nn.Module):
 
     With ``window`` set, every update first multiplies the statistics by
     ``exp(-B / window)``, so features computed with stale weights fade out while the
-    network trains (see ``DADTrainer(head_statistics_window=...)``).
+    network trains (see ``DADTrainer(classifier_statistics_window=...)``).
 
     ``update(h, y)`` adds ``n += B; sum_h += h.sum(0); sum_y += bincount(y);
     hth += h^T h; hty[:, c] += sum of rows of h with label c``. All are buffers, so they
@@ -183,7 +183,7 @@ def solve_ridge_from_gram(
     if not (torch.isfinite(gram_c).all() and torch.isfinite(cross_c).all()):
         raise ValueError(
             "the accumulated features contain NaN/Inf; reset the statistics "
-            "(trainer.reset_head_statistics()) or solve from a loader"
+            "(trainer.reset_classifier_statistics()) or solve from a loader"
         )
     gcv_value: float | None = None
     if isinstance(lambda_reg, str):

@@ -73,9 +73,9 @@ def test_fused_step_matches_eager(backend, amp, activation, classifier, chunked)
         if want.is_floating_point() and float(want.norm()) > 0:
             assert relative_error(b["model"][key], want) <= 5 * tol, key
     if classifier:
-        for key, want in a["head_statistics"].items():
+        for key, want in a["classifier_statistics"].items():
             if float(want.norm()) > 0:
-                assert relative_error(b["head_statistics"][key], want) <= 5 * tol, key
+                assert relative_error(b["classifier_statistics"][key], want) <= 5 * tol, key
     if backend == "cuda-graph":
         assert fused.engine.num_graphs == 1  # one shape captured; lr change reused it
 
@@ -141,18 +141,18 @@ def test_bad_input_leaves_graphed_trainer_unchanged():  # type: ignore[no-untype
 
 @requires_cuda
 @pytest.mark.parametrize("backend", ["fused", "cuda-graph"])
-def test_head_sample_is_filled_inside_the_fused_step(backend):  # type: ignore[no-untyped-def]
+def test_classifier_sample_is_filled_inside_the_fused_step(backend):  # type: ignore[no-untyped-def]
     """The engine adds the rows to the head sample on the device (inside the graph): after 2,048
     rows the 64-row sample holds 64 distinct rows of the stream, spread over all of it, and
     solve_head() fits the classifier on them."""
     torch.manual_seed(0)
-    trainer = td.DADTrainer(Net([45, 33, 21]), device=DEVICE, backend=backend, head_sample_size=64)
+    trainer = td.DADTrainer(Net([45, 33, 21]), device=DEVICE, backend=backend, classifier_sample_size=64)
     stream = torch.randn(2048, 45, device=DEVICE)
     stream[:, 0] = torch.arange(2048, device=DEVICE, dtype=torch.float32)  # the row index, exact in fp32
     labels = torch.randint(0, 7, (2048,), device=DEVICE)
     for start in range(0, 2048, 128):
         trainer.step(stream[start : start + 128], labels[start : start + 128])
-    sample = trainer.head_sample
+    sample = trainer.classifier_sample
     assert sample.size == 64 and int(sample.seen) == 2048
     index = sample.inputs[:64, 0].long()
     assert len(set(index.tolist())) == 64
@@ -165,23 +165,23 @@ def test_head_sample_is_filled_inside_the_fused_step(backend):  # type: ignore[n
 
 
 @requires_cuda
-def test_head_sample_resumes_its_device_stream_from_a_checkpoint():  # type: ignore[no-untyped-def]
+def test_classifier_sample_resumes_its_device_stream_from_a_checkpoint():  # type: ignore[no-untyped-def]
     """The graphed step's sample draws from Philox keyed by (seed, row index), so a trainer restored from a
     checkpoint keeps exactly the rows the uninterrupted one keeps, and no torch generator is consumed."""
     torch.manual_seed(0)
     stream = torch.randn(4096, 45, device=DEVICE)
     labels = torch.randint(0, 7, (4096,), device=DEVICE)
-    first = td.DADTrainer(Net([45, 33, 21]), device=DEVICE, head_sample_size=64)
+    first = td.DADTrainer(Net([45, 33, 21]), device=DEVICE, classifier_sample_size=64)
     for start in range(0, 2048, 128):
         first.step(stream[start : start + 128], labels[start : start + 128])
-    second = td.DADTrainer(Net([45, 33, 21]), device=DEVICE, head_sample_size=64)
+    second = td.DADTrainer(Net([45, 33, 21]), device=DEVICE, classifier_sample_size=64)
     second.load_state_dict(first.state_dict())
     rng = torch.cuda.get_rng_state()
     for start in range(2048, 4096, 128):
         first.step(stream[start : start + 128], labels[start : start + 128])
         second.step(stream[start : start + 128], labels[start : start + 128])
     assert torch.equal(torch.cuda.get_rng_state(), rng)
-    a, b = first.head_sample, second.head_sample
+    a, b = first.classifier_sample, second.classifier_sample
     assert int(a.seen) == int(b.seen) == 4096
     assert torch.equal(a.inputs[:64], b.inputs[:64]) and torch.equal(a.labels[:64], b.labels[:64])
 

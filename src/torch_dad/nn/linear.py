@@ -292,24 +292,24 @@ class DADModel(nn.Module):
         """Every :class:`DADLinear` in the model, in registration order."""
         return [m for m in self.modules() if isinstance(m, DADLinear)]
 
-    @property
-    def head(self) -> nn.Linear | None:
-        """``self.classifier`` if it is an ``nn.Linear``, else ``None``."""
-        head = getattr(self, "classifier", None)
-        if head is None:
+    def get_classifier(self) -> nn.Linear | None:
+        """``self.classifier`` (the model's output layer) if the model declares one, else ``None``;
+        ``TypeError`` if it is not an ``nn.Linear``."""
+        classifier = getattr(self, "classifier", None)
+        if classifier is None:
             return None
-        if not isinstance(head, nn.Linear):
+        if not isinstance(classifier, nn.Linear):
             raise TypeError(
-                f"model.classifier must be a torch.nn.Linear, got {type(head).__name__}"
+                f"model.classifier must be a torch.nn.Linear, got {type(classifier).__name__}"
             )
-        return head
+        return classifier
 
     @property
     def num_classes(self) -> int:
         """Number of classes: the classifier's outputs, or the last layer's local head's."""
-        head = self.head
-        if head is not None:
-            return head.out_features
+        classifier = self.get_classifier()
+        if classifier is not None:
+            return classifier.out_features
         return self.require_layers()[-1].num_classes
 
     def require_layers(self) -> list[DADLinear]:
@@ -336,9 +336,9 @@ class DADModel(nn.Module):
     def forward(self, inputs: Tensor) -> Tensor:
         """Logits: ``classifier(features(x))`` if a classifier exists, else the last local head."""
         h = self.features(inputs)
-        head = self.head
-        if head is not None:
-            return head(h)
+        classifier = self.get_classifier()
+        if classifier is not None:
+            return classifier(h)
         return self.dad_layers[-1].local_head(h)
 
     def forward_inference(self, inputs: Tensor) -> Tensor:

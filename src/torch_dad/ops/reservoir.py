@@ -1,6 +1,6 @@
 """Algorithm R on the device: which batch rows an input sample keeps, and copying only those.
 
-``InputReservoir.add_on_device`` (:mod:`torch_dad.training.head_sample`) decides on the device,
+``InputReservoir.add_on_device`` (:mod:`torch_dad.training.input_sample`) decides on the device,
 with no host sync, which row of a batch lands in which slot: ``winner[s]`` is the batch row
 stored in slot ``s``, or ``-1`` (slot unchanged). :func:`reservoir_store_` then does, for every
 slot ``s`` with ``winner[s] >= 0``::

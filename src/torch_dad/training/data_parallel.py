@@ -54,14 +54,14 @@ class DataParallelTrainer(DADTrainer):
     order on all ranks) into ``W`` contiguous shards: the update equals single-process
     ``DADTrainer.fit((X, Y), batch_size=G)``. A ``DataLoader`` must use a
     ``DistributedSampler`` (its ``set_epoch`` is called every epoch). Only rank 0 shows a
-    progress bar and writes files (:meth:`save`). ``head_statistics_window`` counts global
+    progress bar and writes files (:meth:`save`). ``classifier_statistics_window`` counts global
     samples: each rank decays its statistics by the single-process factor every step.
 
-    ``solve_head()`` without a loader: with ``head_sample_size > 0`` (the default) every
+    ``solve_head()`` without a loader: with ``classifier_sample_size > 0`` (the default) every
     rank keeps its own sample of that many of its rows, recomputes their features with the
     current weights, and the Gram statistics of all ranks' samples are summed, so the solve
-    uses ``W * head_sample_size`` rows. The result then depends on which rows each rank
-    drew; ``head_sample_size=0`` solves from the streamed statistics instead, equal to the
+    uses ``W * classifier_sample_size`` rows. The result then depends on which rows each rank
+    drew; ``classifier_sample_size=0`` solves from the streamed statistics instead, equal to the
     single-process solve, at the cost of one ``width x width`` GEMM per step (0.98 ms at
     B=16384, width 4096 on an H200, about 4% of that step).
     """
@@ -80,7 +80,7 @@ class DataParallelTrainer(DADTrainer):
         self.statistics_reducer = lambda stats: all_reduce_statistics(stats, process_group)
         # the window counts global rows; each rank decays by exp(-local/(window*local/global))
         # = exp(-global/window) per step, the single-process factor, even for uneven shards
-        self._global_window = self.head_statistics.window if self.head_statistics is not None else None
+        self._global_window = self.classifier_statistics.window if self.classifier_statistics is not None else None
         self._shard_scale: float | None = None
         self._epoch = 0
         self._fitting = False  # inside fit(): skip a global tail of fewer than W rows (see batches)
@@ -105,8 +105,8 @@ class DataParallelTrainer(DADTrainer):
                 raise ValueError(f"global_batch={global_batch!r} must be an int >= this rank's {rows} rows")
             scale = rows / global_batch
         self._reducer.scale = scale if scale is not None else 1.0 / self.world_size
-        if self._global_window is not None and self.head_statistics is not None:
-            self.head_statistics.window = self._global_window * self._reducer.scale
+        if self._global_window is not None and self.classifier_statistics is not None:
+            self.classifier_statistics.window = self._global_window * self._reducer.scale
         return super().step(inputs, labels, lr, amp_dtype)
 
     def batches(self, data: Any, batch_size: int, shuffle: bool,

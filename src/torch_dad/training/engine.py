@@ -44,7 +44,7 @@ from ..ops.gram import gram_update_, mm_fp32
 from ..ops.local_error import FUSED_ACTIVATIONS, local_error
 from ..optim import LocalOptimizerState, OptimizerConfig
 from ..ridge import GramAccumulator
-from .head_sample import InputReservoir
+from .input_sample import InputReservoir
 from .step import Batch, GradientReducer, StepOutput
 
 __all__ = ["EngineOptions", "FusedStep", "make_engine", "unsupported_reason"]
@@ -135,7 +135,7 @@ def make_engine(trainer: Any, backend: str, options: EngineOptions | None, loss_
         raise ValueError(f"backend='cuda-graph' needs a CUDA device, got {trainer.device}; use 'fused' or 'eager'")
     return FusedStep(
         trainer.model, trainer.device, options or EngineOptions(), graphed=backend != "fused",
-        classifier_state=trainer.head_state, statistics=trainer.head_statistics, sample=trainer.head_sample,
+        classifier_state=trainer.classifier_state, statistics=trainer.classifier_statistics, sample=trainer.classifier_sample,
         loss_total=loss_total,
     )
 
@@ -183,7 +183,7 @@ class FusedStep:
         self.model, self.device, self.options, self.graphed = model, device, options, graphed
         # read once: the module walk behind model.dad_layers costs host time every step
         self.layers = model.dad_layers
-        self.classifier = model.head
+        self.classifier = model.get_classifier()
         self.classifier_state, self.statistics, self.sample = classifier_state, statistics, sample
         self.loss_total = loss_total
         self.config = OptimizerConfig()
@@ -424,7 +424,7 @@ class _Run:
             h, logits, loss = self._layer(i, layer, a)
             a = h
         if self.error_stream is not None and self.main is not None:
-            # the head gradients, logits and loss of every layer come from the error stream
+            # the local-head gradients, logits and loss of every layer come from the error stream
             self.main.wait_stream(self.error_stream)
         if classifier is not None:
             logits, loss = self._classifier(classifier, a)
@@ -497,13 +497,13 @@ class _Run:
         if self.overlap and grad_w is not None:
             self.keep.append(grad_w)
         head_grads = [err.grad_head_weight, err.grad_head_bias]
-        head = _Update(params[nb:], head_grads, moments[0][nb:], moments[1][nb:], [None, None], step)
+        local_head = _Update(params[nb:], head_grads, moments[0][nb:], moments[1][nb:], [None, None], step)
         if reducer is None:
             if self.overlap:
                 self.keep += head_grads
-            engine.adamw(head)
+            engine.adamw(local_head)
         else:
-            self._collect_small(head)
+            self._collect_small(local_head)
 
     def _launch_update(self, update: _Update) -> None:
         """AdamW now (on the background stream under priorities), or after the all-reduce it

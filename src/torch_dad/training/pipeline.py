@@ -31,12 +31,12 @@ from .trainer import DADTrainer
 __all__ = ["Pipeline", "layer_costs", "partition_layers"]
 
 
-def layer_costs(model: DADModel, accumulate_head_statistics: bool = True) -> list[float]:
+def layer_costs(model: DADModel, accumulate_classifier_statistics: bool = True) -> list[float]:
     """Relative cost of one step of each DAD layer: ``2*in*out`` (forward + weight gradient GEMMs)
     plus ``out*classes`` (local head), plus ``out*out`` for the Gram update after the last layer."""
     layers = model.require_layers()
     costs = [2.0 * m.in_features * m.out_features + 2.0 * m.out_features * m.num_classes for m in layers]
-    if model.head is not None and accumulate_head_statistics:
+    if model.get_classifier() is not None and accumulate_classifier_statistics:
         costs[-1] += float(layers[-1].out_features) ** 2
     return costs
 
@@ -101,13 +101,13 @@ class Pipeline:
         if isinstance(max_in_flight, bool) or not isinstance(max_in_flight, int) or max_in_flight < 1:
             raise ValueError(f"max_in_flight={max_in_flight!r} must be a positive int")
         layers = trainer.model.require_layers()
-        # Stage 0 keeps the trainer's input sample, if it has one (head_sample_size > 0, the
+        # Stage 0 keeps the trainer's input sample, if it has one (classifier_sample_size > 0, the
         # default): solve_head() streams it through the stages with the current weights, as
         # DADTrainer.solve_head() recomputes its features. Without a sample the last stage
         # accumulates the Gram statistics every step, one width x width GEMM: 4 ms of a 55 ms
         # stage at B=65536, width 4096 on an H200, which made it the slower stage.
-        self._sampled = trainer.head_sample is not None
-        trainer.accumulate_head_statistics = not self._sampled
+        self._sampled = trainer.classifier_sample is not None
+        trainer.accumulate_classifier_statistics = not self._sampled
         if trainer.gradient_reducer is not None:
             raise ValueError("trainer.gradient_reducer is set; a Pipeline stage updates from its own batch only")
         # agree first, so a rank with another model cannot fail alone and leave the others waiting
@@ -115,7 +115,7 @@ class Pipeline:
             trainer, process_group, {"mode": "pipeline", "balance": None if balance is None else list(balance)}
         )
         if balance is None:
-            bounds = partition_layers(layer_costs(trainer.model, trainer.accumulate_head_statistics), world)
+            bounds = partition_layers(layer_costs(trainer.model, trainer.accumulate_classifier_statistics), world)
         else:
             counts = list(balance)
             if len(counts) != world or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts) \
@@ -134,7 +134,7 @@ class Pipeline:
         self.layers = layers[bounds[rank][0] : bounds[rank][1]]
         self.is_first, self.is_last = rank == 0, rank == world - 1
         if not self.is_first:
-            trainer.head_sample = None  # only stage 0 sees raw inputs
+            trainer.classifier_sample = None  # only stage 0 sees raw inputs
         self.max_in_flight = max_in_flight
         self._sends: deque[list[Any]] = deque()
         nccl = dist.get_backend(process_group) == "nccl"
@@ -312,8 +312,8 @@ class Pipeline:
         def score(_: int, h: Tensor, y: Tensor, result: Any) -> None:
             if not self.is_last:
                 return
-            head = trainer.model.head
-            logits = head(h) if head is not None else self.layers[-1].local_head(h)
+            classifier = trainer.model.get_classifier()
+            logits = classifier(h) if classifier is not None else self.layers[-1].local_head(h)
             sums[0] += (logits.argmax(1) == y).sum()
             sums[1] += torch.nn.functional.cross_entropy(logits.float(), y, reduction="sum").double()
             sums[2] += y.shape[0]
@@ -341,14 +341,14 @@ class Pipeline:
 
         With ``data`` (rank 0's ``(X, Y)`` or loader) the features are streamed through the
         stages with the current weights. Without it, stage 0's input sample is streamed the
-        same way (then reset), or, with ``head_sample_size=0``, the last stage solves from
+        same way (then reset), or, with ``classifier_sample_size=0``, the last stage solves from
         the Gram statistics it accumulated while training.
         """
         trainer = self.trainer
-        head = trainer.require_classifier()
+        classifier = trainer.require_classifier()
         from_sample = data is None and self._sampled
         if from_sample:
-            sample = trainer.head_sample
+            sample = trainer.classifier_sample
             rows = self._from_first(sample.size if self.is_first and sample is not None else 0)
             if rows == 0:
                 raise ValueError("solve_head(): stage 0 has sampled no rows yet; train first, or pass data=")
@@ -357,7 +357,7 @@ class Pipeline:
         streamed = self._from_first(data is not None)
         solution = None
         if streamed:
-            stats = GramAccumulator(head.in_features, head.out_features, device=trainer.device)
+            stats = GramAccumulator(classifier.in_features, classifier.out_features, device=trainer.device)
             was_training = trainer.model.training
             trainer.model.eval()
             try:
@@ -369,8 +369,8 @@ class Pipeline:
                 solution = trainer.solve_head(lambda_reg, statistics=stats)
         elif self.is_last:
             solution = trainer.solve_head(lambda_reg)
-        if from_sample and trainer.head_sample is not None:
-            trainer.head_sample.reset()
+        if from_sample and trainer.classifier_sample is not None:
+            trainer.classifier_sample.reset()
         return solution
 
     @torch.no_grad()
@@ -385,13 +385,13 @@ class Pipeline:
             for layer in trainer.model.dad_layers[start:stop]:
                 broadcast(list(layer.state_dict().values()), stage, self.process_group)
         rest: list[Tensor] = []
-        head = trainer.model.head
-        if head is not None:
-            rest += list(head.state_dict().values())
-        if trainer.head_state is not None:
-            rest += list(trainer.head_state.buffers())
-        if trainer.head_statistics is not None:
-            rest += list(trainer.head_statistics.buffers())
+        classifier = trainer.model.get_classifier()
+        if classifier is not None:
+            rest += list(classifier.state_dict().values())
+        if trainer.classifier_state is not None:
+            rest += list(trainer.classifier_state.buffers())
+        if trainer.classifier_statistics is not None:
+            rest += list(trainer.classifier_statistics.buffers())
         broadcast(rest, self.num_stages - 1, self.process_group)
         step = self._from_last(trainer.step_count)
         trainer.step_count = int(step)

@@ -16,7 +16,7 @@ from .._checks import check_inputs, check_labels, gradients_are_finite
 from ..nn.linear import DADLinear, DADModel
 from ..optim import LocalOptimizerState, OptimizerConfig, check_optimizer
 from ..ridge import GramAccumulator, RidgeSolution
-from .head_sample import InputReservoir
+from .input_sample import InputReservoir
 from .step import Batch, GradientReducer, StepOutput, progress_bar
 
 __all__ = ["DADTrainer"]
@@ -69,17 +69,17 @@ class DADTrainer:
             (``"adamw"``: decoupled weight decay as ``torch.optim.AdamW``; ``"sgd"``: momentum).
         amp_dtype: default compute dtype for :meth:`step` (``torch.bfloat16`` / ``torch.float16``
             on CUDA, ``torch.bfloat16`` on CPU); master weights stay float32.
-        accumulate_head_statistics: accumulate the classifier's streamed Gram statistics in
-            ``step``. ``"auto"``: only when ``head_sample_size=0``, since ``solve_head()`` then
+        accumulate_classifier_statistics: accumulate the classifier's streamed Gram statistics in
+            ``step``. ``"auto"``: only when ``classifier_sample_size=0``, since ``solve_head()`` then
             needs them; otherwise it solves from the input sample and the streamed GEMM
             would be wasted (on fmnist-wide-2 it was 228 of a 603 us H200 step at B=1024).
-        head_statistics_window: forget statistics older than about this many samples
+        classifier_statistics_window: forget statistics older than about this many samples
             (exponential decay), because features from early, stale weights hurt the solve.
             Measured on MNIST, the quickstart model, 3 epochs: window 10k gives 97.22% after
             ``solve_head()``, 30k 97.07%, no forgetting 96.90% (local head: 96.93%).
             ``None`` keeps every sample since the last solve/reset.
-        head_sample_size: ``step`` also keeps a uniform random sample of this many input rows
-            (:class:`~torch_dad.training.head_sample.InputReservoir`, no host sync) since the last solve/reset;
+        classifier_sample_size: ``step`` also keeps a uniform random sample of this many input rows
+            (:class:`~torch_dad.training.input_sample.InputReservoir`, no host sync) since the last solve/reset;
             ``solve_head()`` without a loader recomputes their features with the current
             weights and solves from those (streamed statistics mix in stale features: on real
             MNIST, 3 epochs, 2 seeds, 98.03%/97.84% against 97.20%/97.11% for the streamed
@@ -122,9 +122,9 @@ class DADTrainer:
         eps: float = 1e-8,
         momentum: float = 0.9,
         amp_dtype: torch.dtype | None = None,
-        accumulate_head_statistics: bool | str = "auto",
-        head_statistics_window: float | None = 10_000,
-        head_sample_size: int = 4096,
+        accumulate_classifier_statistics: bool | str = "auto",
+        classifier_statistics_window: float | None = 10_000,
+        classifier_sample_size: int = 4096,
         check_values: bool | str = "auto",
         on_nonfinite: str = "raise",
         backend: str = "auto",
@@ -144,13 +144,13 @@ class DADTrainer:
         _check_amp(amp_dtype, "amp_dtype", self.device)
         _check_choice("on_nonfinite", on_nonfinite, ("raise", "skip", "ignore"))
         _check_choice("check_values", check_values, (True, False, "auto"))
-        _check_choice("accumulate_head_statistics", accumulate_head_statistics, (True, False, "auto"))
+        _check_choice("accumulate_classifier_statistics", accumulate_classifier_statistics, (True, False, "auto"))
         if local_loss is not None:
             functional.check_local_loss(local_loss)
         if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
             raise ValueError(f"dropout={dropout!r} must be a float in [0, 1)")
-        if isinstance(head_sample_size, bool) or not isinstance(head_sample_size, int) or head_sample_size < 0:
-            raise ValueError(f"head_sample_size={head_sample_size!r} must be an int >= 0 (0 disables the sample)")
+        if isinstance(classifier_sample_size, bool) or not isinstance(classifier_sample_size, int) or classifier_sample_size < 0:
+            raise ValueError(f"classifier_sample_size={classifier_sample_size!r} must be an int >= 0 (0 disables the sample)")
         self.config = OptimizerConfig(
             name=optimizer, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, momentum=momentum
         )
@@ -159,7 +159,7 @@ class DADTrainer:
         # is bound by its host time: the layout is read once (the model is fixed from here on)
         self._num_layers = len(layers)
         self._first_layer = layers[0]
-        self._has_classifier = model.head is not None
+        self._has_classifier = model.get_classifier() is not None
         if local_loss is not None:
             for layer in layers:
                 layer.set_local_loss(local_loss)
@@ -167,13 +167,13 @@ class DADTrainer:
         self.dropout = float(dropout)
         self.amp_dtype = amp_dtype
         self.check_values = (self.device.type == "cpu") if check_values == "auto" else bool(check_values)
-        if accumulate_head_statistics == "auto":
-            accumulate_head_statistics = head_sample_size == 0
-        self.accumulate_head_statistics = bool(accumulate_head_statistics)
+        if accumulate_classifier_statistics == "auto":
+            accumulate_classifier_statistics = classifier_sample_size == 0
+        self.accumulate_classifier_statistics = bool(accumulate_classifier_statistics)
         self.on_nonfinite = on_nonfinite if self.check_values else "ignore"
         self.skipped_updates = 0
         self.num_classes = model.num_classes
-        self._build_classifier_state(head_statistics_window, head_sample_size)
+        self._build_classifier_state(classifier_statistics_window, classifier_sample_size)
         #: reduces every local gradient list across processes before it is applied (set by
         #: :class:`~torch_dad.training.DataParallelTrainer`); ``None`` on a single process
         self.gradient_reducer: GradientReducer | None = None
@@ -199,7 +199,7 @@ class DADTrainer:
                     f"every DADLinear must have num_classes={model.num_classes} (the classifier's), "
                     f"but {layer!r} has {layer.num_classes}"
                 )
-        classifier = model.head
+        classifier = model.get_classifier()
         if classifier is not None and classifier.in_features != layers[-1].out_features:
             raise ValueError(
                 f"model.classifier takes {classifier.in_features} features but the last DADLinear "
@@ -208,20 +208,20 @@ class DADTrainer:
 
     def _build_classifier_state(self, window: float | None, sample_size: int) -> None:
         """The classifier's optimizer state, its Gram statistics and the input sample for its solve."""
-        classifier = self.model.head
-        self.head_state: LocalOptimizerState | None = None
-        self.head_statistics: GramAccumulator | None = None
-        self.head_sample: InputReservoir | None = None
+        classifier = self.model.get_classifier()
+        self.classifier_state: LocalOptimizerState | None = None
+        self.classifier_statistics: GramAccumulator | None = None
+        self.classifier_sample: InputReservoir | None = None
         if classifier is None:
             return
         shapes = [p.shape for p in self._classifier_tensors()]
-        self.head_state = LocalOptimizerState(shapes, device=self.device, dtype=classifier.weight.dtype)
-        self.head_statistics = GramAccumulator(
+        self.classifier_state = LocalOptimizerState(shapes, device=self.device, dtype=classifier.weight.dtype)
+        self.classifier_statistics = GramAccumulator(
             classifier.in_features, classifier.out_features, device=self.device, window=window
         )
         if sample_size:
             first = self.model.dad_layers[0]
-            self.head_sample = InputReservoir(sample_size, first.in_features, device=self.device, dtype=first.weight.dtype)
+            self.classifier_sample = InputReservoir(sample_size, first.in_features, device=self.device, dtype=first.weight.dtype)
 
     def _make_engine(self, backend: str, options: Any) -> Any:
         if backend == "eager" or (backend == "auto" and self.device.type != "cuda"):
@@ -253,7 +253,7 @@ class DADTrainer:
         return self._engine is not None and self.on_nonfinite == "ignore" and not self.dropout
 
     def _classifier_tensors(self) -> list[Tensor]:
-        classifier = self.model.head
+        classifier = self.model.get_classifier()
         assert classifier is not None
         return [classifier.weight.data] + ([classifier.bias.data] if classifier.bias is not None else [])
 
@@ -328,10 +328,10 @@ class DADTrainer:
             return self._engine.run(
                 batch, self.config, span=(start, stop), with_classifier=with_classifier,
                 reducer=self.gradient_reducer, count_loss=is_model_output,
-                accumulate_statistics=self.accumulate_head_statistics,
+                accumulate_statistics=self.accumulate_classifier_statistics,
             )
-        if start == 0 and self.head_sample is not None:
-            self.head_sample.add(batch.x, batch.y)
+        if start == 0 and self.classifier_sample is not None:
+            self.classifier_sample.add(batch.x, batch.y)
         logits, loss, features = self._eager_layers(batch, start, stop, with_classifier)
         logits, loss = logits.detach().float(), loss.detach().float()
         if is_model_output:
@@ -401,15 +401,15 @@ class DADTrainer:
     def _classifier_step(self, features: Tensor, batch: Batch) -> tuple[Tensor, Tensor]:
         """The classifier trained as an output head (its gradient is exactly backprop's), and its
         input features added to the Gram statistics."""
-        classifier = self.model.head
-        assert classifier is not None and self.head_state is not None and self.head_statistics is not None
-        if self.accumulate_head_statistics:
+        classifier = self.model.get_classifier()
+        assert classifier is not None and self.classifier_state is not None and self.classifier_statistics is not None
+        if self.accumulate_classifier_statistics:
             if features.is_cuda:
                 from ..ops.gram import gram_update_  # lazily: the CPU never imports the kernels
 
-                gram_update_(self.head_statistics, features, batch.y)
+                gram_update_(self.classifier_statistics, features, batch.y)
             else:
-                self.head_statistics.update(features, batch.y)
+                self.classifier_statistics.update(features, batch.y)
         dtype = batch.compute_dtype or classifier.weight.dtype
         bias = classifier.bias.to(dtype) if classifier.bias is not None else None
         result = functional.head_loss_and_gradients(features.to(dtype), classifier.weight.to(dtype), bias, batch.y)
@@ -421,7 +421,7 @@ class DADTrainer:
         if self.on_nonfinite != "ignore" and not gradients_are_finite(grads):
             self._skipped_update("model.classifier")
         else:
-            self.head_state.apply_(self._classifier_tensors(), grads, self.config, batch.lr)
+            self.classifier_state.apply_(self._classifier_tensors(), grads, self.config, batch.lr)
         return result.logits, result.loss.float()
 
     def finish_step(self, output: StepOutput) -> tuple[Tensor, Tensor]:
@@ -442,17 +442,17 @@ class DADTrainer:
         return value
 
     # ------------------------------------------------------------------ closed-form classifier
-    def reset_head_statistics(self) -> None:
+    def reset_classifier_statistics(self) -> None:
         """Forget the Gram statistics and the input sample accumulated by :meth:`step`."""
-        if self.head_statistics is not None:
-            self.head_statistics.reset()
-        if self.head_sample is not None:
-            self.head_sample.reset()
+        if self.classifier_statistics is not None:
+            self.classifier_statistics.reset()
+        if self.classifier_sample is not None:
+            self.classifier_sample.reset()
 
     def require_classifier(self) -> nn.Linear:
         """``model.classifier``; raises ``ValueError`` naming the fix when the model has none."""
-        classifier = self.model.head
-        if classifier is None or self.head_statistics is None:
+        classifier = self.model.get_classifier()
+        if classifier is None or self.classifier_statistics is None:
             raise ValueError(
                 "solve_head() needs model.classifier (an nn.Linear on the last DAD layer's output); "
                 f"{type(self.model).__name__} has none. Add `self.classifier = torch.nn.Linear(features, classes)`"
@@ -488,19 +488,19 @@ class DADTrainer:
         weights. With ``statistics``, it solves from those (e.g. gathered by a pipeline's last
         stage). Without either, it uses what ``step()`` accumulated since the last solve or
         reset (then reset): the features of the input sample recomputed with the current
-        weights (``head_sample_size > 0``, the default), else the streamed Gram statistics.
+        weights (``classifier_sample_size > 0``, the default), else the streamed Gram statistics.
         ``lambda_reg="auto"`` picks lambda by GCV.
         """
         classifier = self.require_classifier()
-        assert self.head_statistics is not None and self.head_state is not None
+        assert self.classifier_statistics is not None and self.classifier_state is not None
         if statistics is not None:
             stats = statistics
         elif loader is not None:
             stats = self.features_statistics(loader)
-        elif self.head_sample is not None and self.head_sample.size > 0:
-            stats = self.features_statistics(self.head_sample.batches())
+        elif self.classifier_sample is not None and self.classifier_sample.size > 0:
+            stats = self.features_statistics(self.classifier_sample.batches())
         else:
-            stats = self.head_statistics
+            stats = self.classifier_statistics
         if self.statistics_reducer is not None:
             self.statistics_reducer(stats)
         solution = stats.solve(lambda_reg)
@@ -508,10 +508,10 @@ class DADTrainer:
         classifier.weight.copy_(solution.weight.to(classifier.weight.dtype))
         if classifier.bias is not None:
             classifier.bias.copy_(solution.bias.to(classifier.bias.dtype))
-        for buffer in self.head_state.buffers():
+        for buffer in self.classifier_state.buffers():
             buffer.zero_()
         if loader is None and statistics is None:
-            self.reset_head_statistics()
+            self.reset_classifier_statistics()
         return solution
 
     # ------------------------------------------------------------------ loops
@@ -633,10 +633,10 @@ class DADTrainer:
     def state_tensors(self) -> list[Tensor]:
         """Every tensor of the trainer's state in a fixed order: model, classifier optimizer, Gram statistics."""
         tensors = list(self.model.state_dict().values())
-        if self.head_state is not None:
-            tensors += list(self.head_state.buffers())
-        if self.head_statistics is not None:
-            tensors += list(self.head_statistics.buffers())
+        if self.classifier_state is not None:
+            tensors += list(self.classifier_state.buffers())
+        if self.classifier_statistics is not None:
+            tensors += list(self.classifier_statistics.buffers())
         return tensors
 
     def state_dict(self) -> dict[str, Any]:
@@ -644,9 +644,9 @@ class DADTrainer:
         classifier optimizer state, Gram statistics, input sample, step count and hyper-parameters."""
         return {
             "model": self.model.state_dict(),
-            "head_state": self.head_state.state_dict() if self.head_state is not None else None,
-            "head_statistics": self.head_statistics.state_dict() if self.head_statistics is not None else None,
-            "head_sample": self.head_sample.state_dict() if self.head_sample is not None else None,
+            "classifier_state": self.classifier_state.state_dict() if self.classifier_state is not None else None,
+            "classifier_statistics": self.classifier_statistics.state_dict() if self.classifier_statistics is not None else None,
+            "classifier_sample": self.classifier_sample.state_dict() if self.classifier_sample is not None else None,
             "step_count": self.step_count,
             "config": dict(vars(self.config)),
             "history": list(self.history),
@@ -654,23 +654,23 @@ class DADTrainer:
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`state_dict` saved."""
-        missing = {"model", "head_state", "head_statistics", "step_count", "config"} - set(state)
+        missing = {"model", "classifier_state", "classifier_statistics", "step_count", "config"} - set(state)
         if missing:
             raise ValueError(f"trainer state_dict is missing keys {sorted(missing)}")
-        if self.head_state is not None and state["head_state"] is None:
+        if self.classifier_state is not None and state["classifier_state"] is None:
             raise ValueError("checkpoint has no classifier state but this model has a classifier")
-        if self.head_state is not None and (self.head_sample is None) != (state.get("head_sample") is None):
+        if self.classifier_state is not None and (self.classifier_sample is None) != (state.get("classifier_sample") is None):
             raise ValueError(
-                "checkpoint and trainer disagree on head_sample_size (one keeps an input sample, the "
-                "other does not); build the trainer with the head_sample_size used when saving"
+                "checkpoint and trainer disagree on classifier_sample_size (one keeps an input sample, the "
+                "other does not); build the trainer with the classifier_sample_size used when saving"
             )
         self.model.load_state_dict(state["model"])
-        if self.head_state is not None:
-            assert self.head_statistics is not None
-            self.head_state.load_state_dict(state["head_state"])
-            self.head_statistics.load_state_dict(state["head_statistics"])
-            if self.head_sample is not None:
-                self.head_sample.load_state_dict(state["head_sample"])
+        if self.classifier_state is not None:
+            assert self.classifier_statistics is not None
+            self.classifier_state.load_state_dict(state["classifier_state"])
+            self.classifier_statistics.load_state_dict(state["classifier_statistics"])
+            if self.classifier_sample is not None:
+                self.classifier_sample.load_state_dict(state["classifier_sample"])
         config = dict(state["config"])
         config["betas"] = tuple(config["betas"])
         self.config = OptimizerConfig(**config)
