@@ -1,9 +1,9 @@
-"""Unsloth ``FastLanguageModel`` + DAD LM head: ``patch(model)``. NOT VERIFIED with unsloth itself.
+"""Unsloth ``FastLanguageModel`` + DAD LM head: ``patch(model)``. Not tested with Unsloth itself.
 
-Unsloth needs a CUDA GPU and its own pinned stack (unsloth, unsloth_zoo, bitsandbytes, xformers
-...), which could not be installed here (no GPU on the CI/dev machine; the lent H200 reaches no
-package registry). What is tested is the generic path this function uses, on plain transformers
-causal LMs: :func:`~torch_dad.integrations.causal_lm.replace_lm_head` (see docs/lm_head.md).
+Unsloth needs a CUDA GPU and its own pinned stack (unsloth, unsloth_zoo, bitsandbytes,
+xformers), which the test suite does not install. What is tested is the generic path this
+function uses, on plain transformers causal LMs:
+:func:`~torch_dad.integrations.causal_lm.replace_lm_head` (see ``docs/lm_head.md``).
 
 How it is meant to work: Unsloth patches the *class* forwards of the backbone (fast attention,
 RoPE, RMSNorm kernels) and of the causal LM. ``patch`` sets an *instance* ``forward`` on the causal
