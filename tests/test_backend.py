@@ -58,7 +58,7 @@ class _IdentityReducer:
 @pytest.mark.parametrize("chunked", [False, True, 2, "reducer"])
 @pytest.mark.parametrize("amp,tol", [(None, 1e-5), (torch.bfloat16, 3e-2)])
 def test_fused_cpu_step_matches_eager(amp, tol, chunked):
-    from torch_dad.training.engine import EngineOptions
+    from torch_dad.training import EngineOptions
 
     options = None
     if chunked is True:  # every layer's weight gradient and AdamW in row blocks (19 and 13 rows: ragged)
@@ -91,7 +91,7 @@ def test_fused_cpu_step_matches_eager(amp, tol, chunked):
 
 
 def test_update_chunks_default_depends_on_batch():
-    from torch_dad.training.engine import EngineOptions
+    from torch_dad.training import EngineOptions
 
     fused = td.DADTrainer(Net(), backend="fused", on_nonfinite="ignore").engine
     small = EngineOptions().small_batch
@@ -103,7 +103,7 @@ def test_update_chunks_default_depends_on_batch():
 
 
 def test_stream_priorities_default_depends_on_layer_size():
-    from torch_dad.training.engine import EngineOptions
+    from torch_dad.training import EngineOptions
 
     fused = td.DADTrainer(Net(), backend="fused", on_nonfinite="ignore").engine
     assert fused.options.stream_priorities is None and fused.stream_priorities()
@@ -122,7 +122,7 @@ def test_stream_priorities_default_depends_on_layer_size():
     ({"max_graphs": 1.5}, "max_graphs"),
 ])
 def test_engine_options_reject_bad_values(kwargs, match):
-    from torch_dad.training.engine import EngineOptions
+    from torch_dad.training import EngineOptions
 
     with pytest.raises(ValueError, match=match):
         EngineOptions(**kwargs)

@@ -49,7 +49,7 @@ AMPS = [None] + ([torch.bfloat16] if DEVICE == "cuda" else [])
     ("tanh", True, True),
 ])
 def test_fused_step_matches_eager(backend, amp, activation, classifier, chunked):  # type: ignore[no-untyped-def]
-    from torch_dad.training.engine import EngineOptions
+    from torch_dad.training import EngineOptions
 
     options = None
     if chunked:
@@ -89,7 +89,7 @@ def test_graphed_step_with_and_without_update_overlap_equals_fused(overlap, erro
     (``EngineOptions.overlap``), or with the local errors on a stream of their own too
     (``EngineOptions.local_error_off_main``), or with every AdamW on a low-priority stream
     (``EngineOptions.stream_priorities``), computes what the uncaptured fused step computes."""
-    from torch_dad.training.engine import EngineOptions
+    from torch_dad.training import EngineOptions
 
     options = EngineOptions(overlap=overlap, local_error_off_main=error_off_main, stream_priorities=priorities)
     _, plain = _pair("fused", torch.bfloat16)

@@ -6,7 +6,7 @@ import time
 import warnings
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
@@ -17,7 +17,11 @@ from ..nn.linear import DADLinear, DADModel
 from ..optim import LocalOptimizerState, OptimizerConfig, check_optimizer
 from ..ridge import GramAccumulator, RidgeSolution
 from .input_sample import InputReservoir
+from .options import EngineOptions
 from .step import Batch, GradientReducer, StepOutput, progress_bar
+
+if TYPE_CHECKING:
+    from .engine import FusedStep
 
 __all__ = ["DADTrainer"]
 
@@ -100,7 +104,7 @@ class DADTrainer:
             (``"cuda-graph"`` on CUDA where supported, else ``"eager"``). The fused step has
             no per-layer non-finite guard: with ``on_nonfinite`` other than ``"ignore"`` (the
             CPU default), ``step`` runs the eager loop, and a warning says so.
-        engine_options: a :class:`~torch_dad.training.engine.EngineOptions` tuning the fused
+        engine_options: a :class:`~torch_dad.training.EngineOptions` tuning the fused
             step (stream overlap, row-block updates); ``None`` takes the measured defaults.
         local_loss: ``"ce"``, ``"predsim"`` or ``"drtp"`` sets every layer's local rule
             (:meth:`DADLinear.set_local_loss`); ``None`` keeps each layer's own.
@@ -128,7 +132,7 @@ class DADTrainer:
         check_values: bool | str = "auto",
         on_nonfinite: str = "raise",
         backend: str = "auto",
-        engine_options: Any = None,
+        engine_options: EngineOptions | None = None,
         local_loss: str | None = None,
         dropout: float = 0.0,
     ) -> None:
@@ -223,7 +227,7 @@ class DADTrainer:
             first = self.model.dad_layers[0]
             self.classifier_sample = InputReservoir(sample_size, first.in_features, device=self.device, dtype=first.weight.dtype)
 
-    def _make_engine(self, backend: str, options: Any) -> Any:
+    def _make_engine(self, backend: str, options: EngineOptions | None) -> FusedStep | None:
         if backend == "eager" or (backend == "auto" and self.device.type != "cuda"):
             if options is not None:
                 raise ValueError("engine_options apply to backend='fused' or 'cuda-graph'; drop them or pick one")
@@ -242,7 +246,7 @@ class DADTrainer:
         return engine
 
     @property
-    def engine(self) -> Any:
+    def engine(self) -> FusedStep | None:
         """The fused step (:class:`~torch_dad.training.engine.FusedStep`) or ``None`` for the eager loop."""
         return self._engine
 
@@ -324,7 +328,7 @@ class DADTrainer:
             raise ValueError(f"span={span!r} must be a [start, stop) range of the {count} DAD layers")
         with_classifier = with_classifier and stop == count and self._has_classifier
         is_model_output = stop == count and (with_classifier or not self._has_classifier)
-        if self.uses_engine:
+        if self._engine is not None and self.uses_engine:
             return self._engine.run(
                 batch, self.config, span=(start, stop), with_classifier=with_classifier,
                 reducer=self.gradient_reducer, count_loss=is_model_output,

@@ -1,0 +1,55 @@
+"""The fused engine's scheduling options: :class:`EngineOptions` (a plain dataclass; the engine
+itself, which imports the kernel dispatch, is loaded only when a trainer builds one)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["STREAM_PRIORITIES", "EngineOptions"]
+
+#: the CUDA stream priority per role under ``EngineOptions.stream_priorities`` (lower is more
+#: urgent; the H200 offers 0 to -3)
+STREAM_PRIORITIES: dict[str, int] = {"critical": -2, "gemm": -1, "sample": 0, "background": 0}
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the fused step schedules its kernels. The defaults were measured on an H200 over four
+    MLP topologies at B=1024 and 4096 (``docs/design-engine.md``); a user tunes them for another GPU.
+
+    Args:
+        overlap: under ``"cuda-graph"``, run each layer's weight gradient and AdamW on side
+            streams beside the next layer's forward (deep-8x1024 B=4096: 536 vs 576 µs a step).
+        update_chunk_numel: a layer with at least this many weights computes its weight gradient
+            and AdamW in row blocks, each block's AdamW beside the next block's GEMM.
+        update_chunks: the number of row blocks; ``None``: 4 up to ``small_batch`` rows, else 2
+            (fmnist-wide-2: 4 blocks best at B=1024, 2 at B=4096).
+        small_batch: the batch size up to which ``update_chunks=None`` means 4 blocks.
+        stream_priorities: capture with stream priorities (forwards and local errors first,
+            weight-gradient GEMMs next, AdamW last); ``None``: on unless a layer updates in row
+            blocks, whose AdamW chain is then the critical path (deep-8x1024 B=1024: 322 -> 280 µs).
+        local_error_off_main: run each local error on its own stream beside the next forward;
+            ``None``: on when no DAD layer is wider than ``local_error_max_width`` (beside a
+            4096 x 4096 forward GEMM the error kernels slow it more than they save).
+        local_error_max_width: see ``local_error_off_main``.
+        max_graphs: captured graphs kept (one per input shape and dtype) before all are dropped.
+    """
+
+    overlap: bool = True
+    update_chunk_numel: int = 8 * 2**20
+    update_chunks: int | None = None
+    small_batch: int = 2048
+    stream_priorities: bool | None = None
+    local_error_off_main: bool | None = None
+    local_error_max_width: int = 1024
+    max_graphs: int = 8
+
+    def __post_init__(self) -> None:
+        for name in ("update_chunk_numel", "small_batch", "local_error_max_width", "max_graphs"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"EngineOptions({name}={value!r}): must be a positive int")
+        if self.update_chunks is not None and (
+            isinstance(self.update_chunks, bool) or not isinstance(self.update_chunks, int) or self.update_chunks < 1
+        ):
+            raise ValueError(f"EngineOptions(update_chunks={self.update_chunks!r}): must be a positive int or None")
