@@ -78,6 +78,16 @@ class DADMLP(td.DADModel):
         self.classifier = torch.nn.Linear(widths[-1], num_classes)
 
 
+def cuda_step_memory(step: Callable[[], Any]) -> tuple[int, int]:
+    """``(allocated before, peak during)`` one call of ``step`` on the current CUDA device, in bytes."""
+    torch.cuda.synchronize()
+    static = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    step()
+    torch.cuda.synchronize()
+    return static, torch.cuda.max_memory_allocated()
+
+
 def backprop_mlp(widths: Sequence[int], num_classes: int = 10) -> torch.nn.Sequential:
     """The same MLP as :class:`DADMLP` for plain backprop: Linear+ReLU blocks, then a Linear head."""
     mods: list[torch.nn.Module] = []

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_dad as td
-from _common import DADMLP, backprop_mlp, environment, write_records
+from _common import DADMLP, backprop_mlp, cuda_step_memory, environment, write_records
 
 MIB = 2**20
 
@@ -64,12 +64,7 @@ def _measure(step, device: torch.device, extra: dict | None = None) -> dict:  # 
     if device.type != "cuda":
         step()
         return {"static_mib": float("nan"), "peak_mib": float("nan"), "above_static_mib": float("nan"), **(extra or {})}
-    torch.cuda.synchronize()
-    static = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated()
+    static, peak = cuda_step_memory(step)
     return {"static_mib": static / MIB, "peak_mib": peak / MIB, "above_static_mib": (peak - static) / MIB, **(extra or {})}
 
 

@@ -32,7 +32,7 @@ from typing import Any
 
 import torch
 
-from _common import environment, write_records
+from _common import cuda_step_memory, environment, write_records
 from torch_dad.nn.lm_head import DADLMHead
 from torch_dad.ops.linear_cross_entropy import CUDA_PREFERENCE, resolve_backend
 
@@ -48,12 +48,7 @@ def measure(step: Callable[[], None], device: torch.device, warmup: int, repeats
         step()
     peak = base = None
     if device.type == "cuda":
-        torch.cuda.synchronize()
-        base = torch.cuda.memory_allocated()
-        torch.cuda.reset_peak_memory_stats()
-        step()
-        torch.cuda.synchronize()
-        peak = torch.cuda.max_memory_allocated()
+        base, peak = cuda_step_memory(step)
     samples = []
     for _ in range(repeats):
         if device.type == "cuda":
