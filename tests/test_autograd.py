@@ -56,6 +56,41 @@ def test_role_inference_and_overrides():
     assert {n for n, _ in grad_hidden.named_parameters()} == {"weight", "bias", "head_weight", "head_bias"}
 
 
+def _stack(first, last):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(first, torch.nn.ReLU(), last), torch.randn(16, 7), torch.randint(0, 3, (16,))
+
+
+def test_inferred_head_feeding_dad_layers_raises_before_updating():
+    # DADAutogradLinear(7, 5) without num_classes is a head; here it is meant as a hidden layer
+    model, x, y = _stack(DADAutogradLinear(7, 5), DADAutogradLinear(5, 3))
+    before = _state(model[0])
+    with pytest.raises(ValueError, match=r"DADAutogradLinear\(7, 5\) took role='head'.*Pass num_classes="):
+        with label_context(model, y):
+            Fn.cross_entropy(model(x), y).backward()
+    assert _same_state(model[0], before)
+    for explicit in ({"role": "head"}, {"num_classes": 3}):  # stated, not inferred: no error
+        model, x, y = _stack(DADAutogradLinear(7, 5, **explicit), DADAutogradLinear(5, 3))
+        with label_context(model, y):
+            Fn.cross_entropy(model(x), y).backward()
+
+
+def test_inferred_head_without_a_cross_entropy_gradient_warns_once():
+    model, x, y = _stack(DADAutogradLinear(7, 5), torch.nn.Linear(5, 3))
+    with pytest.warns(UserWarning, match=r"DADAutogradLinear\(7, 5\) took role='head'.*pass role='head'"):
+        with label_context(model, y):
+            Fn.cross_entropy(model(x), y).backward()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with label_context(model, y):
+            Fn.cross_entropy(model(x), y).backward()  # once per layer
+        head = DADAutogradLinear(7, 3)  # a real classifier: softmax-loss gradients sum to 0 per row
+        for loss in (Fn.cross_entropy, lambda out, y: Fn.cross_entropy(out, y, label_smoothing=0.2) * 3):
+            with label_context(head, y):
+                loss(head(x), y).backward()
+            head._head_checked = False
+
+
 @pytest.mark.parametrize(
     "kwargs, match",
     [
@@ -274,7 +309,7 @@ def test_default_stops_the_backward_chain():
 @pytest.mark.parametrize("role", ["head", "hidden"])
 @pytest.mark.parametrize("early", EARLY)
 def test_gradient_accumulation_sums_local_gradients(role, early):
-    kw = {"num_classes": 5} if role == "hidden" else {}
+    kw = {"num_classes": 5}  # the head: num_classes == out_features, and the .sum() loss is meant
     out_features = 11 if role == "hidden" else 5
     layer = DADAutogradLinear(14, out_features, update="grad", dtype=F64, **kw)
     layer.early_gradients = early
@@ -340,7 +375,7 @@ def test_bad_inputs_and_label_types():
 
 
 def test_ignore_index_is_configurable_and_all_ignored_is_a_no_op_gradient():
-    layer = DADAutogradLinear(6, 3, update="grad", ignore_index=7, dtype=F64)
+    layer = DADAutogradLinear(6, 3, num_classes=3, update="grad", ignore_index=7, dtype=F64)
     ref = _ref_linear(layer)
     x, y = torch.randn(8, 6, dtype=F64), torch.tensor([0, 7, 2, 7, 1, 0, 7, 2])
     Fn.cross_entropy(ref(x), y, ignore_index=7).backward()
@@ -355,7 +390,7 @@ def test_ignore_index_is_configurable_and_all_ignored_is_a_no_op_gradient():
 
 def test_label_context_sets_every_module_and_restores():
     model = torch.nn.Sequential(
-        DADAutogradLinear(6, 8, num_classes=3), torch.nn.ReLU(), torch.nn.Sequential(DADAutogradLinear(8, 3))
+        DADAutogradLinear(6, 8, num_classes=3), torch.nn.ReLU(), torch.nn.Sequential(DADAutogradLinear(8, 3, num_classes=3))
     )
     old = torch.tensor([1, 1])
     model[0].set_y_context(old)

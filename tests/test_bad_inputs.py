@@ -76,6 +76,14 @@ TRAINER_CASES = [
     ("solve_head: unknown lambda", lambda t: t.solve_head(lambda_reg="best"), ValueError, "lambda_reg"),
     ("solve_head: bad loader labels", lambda t: t.solve_head(loader=[(X, Y + 5)]), ValueError, "labels must lie"),
     ("evaluate: no batches", lambda t: t.evaluate([]), ValueError, "no batches"),
+    ("step: 1-D sample", lambda t: t.step(X[0], Y[:1]), ValueError, r"inputs have shape \(12,\);.*unsqueeze\(0\)"),
+    ("step: 1-D batch of 20", lambda t: t.step(torch.randn(20), Y), ValueError, r"inputs have shape \(20,\); expected \(batch, 12\)"),
+    ("step: 3-D wrong width", lambda t: t.step(torch.randn(6, 3, 5), Y), ValueError, r"inputs have shape \(6, 3, 5\)"),
+    ("fit: dict batch without label key", lambda t: t.fit([{"x": X, "target": Y}], progress=False), ValueError,
+     r"label key \('labels', 'label', 'y'\); got keys \['target', 'x'\]"),
+    ("fit: batch of strings", lambda t: t.fit(["ab"], progress=False), TypeError, "pair \\(inputs, labels\\) or a dict"),
+    ("fit: dict of tensors", lambda t: t.fit({"x": X, "labels": Y}, progress=False), TypeError, r"\(d\['x'\], d\['labels'\]\)"),
+    ("evaluate: dict batch without input key", lambda t: t.evaluate([{"image": X, "label": Y}]), ValueError, "input key"),
 ]
 
 

@@ -34,21 +34,41 @@ def tiny_model(arch: str, num_labels: int = 3, dropout: float = 0.0, seed: int =
     torch.manual_seed(seed)
     if arch == "bert":
         cfg = transformers.BertConfig(
-            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
-            max_position_embeddings=64, num_labels=num_labels, hidden_dropout_prob=dropout,
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=37,
+            max_position_embeddings=64,
+            num_labels=num_labels,
+            hidden_dropout_prob=dropout,
             attention_probs_dropout_prob=dropout,
         )
         return transformers.BertForSequenceClassification(cfg)
     if arch == "roberta":
         cfg = transformers.RobertaConfig(
-            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
-            max_position_embeddings=64, num_labels=num_labels, hidden_dropout_prob=dropout,
+            vocab_size=VOCAB,
+            hidden_size=32,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            intermediate_size=37,
+            max_position_embeddings=64,
+            num_labels=num_labels,
+            hidden_dropout_prob=dropout,
             attention_probs_dropout_prob=dropout,
         )
         return transformers.RobertaForSequenceClassification(cfg)
     cfg = transformers.DistilBertConfig(
-        vocab_size=VOCAB, dim=32, n_layers=2, n_heads=4, hidden_dim=37, max_position_embeddings=64,
-        num_labels=num_labels, dropout=dropout, attention_dropout=dropout, seq_classif_dropout=dropout,
+        vocab_size=VOCAB,
+        dim=32,
+        n_layers=2,
+        n_heads=4,
+        hidden_dim=37,
+        max_position_embeddings=64,
+        num_labels=num_labels,
+        dropout=dropout,
+        attention_dropout=dropout,
+        seq_classif_dropout=dropout,
     )
     return transformers.DistilBertForSequenceClassification(cfg)
 
@@ -116,14 +136,92 @@ def test_precondition_gram_head_grad_matches_reference() -> None:
     model(**inputs).loss.backward()
     features = {}
     reference.classifier.register_forward_pre_hook(lambda m, a: features.setdefault("x", a[0]))
-    reference(**inputs).loss.backward()
+    out = reference(**inputs)
+    out.loss.backward()
     x = torch.cat([features["x"], torch.ones(11, 1, dtype=torch.float64)], 1)
     second = x.T @ x / 11
     m = second + 1e-2 * second.diagonal().mean() * torch.eye(33, dtype=torch.float64)
+    # the stochastic Newton step: B / (C + (d+1)/2) (g + rho [W, b]) M^-1, C the rows' summed curvature along their error
+    p = torch.softmax(out.logits.detach(), 1)
+    e = p - nn.functional.one_hot(inputs["labels"], 3).double()
+    curved = torch.einsum("nij,nj->ni", torch.diag_embed(p) - p[:, :, None] * p[:, None, :], e)
+    curvature = ((e * curved).sum(1) / (e * e).sum(1)).sum()
+    rho = curvature / 11 * 1e-2 * second.diagonal().mean()
+    params = torch.cat([reference.classifier.weight, reference.classifier.bias[:, None]], 1).detach()
     g = torch.cat([reference.classifier.weight.grad, reference.classifier.bias.grad[:, None]], 1)
-    expected = g @ torch.linalg.inv(m)
+    expected = 11 / (curvature + 33 / 2) * (g + rho * params) @ torch.linalg.inv(m)
     assert rel_err(head.weight.grad, expected[:, :32]) < 1e-9
     assert rel_err(head.bias.grad, expected[:, 32]) < 1e-9
+
+
+def _ill_conditioned(n: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Features with covariance condition number ~1e6 (spread 1e3 in scale) whose 4-class label
+    rule lives in the larger half of the directions, down to a variance 1e-3 of the largest."""
+    g = torch.Generator().manual_seed(seed)
+    basis = torch.linalg.qr(torch.randn(24, 24, generator=g, dtype=torch.float64))[0]
+    z = torch.randn(n, 24, generator=g, dtype=torch.float64)
+    teacher = torch.randn(4, 24, generator=torch.Generator().manual_seed(99), dtype=torch.float64)
+    y = torch.distributions.Categorical(logits=2 * z[:, :12] @ teacher[:, :12].T / 12**0.5).sample()
+    return (z * torch.logspace(0, -3, 24, dtype=torch.float64)) @ basis.T + 0.1, y
+
+
+def _train_gram_head(mode: str) -> tuple[float, float, list[float]]:
+    """Three epochs at lr 1 (batch 8; Trainer's linear decay with clip 1.0 / no clip, or in place)
+    of a Gram-preconditioned head on ill-conditioned features: ``(final loss, L-BFGS optimum, step norms)``."""
+    x, y = _ill_conditioned(800, seed=0)
+    torch.manual_seed(0)
+    best = nn.Linear(24, 4, dtype=torch.float64)
+    opt = torch.optim.LBFGS(best.parameters(), max_iter=200, line_search_fn="strong_wolfe", tolerance_grad=1e-9)
+
+    def closure() -> torch.Tensor:
+        opt.zero_grad()
+        loss = nn.functional.cross_entropy(best(x), y)
+        loss.backward()
+        return loss
+
+    opt.step(closure)
+    with torch.no_grad():
+        optimum = float(nn.functional.cross_entropy(best(x), y))
+    torch.manual_seed(0)
+    update = "inplace" if mode == "inplace" else "grad"
+    layer = DADAutogradLinear(
+        24, 4, role="head", update=update, precondition="gram", lr=1.0, weight_decay=0.0, dtype=torch.float64
+    )
+    sgd = torch.optim.SGD(layer.parameters(), lr=1.0)
+    steps, norms = 300, []
+    schedule = torch.optim.lr_scheduler.LambdaLR(sgd, lambda step: 1 - step / steps)
+    for idx in torch.cat([torch.randperm(800) for _ in range(3)]).chunk(steps):
+        before = torch.cat([layer.weight.detach().flatten(), layer.bias.detach()])
+        sgd.zero_grad()
+        layer.set_y_context(y[idx])
+        nn.functional.cross_entropy(layer(x[idx]), y[idx]).backward()
+        if mode != "inplace":
+            norms.append(float(torch.nn.utils.clip_grad_norm_(layer.parameters(), 1.0 if mode == "grad-clip" else 1e9)))
+            sgd.step()
+            schedule.step()
+        else:
+            norms.append(float((torch.cat([layer.weight.detach().flatten(), layer.bias.detach()]) - before).norm()))
+    with torch.no_grad():
+        loss = float(nn.functional.cross_entropy(layer(x), y))
+    return loss, optimum, norms
+
+
+@pytest.mark.parametrize("mode", ["grad-clip", "grad-noclip", "inplace"])
+def test_gram_head_step_is_right_at_lr_one(mode: str) -> None:
+    """The preconditioned head ends near the best training loss, and its step norm is O(1) at lr 1."""
+    loss, optimum, norms = _train_gram_head(mode)
+    # chance is log 4 = 1.386; the default damping 0.1 is also an L2 penalty, so the fixed point is
+    # the regularised head, above the unregularised optimum
+    assert loss < optimum + 0.35, (loss, optimum)
+    # at lr 1 the step is O(1) after the first few batches: clipping at 1.0 hardly touches it
+    assert max(norms[10:]) < 2.0 and sum(norms[10:]) / len(norms[10:]) < 0.25, norms
+
+
+def test_gram_head_trains_the_same_with_and_without_clipping() -> None:
+    """Trainer's default clip at 1.0 leaves the preconditioned head where no clipping leaves it."""
+    clipped, _, _ = _train_gram_head("grad-clip")
+    unclipped, _, _ = _train_gram_head("grad-noclip")
+    assert abs(clipped - unclipped) < 0.05, (clipped, unclipped)
 
 
 def test_unrecognisable_head_lists_candidates() -> None:
@@ -196,13 +294,25 @@ def _dataset(rows: int, num_labels: int, seed: int) -> list[dict[str, torch.Tens
 
 def _train(model: nn.Module, tmp_path, **overrides) -> None:
     args = {
-        "output_dir": str(tmp_path), "num_train_epochs": 2, "per_device_train_batch_size": 4,
-        "gradient_accumulation_steps": 2, "learning_rate": 5e-2, "max_grad_norm": 0.05, "warmup_steps": 1,
-        "lr_scheduler_type": "linear", "report_to": [], "save_strategy": "no", "use_cpu": True,
-        "logging_strategy": "no", "seed": 3, "disable_tqdm": True,
+        "output_dir": str(tmp_path),
+        "num_train_epochs": 2,
+        "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 2,
+        "learning_rate": 5e-2,
+        "max_grad_norm": 0.05,
+        "warmup_steps": 1,
+        "lr_scheduler_type": "linear",
+        "report_to": [],
+        "save_strategy": "no",
+        "use_cpu": True,
+        "logging_strategy": "no",
+        "seed": 3,
+        "disable_tqdm": True,
     }
     args.update(overrides)
-    trainer = transformers.Trainer(model=model, args=transformers.TrainingArguments(**args), train_dataset=_dataset(24, 3, 5))
+    trainer = transformers.Trainer(
+        model=model, args=transformers.TrainingArguments(**args), train_dataset=_dataset(24, 3, 5)
+    )
     trainer.train()
 
 
@@ -420,9 +530,17 @@ def test_trainer_resume_from_checkpoint_restores_preconditioner(tmp_path) -> Non
     checkpoint = sorted((tmp_path / "cut").glob("checkpoint-*"), key=lambda p: int(p.name.split("-")[1]))[0]
     resumed = model_with_head()
     args = {
-        "output_dir": str(tmp_path / "cut"), "per_device_train_batch_size": 4, "gradient_accumulation_steps": 2,
-        "warmup_steps": 1, "report_to": [], "save_strategy": "no", "use_cpu": True, "logging_strategy": "no",
-        "seed": 3, "disable_tqdm": True, **common,
+        "output_dir": str(tmp_path / "cut"),
+        "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 2,
+        "warmup_steps": 1,
+        "report_to": [],
+        "save_strategy": "no",
+        "use_cpu": True,
+        "logging_strategy": "no",
+        "seed": 3,
+        "disable_tqdm": True,
+        **common,
     }
     trainer = transformers.Trainer(
         model=resumed, args=transformers.TrainingArguments(**args), train_dataset=_dataset(24, 3, 5)

@@ -19,6 +19,23 @@ def reference_matrix(x: torch.Tensor, damping: float, bias: bool = True) -> torc
     return m if bias else m[:-1, :-1]
 
 
+def reference_newton(
+    x: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, grad: torch.Tensor, params: torch.Tensor, batch: int
+) -> torch.Tensor:
+    """``B / (C + (d+1)/2) (grad + rho params) @ M^-1`` with ``C`` = sum of ``e^T (diag p - p p^T) e / |e|^2``
+    over ``logits`` (all rows seen), ``rho = (C / n) damping mean(diag M0)``, damping 0.1."""
+    damping = 0.1
+    p = torch.softmax(logits.double(), 1)
+    e = p - nn.functional.one_hot(y, p.shape[1]).double()
+    hessian_e = torch.einsum("nij,nj->ni", torch.diag_embed(p) - p[:, :, None] * p[:, None, :], e)
+    curvature = ((e * hessian_e).sum(1) / (e * e).sum(1)).sum()
+    n = x.shape[0]
+    xa = torch.cat([x.double(), torch.ones(n, 1, dtype=torch.float64)], 1)
+    rho = curvature / n * damping * (xa.T @ xa / n).diagonal().mean()
+    m = reference_matrix(x, damping, bias=params.shape[1] == x.shape[1] + 1)
+    return batch / (curvature + (x.shape[1] + 1) / 2) * (grad + rho * params) @ torch.linalg.inv(m)
+
+
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm())
 
@@ -79,29 +96,34 @@ def test_identity_before_any_row_and_errors() -> None:
 
 
 @pytest.mark.parametrize("bias", [True, False])
-def test_head_grad_is_backprop_grad_times_inverse_gram(bias: bool) -> None:
+def test_head_grad_is_stochastic_newton_step(bias: bool) -> None:
     g = torch.Generator().manual_seed(2)
     layer = DADAutogradLinear(13, 4, bias=bias, update="grad", precondition="gram", dtype=torch.float64)
     linear = nn.Linear(13, 4, bias=bias, dtype=torch.float64)
     linear.load_state_dict(layer.state_dict(), strict=False)
-    seen = []
+    seen, labels = [], []
     for rows in (9, 6):
         x = torch.randn(rows, 13, generator=g, dtype=torch.float64) * torch.linspace(0.01, 3, 13, dtype=torch.float64)
         y = torch.randint(0, 4, (rows,), generator=g)
-        y[0] = -100  # ignored rows stay out of the Gram
+        y[0] = -100  # ignored rows stay out of the statistics
         seen.append(x[1:])
+        labels.append(y[1:])
         layer.zero_grad()
         layer.set_y_context(y)
         layer(x).sum().backward()  # the upstream loss is irrelevant to a DAD head's own update
         linear.zero_grad()
         nn.functional.cross_entropy(linear(x), y).backward()
-    m = reference_matrix(torch.cat(seen), 1e-3, bias=bias)
     grad = torch.cat([linear.weight.grad, linear.bias.grad[:, None]], 1) if bias else linear.weight.grad
-    expected = grad @ torch.linalg.inv(m)
+    params = torch.cat([linear.weight, linear.bias[:, None]], 1) if bias else linear.weight
+    rows_x = torch.cat(seen)
+    with torch.no_grad():  # the weights never moved (no optimizer step), so one logits pass serves both batches
+        expected = reference_newton(rows_x, linear(rows_x), torch.cat(labels), grad, params.detach(), 5)
+    curvature_sum = float(layer.preconditioner.curvature)
     assert rel_err(layer.weight.grad, expected[:, :13]) < 1e-10
     if bias:
         assert rel_err(layer.bias.grad, expected[:, 13]) < 1e-10
     assert int(layer.preconditioner.count) == 13
+    assert 0 < curvature_sum <= 13 / 2  # each row's curvature is in (0, 1/2]
 
 
 def test_hidden_role_preconditions_layer_not_local_head() -> None:
@@ -114,7 +136,7 @@ def test_hidden_role_preconditions_layer_not_local_head() -> None:
     for layer in (plain, pre):
         layer.set_y_context(y)
         layer(x).sum().backward()
-    m = reference_matrix(x, 1e-3)
+    m = reference_matrix(x, 0.1)
     expected = torch.cat([plain.weight.grad, plain.bias.grad[:, None]], 1) @ torch.linalg.inv(m)
     assert rel_err(pre.weight.grad, expected[:, :7]) < 1e-10
     assert torch.equal(pre.head_weight.grad, plain.head_weight.grad)

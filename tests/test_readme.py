@@ -3,6 +3,10 @@
 import re
 from pathlib import Path
 
+import torch
+
+from torch_dad import DADAutogradLinear
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -15,6 +19,18 @@ def test_quickstart_block_runs():
     assert trainer.step_count == 8
     assert namespace["model"].classifier.weight.abs().sum() > 0
 
+
+
+def test_drop_in_block_runs():
+    text = README.read_text()
+    block = re.search(r"## The autograd drop-in.*?```python\n(.*?)```", text, re.S).group(1)
+    torch.manual_seed(0)
+    loader = [(torch.randn(32, 784), torch.randint(0, 10, (32,))) for _ in range(3)]  # the reader's data
+    namespace: dict = {"loader": loader}
+    exec(compile(block, "README-drop-in", "exec"), namespace)
+    layers = [m for m in namespace["model"].modules() if isinstance(m, DADAutogradLinear)]
+    assert [(m.role, m.activation) for m in layers] == [("hidden", "relu"), ("hidden", "relu"), ("head", "identity")]
+    assert all(float(m.optim_state.step) == 3 for m in layers)  # every layer trained on every batch
 
 def test_readme_two_commands_exist():
     text = README.read_text()

@@ -1,5 +1,7 @@
 """Streaming ridge: statistics equal the batch computation; GCV equals brute force."""
 
+import warnings
+
 import pytest
 import torch
 
@@ -58,3 +60,71 @@ def test_bad_lambda_and_empty_statistics():
         acc.solve("best")
     with pytest.raises(ValueError, match="lambda_reg"):
         acc.solve(-1.0)
+
+
+def test_gcv_curve_equals_brute_force_with_fewer_rows_than_features():
+    """For n <= p the hat matrix has rank n - 1: the score stays finite and exact down to tiny lambda."""
+    n, d, k = 40, 60, 4
+    h = torch.randn(n, d, dtype=torch.float64) * torch.linspace(0.1, 3, d, dtype=torch.float64)
+    y = torch.nn.functional.one_hot(torch.arange(n) % k, k).double()
+    hc, yc = h - h.mean(0), y - y.mean(0)
+    gram, cross = hc.T @ hc, hc.T @ yc
+    s, v = torch.linalg.eigh(gram)
+    lambdas = torch.tensor([1e-3, 0.1, 10.0], dtype=torch.float64)
+    curve = gcv_curve(s, v.T @ cross, float((yc**2).sum()), n, lambdas)
+    # as lambda -> 0: n * sum_i ||u_i^T Yc||^2 / s_i^2 / (sum_i 1 / s_i)^2 over the n - 1 singular values
+    u, sigma, _ = torch.linalg.svd(hc, full_matrices=False)
+    s_nonzero, q = sigma[: n - 1] ** 2, ((u[:, : n - 1].T @ yc) ** 2).sum(1)
+    limit = n * float((q / s_nonzero**2).sum()) / float((1 / s_nonzero).sum()) ** 2
+    tiny = gcv_curve(s, v.T @ cross, float((yc**2).sum()), n, torch.tensor([1e-9], dtype=torch.float64))
+    assert abs(float(tiny) - limit) < 1e-4 * limit
+    for lam, got in zip(lambdas, curve):
+        # the fit in the n-dimensional sample space: Hc (Hc^T Hc + l I)^-1 Hc^T = K (K + l I)^-1
+        kernel = hc @ hc.T
+        hat = kernel @ torch.linalg.solve(kernel + lam * torch.eye(n, dtype=torch.float64), torch.eye(n, dtype=torch.float64))
+        rss = float(((yc - hat @ yc) ** 2).sum())
+        df = 1 + float(torch.trace(hat))
+        assert abs(float(got) - n * rss / (n - df) ** 2) < 1e-6 * float(got)
+
+
+def _class_clusters(n, p, k, spread, decay, seed):
+    """Gaussian class means plus unit noise, coordinate ``j`` scaled by ``(j + 1)^-decay``, offset 0.5."""
+    g = torch.Generator().manual_seed(seed)
+    scales = torch.arange(1, p + 1, dtype=torch.float32) ** -decay
+    means = torch.randn(k, p, generator=g) * spread
+
+    def draw(rows):
+        y = torch.arange(rows) % k
+        return (means[y] + torch.randn(rows, p, generator=g)) * scales + 0.5, y
+
+    return draw(n), draw(1000)
+
+
+@pytest.mark.parametrize(
+    "n, p, k, spread, decay",
+    [
+        (100, 384, 20, 0.5, 0.5),  # n < p
+        (300, 384, 20, 0.3, 0.5),  # the shape of a few-shot sentence-embedding head
+        (384, 384, 20, 0.3, 0.5),  # n = p
+        (390, 384, 20, 0.6, 1.0),  # n just above p, rounding noise at the scale of the small eigenvalues
+        (80, 200, 5, 0.3, 0.5),
+    ],
+)
+def test_auto_lambda_is_near_the_best_grid_lambda_when_rows_do_not_outnumber_features(n, p, k, spread, decay):
+    (x, y), (x_test, y_test) = _class_clusters(n, p, k, spread, decay, seed=n)
+    acc = GramAccumulator(p, k)
+    acc.update(x, y)
+
+    def accuracy(sol):
+        return float(((x_test.double() @ sol.weight.T + sol.bias).argmax(1) == y_test).float().mean())
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)
+        auto = acc.solve("auto")
+        again = acc.solve(auto.lambda_reg)  # the chosen lambda also solves by Cholesky without jitter
+    assert auto.jitter == 0.0 and again.jitter == 0.0
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)  # the smallest grid lambdas need jitter
+        grid = [accuracy(acc.solve(lam)) for lam in torch.logspace(-6, 3, 19).tolist()]
+    assert accuracy(auto) >= max(grid) - 0.02
+    assert accuracy(again) >= max(grid) - 0.02

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from . import functional
 from .nn.autograd import DADAutogradLinear, label_context
+from .nn.convert import to_dad
 from .nn.linear import DADLinear, DADModel
 from .nn.lm_head import DADLMHead
 from .ops.linear_cross_entropy import linear_cross_entropy
@@ -19,7 +20,9 @@ from .ridge import GramAccumulator, RidgeSolution
 from .training import schedules
 from .training.trainer import DADTrainer
 
-__version__ = "0.1.0"
+# calendar versioning (year.month.patch): it sorts after the published torch-dad 2026.5.24 on PyPI,
+# so pip never takes that package for an upgrade of this one (README, Install)
+__version__ = "2026.12.0"
 
 __all__ = [
     "DADAutogradLinear",
@@ -35,4 +38,5 @@ __all__ = [
     "label_context",
     "linear_cross_entropy",
     "schedules",
+    "to_dad",
 ]

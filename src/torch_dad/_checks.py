@@ -15,6 +15,7 @@ __all__ = [
     "HALF_DTYPES",
     "check_bool",
     "check_choice",
+    "check_device",
     "check_fraction",
     "check_inputs",
     "check_int",
@@ -74,6 +75,44 @@ def check_choice(name: str, value: object, choices: Sequence[str], hint: str = "
         listed = ", ".join(repr(c) for c in choices)
         raise ValueError(f"{name}={value!r} is not supported; choose one of {listed}{hint}")
     return value
+
+
+def check_device(device: object) -> torch.device:
+    """``torch.device(device)`` if it names a device this process can use, else ``ValueError``/``TypeError``.
+
+    Checked before anything moves, so a missing GPU is reported as what was asked for and what
+    is available rather than as torch's assertion from deep inside ``.to()``.
+    """
+    if isinstance(device, str):
+        try:
+            resolved = torch.device(device)
+        except RuntimeError as err:
+            raise ValueError(f"device={device!r} is not a valid torch device string ({err}); use e.g. 'cpu' or 'cuda'") from None
+    elif isinstance(device, torch.device):
+        resolved = device
+    else:
+        raise TypeError(f"device must be a str, torch.device or None, got {type(device).__name__}")
+    if resolved.type == "cuda":
+        _check_cuda_device(device, resolved)
+    elif resolved.type == "mps" and not torch.backends.mps.is_available():
+        raise ValueError(f"device={str(device)!r} was requested but MPS is not available (torch {torch.__version__}); use device='cpu'")
+    return resolved
+
+
+def _check_cuda_device(device: object, resolved: torch.device) -> None:
+    """Raise ``ValueError`` unless CUDA is available and ``resolved.index`` (if any) is a visible GPU."""
+    if not torch.cuda.is_available():
+        build = "a build without CUDA" if torch.version.cuda is None else f"CUDA {torch.version.cuda} build, no GPU visible"
+        raise ValueError(
+            f"device={str(device)!r} was requested but CUDA is not available (torch {torch.__version__}, {build}); "
+            "use device='cpu'"
+        )
+    count = torch.cuda.device_count()
+    if resolved.index is not None and resolved.index >= count:
+        raise ValueError(
+            f"device={str(device)!r} was requested but only {count} CUDA device(s) are visible "
+            f"(cuda:0 to cuda:{count - 1}); pick one of those"
+        )
 
 
 def check_labels(

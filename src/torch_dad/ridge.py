@@ -7,7 +7,9 @@ For features ``H`` (n, d) and one-hot targets ``Y`` (n, k) the head is
 
 ``lambda_reg="auto"`` picks lambda by generalised cross-validation from a single
 eigendecomposition ``Hc^T Hc = V diag(s) V^T``: for every candidate lambda,
-the residual sum of squares and degrees of freedom are closed forms (see :func:`gcv_curve`).
+the residual sum of squares and degrees of freedom are closed forms over the nonzero
+eigenvalues (see :func:`gcv_curve`), which stay defined when ``n <= d`` and the ridge fit with a
+small lambda interpolates the labels.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["GramAccumulator", "RidgeSolution", "gcv_curve", "solve_ridge_from_gram"]
+__all__ = ["GramAccumulator", "RidgeSolution", "gcv_curve", "sample_space_rank", "solve_ridge_from_gram"]
 
 
 @dataclass
@@ -133,21 +135,44 @@ class GramAccumulator(torch.nn.Module):
         return solution
 
 
+def sample_space_rank(eigenvalues: Tensor, n: float) -> int:
+    """How many eigenvalues of the centred Gram matrix are told apart from zero.
+
+    ``r = min(#{s_i > tol}, n - 1)`` with ``tol = max(d * eps * max(s), -min(s))``:
+    centring leaves at most ``n - 1`` independent rows, so for ``n <= d`` the smallest
+    ``d - n + 1`` eigenvalues are zero, and an exact Gram matrix has no negative eigenvalue, so
+    ``-min(s)`` measures the rounding of the accumulation (float32 GEMMs per batch: about
+    ``1e-7 * n * mean(h)^2``): an eigenvalue within that of zero may be one.
+    """
+    s_max = float(eigenvalues.max().clamp_min(0))
+    tol = max(eigenvalues.shape[0] * torch.finfo(eigenvalues.dtype).eps * s_max, -float(eigenvalues.min()))
+    numerical = int((eigenvalues > tol).sum())
+    return max(0, min(numerical, math.ceil(n) - 1))
+
+
 def gcv_curve(
     eigenvalues: Tensor, projected_cross: Tensor, yty: float, n: float, lambdas: Tensor
 ) -> Tensor:
-    """GCV score ``n * RSS(l) / (n - df(l))^2`` for every ``l`` in ``lambdas``.
+    """GCV score ``n * RSS(l) / (n - df(l))^2`` for every ``l`` in ``lambdas``; ``inf`` where undefined.
 
-    With ``G = V diag(s) V^T`` and ``c_i = ||(V^T C)_i||^2``:
-    ``RSS = yty - sum_i c_i (2/(s_i+l) - s_i/(s_i+l)^2)``, ``df = 1 + sum_i s_i/(s_i+l)``
-    (the 1 counts the intercept).
+    With ``Hc = U diag(sqrt(s)) V^T`` (rank ``r``, see :func:`sample_space_rank`) the fit is
+    ``Yc_hat = U diag(s/(s+l)) U^T Yc`` and ``q_i = ||u_i^T Yc||^2 = ||(V^T C)_i||^2 / s_i``, so
+    ``RSS = rss_0 + sum_i q_i (l/(s_i+l))^2`` with ``rss_0 = yty - sum_i q_i`` (the part of ``Yc``
+    outside the span of ``U``; 0 when ``r = n - 1``) and
+    ``n - df = (n - 1 - r) + sum_i l/(s_i+l)`` (``df = 1 + sum_i s_i/(s_i+l)``, the 1 counts the
+    intercept); the sums run over the ``r`` nonzero eigenvalues only. Written this way neither
+    ``RSS`` nor ``n - df`` is a difference of nearly equal numbers, so for ``n <= d`` the score
+    keeps its finite limit ``n * sum q_i/s_i^2 / (sum 1/s_i)^2`` as ``l -> 0`` instead of ``0/0``.
     """
-    s = eigenvalues.clamp_min(0).unsqueeze(0)
-    c = (projected_cross**2).sum(1).unsqueeze(0)
-    inv = 1.0 / (s + lambdas.unsqueeze(1))
-    rss = yty - (c * (2 * inv - s * inv * inv)).sum(1)
-    df = 1.0 + (s * inv).sum(1)
-    return n * rss.clamp_min(0) / (n - df).clamp_min(1e-12) ** 2
+    rank = sample_space_rank(eigenvalues, n)
+    s = eigenvalues[eigenvalues.shape[0] - rank :].unsqueeze(0)
+    q = (projected_cross[projected_cross.shape[0] - rank :] ** 2).sum(1).unsqueeze(0) / s
+    rss_0 = 0.0 if rank >= n - 1 else max(yty - float(q.sum()), 0.0)
+    shrink = lambdas.unsqueeze(1) / (s + lambdas.unsqueeze(1))
+    rss = rss_0 + (q * shrink * shrink).sum(1)
+    resid_df = (n - 1 - rank) + shrink.sum(1)
+    score = n * rss / resid_df.clamp_min(1e-300) ** 2
+    return torch.where(resid_df > 0, score, torch.full_like(score, math.inf))
 
 
 def _cholesky_solve_with_jitter(matrix: Tensor, rhs: Tensor) -> tuple[Tensor, float]:
@@ -176,7 +201,9 @@ def solve_ridge_from_gram(
     """Float64 ridge ``W^T = (G + lambda I)^-1 C`` on centred statistics; bias left at 0.
 
     ``lambda_reg="auto"`` minimises :func:`gcv_curve` over 49 log-spaced values spanning
-    ``1e-7 .. 1e1`` times the mean eigenvalue of ``G``.
+    ``1e-7 .. 1e1`` times the mean eigenvalue of ``G`` and solves in its eigenbasis,
+    ``W^T = sum_{i <= r} v_i (v_i^T C) / (s_i + lambda)`` over the ``r`` nonzero eigenvalues
+    (:func:`sample_space_rank`).
     """
     gram_c = gram_c.to(torch.float64)
     cross_c = cross_c.to(torch.float64)
@@ -192,15 +219,22 @@ def solve_ridge_from_gram(
         eigenvalues, vectors = torch.linalg.eigh(gram_c)
         mean_eig = float(eigenvalues.clamp_min(0).mean().clamp_min(1e-300))
         lambdas = mean_eig * torch.logspace(-7, 1, 49, dtype=torch.float64, device=gram_c.device)
-        scores = gcv_curve(eigenvalues, vectors.T @ cross_c, yty_c, float(n), lambdas)
+        projected = vectors.T @ cross_c
+        scores = gcv_curve(eigenvalues, projected, yty_c, float(n), lambdas)
         best = int(torch.argmin(scores))
         chosen, gcv_value = float(lambdas[best]), float(scores[best])
+        # solve in the eigenbasis over the nonzero eigenvalues only: C lies in the row space of
+        # Hc, so this is the ridge solution, and the rounding noise in the null space (which can
+        # make G + lambda I indefinite for small lambda when n <= d) never enters
+        kept = eigenvalues.shape[0] - sample_space_rank(eigenvalues, n)
+        weight_t = vectors[:, kept:] @ (projected[kept:] / (eigenvalues[kept:] + chosen).unsqueeze(1))
+        jitter = 0.0
     else:
         chosen = float(lambda_reg)
         if not math.isfinite(chosen) or chosen < 0:
             raise ValueError(f"lambda_reg={lambda_reg!r} must be a finite float >= 0 or 'auto'")
-    eye = torch.eye(gram_c.shape[0], dtype=torch.float64, device=gram_c.device)
-    weight_t, jitter = _cholesky_solve_with_jitter(gram_c + chosen * eye, cross_c)
+        eye = torch.eye(gram_c.shape[0], dtype=torch.float64, device=gram_c.device)
+        weight_t, jitter = _cholesky_solve_with_jitter(gram_c + chosen * eye, cross_c)
     if not torch.isfinite(weight_t).all():
         raise ValueError("ridge solve produced non-finite weights; increase lambda_reg")
     return RidgeSolution(

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from .autograd import DADAutogradLinear, label_context
+from .convert import to_dad
 from .linear import DADLinear, DADModel
 from .lm_head import DADLMHead
 
-__all__ = ["DADAutogradLinear", "DADLMHead", "DADLinear", "DADModel", "label_context"]
+__all__ = ["DADAutogradLinear", "DADLMHead", "DADLinear", "DADModel", "label_context", "to_dad"]

@@ -174,7 +174,7 @@ class LocalLayer(nn.Module):
         return tensors, [g if g.dtype == t.dtype else g.to(t.dtype) for g, t in zip(grads, tensors)]
 
     # ------------------------------------------------------------------ the update
-    def _nonfinite_witnesses(self, grads: list[Tensor]) -> list[Tensor]:
+    def nonfinite_witnesses(self, grads: list[Tensor]) -> list[Tensor]:
         """The gradients whose finiteness implies that of all of ``grads``."""
         return grads
 
@@ -200,7 +200,7 @@ class LocalLayer(nn.Module):
         if self.optim_state is None:
             raise RuntimeError(f"{type(self).__name__}(update='grad') has no optimizer state; its gradients go to .grad")
         if on_nonfinite != "ignore" and not (
-            (loss is None or bool(torch.isfinite(loss))) and gradients_are_finite(self._nonfinite_witnesses(grads))
+            (loss is None or bool(torch.isfinite(loss))) and gradients_are_finite(self.nonfinite_witnesses(grads))
         ):
             if on_nonfinite == "raise":
                 raise FloatingPointError(

@@ -22,6 +22,7 @@ Labels reach the layer through :meth:`DADAutogradLinear.set_y_context` or the
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -42,7 +43,7 @@ from .._checks import (
 )
 from ..optim import OptimizerConfig
 from ._local import LocalLayer, activation_backward, check_update
-from .precondition import GramPreconditioner, check_precondition
+from .precondition import GramPreconditioner, check_precondition, softmax_curvature
 
 __all__ = ["BACKENDS", "ROLES", "DADAutogradFunction", "DADAutogradLinear", "label_context"]
 
@@ -133,6 +134,8 @@ class DADAutogradFunction(torch.autograd.Function):
         ctx.update_count = module._update_count
         ctx.versions = module._versions()
         ctx.used = False
+        # an undefined grad_output (None) tells backward that no gradient reached this output
+        ctx.set_materialize_grads(False)
         saved = z if module.activation == "gelu" else out
         # what dL/dx needs besides W: act'(z), read off h (relu, tanh) or z (gelu)
         keep_for_input = module.backprop_gradients and module.activation != "identity"
@@ -151,9 +154,11 @@ class DADAutogradFunction(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad_output: Tensor) -> tuple[Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad_output: Tensor | None) -> tuple[Tensor | None, ...]:  # type: ignore[override]
         module: DADAutogradLinear = ctx.module
         module._check_backward(ctx)
+        if module._inferred_head and module._trains():
+            module._check_feeds_loss(grad_output)
         ctx.used = True
         saved, *rest = ctx.saved_tensors
         h2 = z2 = None
@@ -162,7 +167,7 @@ class DADAutogradFunction(torch.autograd.Function):
             h = functional.activation_forward(saved, module.activation) if z is not None else saved
             h2, z2 = _rows(h), (_rows(z) if z is not None else None)
         grad_input = None
-        if module.backprop_gradients and ctx.needs_input_grad[0]:
+        if module.backprop_gradients and ctx.needs_input_grad[0] and grad_output is not None:
             # computed before the update below: dL/dx uses this step's pre-update weights
             grad_input = module._grad_input(_rows(grad_output), h2, z2)
             grad_input = grad_input.to(ctx.input_dtype).reshape(ctx.input_shape)
@@ -202,7 +207,11 @@ class DADAutogradLinear(LocalLayer):
             parameter too).
         lr, weight_decay, betas, eps: the in-place AdamW (ignored with ``update="grad"``).
         role: ``"hidden"``, ``"head"`` or ``None`` (inferred: head when ``num_classes`` is
-            ``None`` or equals ``out_features`` and no activation was asked for).
+            ``None`` or equals ``out_features`` and no activation was asked for). A head inferred
+            from ``num_classes=None`` checks its first backward: ``ValueError`` if no gradient
+            reaches its output (it feeds other DAD layers, not the loss), one warning if that
+            gradient's rows do not sum to 0 as a softmax loss's do. ``torch_dad.to_dad`` sets roles
+            for a whole model.
         ignore_index, label_smoothing: as ``functional.cross_entropy``.
         check_values: check label ranges at forward (a host sync on CUDA); ``"auto"`` checks
             on CPU only. Shapes and dtypes are always checked.
@@ -259,7 +268,7 @@ class DADAutogradLinear(LocalLayer):
         label_smoothing: float = 0.0,
         check_values: bool | str = "auto",
         precondition: str | None = None,
-        precondition_damping: float = 1e-3,
+        precondition_damping: float = 0.1,
         precondition_window: float | None = None,
         backend: str = "auto",
     ) -> None:
@@ -268,6 +277,8 @@ class DADAutogradLinear(LocalLayer):
         self.in_features = check_positive_int("in_features", in_features)
         self.out_features = check_positive_int("out_features", out_features)
         self.role, self.num_classes, self.activation = _resolve_role(role, activation, num_classes, out_features)
+        # the one default that can be wrong silently: checked at the first backward (_check_feeds_loss)
+        self._inferred_head = role is None and num_classes is None and self.role == "head"
         self.update = check_update(update)
         self.backprop_gradients = check_bool("backprop_gradients", backprop_gradients)
         self.ignore_index = check_int("ignore_index", ignore_index)
@@ -304,6 +315,7 @@ class DADAutogradLinear(LocalLayer):
         self._forward_labels: Tensor | None = None
         self._update_count = 0
         self._kept_keys: set[str] = set()
+        self._head_checked = False
 
     @property
     def backend(self) -> str:
@@ -474,6 +486,38 @@ class DADAutogradLinear(LocalLayer):
                 "backward (e.g. optimizer.step() before loss.backward()); run the forward again"
             )
 
+    def _check_feeds_loss(self, grad_output: Tensor | None) -> None:
+        """Raise if an inferred head is used as a hidden layer; warn once if its output does not
+        look like logits of a softmax loss.
+
+        ``grad_output`` undefined: no gradient reached the output, so it feeds only layers that
+        stop the backward chain. Defined: a softmax loss is unchanged by adding a constant to
+        every logit of a row, so its gradient rows sum to 0 (``|g.sum(-1)|`` vs ``|g|.sum(-1)``).
+        """
+        if grad_output is None:
+            raise ValueError(
+                f"DADAutogradLinear({self.in_features}, {self.out_features}) took role='head' because num_classes "
+                "was not given, but no gradient reaches its output: it feeds other DAD layers, not the loss, so "
+                f"it is a hidden layer that would be trained as a {self.out_features}-class classifier. Pass "
+                "num_classes=<number of classes> to give it a local head (or convert the model with "
+                "torch_dad.to_dad(model, num_classes=...)); pass role='head' if it is a classifier"
+            )
+        if self._head_checked or (grad_output.is_cuda and torch.cuda.is_current_stream_capturing()):
+            return
+        self._head_checked = True
+        g = _rows(grad_output).float()
+        off = float(g.sum(-1).abs().sum() / g.abs().sum().clamp_min(1e-30))  # one host sync, once
+        if off > 1e-2:
+            warnings.warn(
+                f"DADAutogradLinear({self.in_features}, {self.out_features}) took role='head' because num_classes "
+                "was not given, but the gradient reaching its output is not that of a cross-entropy loss on it "
+                f"(its rows sum to {off:.2g} of their absolute sum, not 0): it looks like a hidden layer, which "
+                f"would be trained as a {self.out_features}-class classifier. Pass num_classes=<number of classes> "
+                "to give it a local head (or convert the model with torch_dad.to_dad(model, num_classes=...)); "
+                "pass role='head' to keep it a classifier and silence this warning",
+                stacklevel=2,
+            )
+
     def _grad_input(self, grad_output: Tensor, output: Tensor | None, pre_activation: Tensor | None) -> Tensor:
         """``dL/dx = (grad_output * act'(z)) @ W`` (rows), with the current (pre-update) weights."""
         g = grad_output
@@ -584,14 +628,26 @@ class DADAutogradLinear(LocalLayer):
         return err.loss, grads
 
     def _precondition(self, inputs: Tensor, labels: Tensor, grads: list[Tensor]) -> list[Tensor]:
-        """``precondition="gram"``: add the labelled rows of ``inputs`` to the running Gram ``S``,
-        then ``[g_W, g_b] <- [g_W, g_b] @ (S/n + damping I)^-1`` (local-head grads unchanged)."""
+        """``precondition="gram"`` on the labelled rows (local-head grads unchanged). Head: the
+        stochastic Newton step ``B / (C + (d+1)/2) ([g_W, g_b] + rho [W, b]) @ M^-1`` (:mod:`torch_dad.nn.precondition`);
+        hidden: ``[g_W, g_b] @ M^-1`` (its loss's curvature passes through the local head)."""
         assert self.preconditioner is not None
-        rows = inputs[labels != self.ignore_index]
-        if rows.shape[0]:
-            self.preconditioner.update(rows)
+        keep = labels != self.ignore_index
+        rows = inputs[keep]
         has_bias = self.bias is not None
-        grad_weight, grad_bias = self.preconditioner.precondition(grads[0], grads[1] if has_bias else None)
+        grad_bias_in = grads[1] if has_bias else None
+        if self.role == "head":
+            # the pre-update weights give this batch's logits (no update has run yet)
+            bias = None if self.bias is None else self.bias.detach().to(rows.dtype)
+            logits = nn.functional.linear(rows, self.weight.detach().to(rows.dtype), bias)
+            curvature = softmax_curvature(logits, labels[keep])
+            grad_weight, grad_bias = self.preconditioner.newton_step(
+                rows, curvature, (grads[0], grad_bias_in), (self.weight, self.bias)
+            )
+        else:
+            if rows.shape[0]:
+                self.preconditioner.update(rows)
+            grad_weight, grad_bias = self.preconditioner.precondition(grads[0], grad_bias_in)
         rest = grads[2:] if has_bias else grads[1:]
         return [grad_weight, *([grad_bias] if grad_bias is not None else []), *rest]
 

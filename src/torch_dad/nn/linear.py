@@ -223,7 +223,7 @@ class DADLinear(LocalLayer):
         logits = rule.logits if rule.logits is not None else self.local_head(h)
         return LocalStepResult(h, rule.loss, logits), rule.grad_output.to(h.dtype), head_grads
 
-    def _nonfinite_witnesses(self, grads: list[Tensor]) -> list[Tensor]:
+    def nonfinite_witnesses(self, grads: list[Tensor]) -> list[Tensor]:
         # with finite inputs (check_inputs), a NaN/Inf anywhere in d_z reaches the bias gradient
         # d_z.sum(0), so the (out x in) weight gradient need not be read: that pass cost 2% of a
         # CPU step

@@ -5,14 +5,14 @@ from __future__ import annotations
 import time
 import warnings
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor, nn
 
 from .. import functional
-from .._checks import check_inputs, check_labels, gradients_are_finite
+from .._checks import check_device, check_inputs, check_labels, gradients_are_finite
 from ..nn.linear import DADLinear, DADModel
 from ..optim import LocalOptimizerState, OptimizerConfig, check_optimizer
 from ..ridge import GramAccumulator, RidgeSolution
@@ -30,17 +30,36 @@ BACKENDS: tuple[str, ...] = ("auto", "eager", "fused", "cuda-graph")
 
 
 def _resolve_device(device: torch.device | str | None, model: nn.Module) -> torch.device:
+    """``device`` checked by :func:`~torch_dad._checks.check_device`, or the model's device when ``None``."""
     if device is None:
         first = next(iter(model.parameters()), None)
         return first.device if first is not None else torch.device("cpu")
-    if isinstance(device, str):
-        try:
-            return torch.device(device)
-        except RuntimeError as err:
-            raise ValueError(f"device={device!r} is not a valid torch device string ({err})") from None
-    if isinstance(device, torch.device):
-        return device
-    raise TypeError(f"device must be a str, torch.device or None, got {type(device).__name__}")
+    return check_device(device)
+
+
+#: the keys of a dict batch (e.g. from a ``DataLoader`` over a HuggingFace dataset), in the order tried
+INPUT_KEYS: tuple[str, ...] = ("x", "inputs", "input", "pixel_values")
+LABEL_KEYS: tuple[str, ...] = ("labels", "label", "y")
+
+
+def as_batch_pair(batch: Any) -> tuple[Any, Any]:
+    """``(x, y)`` of one batch: a pair ``(x, y)``, or a mapping holding one of :data:`INPUT_KEYS`
+    and one of :data:`LABEL_KEYS` (the first present of each)."""
+    if isinstance(batch, Mapping):
+        x_key = next((k for k in INPUT_KEYS if k in batch), None)
+        y_key = next((k for k in LABEL_KEYS if k in batch), None)
+        if x_key is None or y_key is None:
+            raise ValueError(
+                f"a dict batch needs an input key ({', '.join(map(repr, INPUT_KEYS))}) and a label key "
+                f"({', '.join(map(repr, LABEL_KEYS))}); got keys {sorted(map(str, batch))}"
+            )
+        return batch[x_key], batch[y_key]
+    if isinstance(batch, (tuple, list)) and len(batch) == 2:
+        return batch[0], batch[1]
+    raise TypeError(
+        f"each batch must be a pair (inputs, labels) or a dict with keys such as 'x'/'pixel_values' and 'labels', "
+        f"got {type(batch).__name__}; pass an iterable of batches (e.g. a DataLoader) or a pair of tensors (X, Y)"
+    )
 
 
 def _check_choice(name: str, value: object, choices: tuple[object, ...]) -> None:
@@ -93,8 +112,9 @@ class DADTrainer:
             read the tensors, which is free on CPU but a host sync on CUDA, so ``"auto"``
             checks on CPU only. Shapes and dtypes are always checked.
         on_nonfinite: what to do when a layer's local gradients contain NaN/Inf (e.g. a huge
-            lr, or fp16 overflow): ``"raise"`` (``FloatingPointError``; that layer is not
-            updated), ``"skip"`` (the update is skipped and counted in
+            lr, or fp16 overflow): ``"raise"`` (``FloatingPointError``; the step is atomic:
+            no layer, nor the classifier, its statistics or input sample, is updated),
+            ``"skip"`` (the whole step is skipped likewise and counted once in
             ``skipped_updates``), or ``"ignore"``. Checked whenever value checks are on
             (see ``check_values``); on CUDA without them, :meth:`fit` still raises when
             the running loss it reads every ``log_every`` steps is not finite.
@@ -299,6 +319,12 @@ class DADTrainer:
         if inputs.shape[0] == 0:
             raise ValueError("inputs are an empty batch; pass at least one row")
         first = self._first_layer
+        if inputs.dim() < 2 or inputs[0].numel() != first.in_features:
+            single = " (one sample? add a batch dimension: inputs.unsqueeze(0))" if inputs.numel() == first.in_features else ""
+            raise ValueError(
+                f"inputs have shape {tuple(inputs.shape)}; expected (batch, {first.in_features}), or (batch, ...) with "
+                f"{first.in_features} values per row, to match in_features={first.in_features}{single}"
+            )
         x = inputs.to(self.device, non_blocking=True).reshape(inputs.shape[0], -1)
         if not x.dtype.is_floating_point:
             raise TypeError(f"inputs have dtype {inputs.dtype}; convert them with .float()")
@@ -334,8 +360,6 @@ class DADTrainer:
                 reducer=self.gradient_reducer, count_loss=is_model_output,
                 accumulate_statistics=self.accumulate_classifier_statistics,
             )
-        if start == 0 and self.classifier_sample is not None:
-            self.classifier_sample.add(batch.x, batch.y)
         logits, loss, features = self._eager_layers(batch, start, stop, with_classifier)
         logits, loss = logits.detach().float(), loss.detach().float()
         if is_model_output:
@@ -346,74 +370,104 @@ class DADTrainer:
     def _eager_layers(
         self, batch: Batch, start: int, stop: int, with_classifier: bool
     ) -> tuple[Tensor, Tensor, Tensor]:
-        """The reference layer loop. With a reducer, layer ``k``'s update waits until layer
-        ``k+1`` has run: its gradients reduce meanwhile, and layer ``k+1`` consumes layer ``k``'s
-        pre-update output anyway, so the result is the same as updating at once."""
-        layers = self.model.dad_layers[start:stop]
+        """The reference layer loop: per layer forward, local gradients, update.
+
+        A layer's update may wait: layer ``k+1`` consumes layer ``k``'s *pre-update* output, so
+        the result is the same. With a ``gradient_reducer`` an update waits one layer, while its
+        gradients are reduced. With the non-finite guard every update (and the classifier's, its
+        statistics and the input sample) waits to the end of the step, which applies all or none.
+        """
+        guarded = self.on_nonfinite != "ignore"
+        if start == 0 and self.classifier_sample is not None and not guarded:
+            self.classifier_sample.add(batch.x, batch.y)
         workspaces = self._workspaces[start:stop]
         if stop < self._num_layers:
             # the span's output leaves (e.g. with an asynchronous send): it must not live in a
             # workspace that the next batch overwrites
             workspaces[-1] = None
         reducer = self.gradient_reducer
-        pending: deque[tuple[DADLinear, Any, list[Tensor]]] = deque()
+        hold = stop - start if guarded else int(reducer is not None)
+        pending: deque[tuple[DADLinear, Any, list[Tensor], Tensor]] = deque()
         h = batch.x
-        for layer, workspace in zip(layers, workspaces):
+        for layer, workspace in zip(self.model.dad_layers[start:stop], workspaces):
             result, grads = layer.local_gradients(h, batch.y, batch.compute_dtype, workspace)
-            if reducer is None:
-                self._apply_layer_update(layer, grads, batch.lr, result.loss)
-            else:
+            work = None
+            if reducer is not None:
                 # grads[0] may alias the workspace: launch() copies it into its buffer at once
-                work, views = reducer.launch(grads)
-                pending.append((layer, work, views))
-                while len(pending) > 1:
-                    self._apply_reduced(*pending.popleft(), batch.lr)
+                work, grads = reducer.launch(grads)
+            pending.append((layer, work, grads, result.loss))
+            while len(pending) > hold:
+                self._apply_pending(*pending.popleft(), batch.lr)
             h = result.output
             if self.dropout:
                 h = nn.functional.dropout(h, self.dropout, training=True)
         logits, loss = result.logits, result.loss
+        classifier_grads: list[Tensor] = []
         if with_classifier:
             # the classifier reads the last layer's pre-update output: with a reducer its step
             # runs while the last layer's gradients are still being reduced
-            logits, loss = self._classifier_step(h, batch)
+            logits, loss, classifier_grads = self._classifier_gradients(h, batch)
+            if not guarded:
+                self._apply_classifier(h, batch, classifier_grads)
+        if guarded and not self._all_finite(pending, classifier_grads):
+            self._skipped_update(self._first_nonfinite(pending, classifier_grads))
+            return logits, loss, h
         while pending:
-            self._apply_reduced(*pending.popleft(), batch.lr)
+            self._apply_pending(*pending.popleft(), batch.lr)
+        if guarded:
+            if with_classifier:
+                self._apply_classifier(h, batch, classifier_grads)
+            if start == 0 and self.classifier_sample is not None:
+                self.classifier_sample.add(batch.x, batch.y)
         return logits, loss, h
 
-    def _apply_layer_update(self, layer: DADLinear, grads: list[Tensor], lr: float, loss: Tensor | None) -> None:
-        policy = "skip" if self.on_nonfinite != "ignore" else "ignore"
-        if not layer.apply_local_update(grads, self.config, lr, on_nonfinite=policy, loss=loss):
-            self._skipped_update(repr(layer))
-
-    def _apply_reduced(self, layer: DADLinear, work: Any, views: list[Tensor], lr: float) -> None:
+    def _apply_pending(self, layer: DADLinear, work: Any, grads: list[Tensor], loss: Tensor, lr: float) -> None:
         if work is not None:
             work.wait()
-        # the reduced gradients are the same on every rank, so every rank skips alike
-        self._apply_layer_update(layer, views, lr, None)
+        layer.apply_local_update(grads, self.config, lr)
+
+    def _all_finite(
+        self, pending: deque[tuple[DADLinear, Any, list[Tensor], Tensor]], classifier_grads: list[Tensor]
+    ) -> bool:
+        """Whether every pending gradient (after its reduction) and local loss is finite. With a
+        reducer only the reduced gradients count: they are the same on every rank, the local
+        losses are not, and every rank must skip alike."""
+        witnesses: list[Tensor] = []
+        for layer, work, grads, loss in pending:
+            if work is not None:
+                work.wait()
+            witnesses += layer.nonfinite_witnesses(grads)
+            if self.gradient_reducer is None:
+                witnesses.append(loss)
+        return gradients_are_finite(witnesses + classifier_grads)
+
+    def _first_nonfinite(
+        self, pending: deque[tuple[DADLinear, Any, list[Tensor], Tensor]], classifier_grads: list[Tensor]
+    ) -> str:
+        """``model.<name>`` of the first layer (or the classifier) whose gradients are not all finite."""
+        names = {id(module): f"model.{name}" for name, module in self.model.named_modules()}
+        for layer, _, grads, _ in pending:
+            if not gradients_are_finite(grads):
+                return names[id(layer)]
+        if classifier_grads and not gradients_are_finite(classifier_grads):
+            return "model.classifier"
+        return f"the local loss of {names[id(pending[0][0])]} or a layer above it"
 
     def _skipped_update(self, where: str) -> None:
-        """Count an update skipped for non-finite gradients; raise ``FloatingPointError`` under ``"raise"``."""
+        """Count a step skipped for non-finite gradients; raise ``FloatingPointError`` under ``"raise"``."""
         self.skipped_updates += 1
         if self.on_nonfinite == "raise":
             raise FloatingPointError(
                 f"non-finite local gradients in {where} at step {self.step_count} (lr too high, or "
-                "half-precision overflow?); it and the layers above it were not updated. Lower lr, "
-                "or pass DADTrainer(on_nonfinite='skip') to skip and count such updates"
+                "half-precision overflow?); nothing was updated in this step (no layer, no classifier). Lower lr, "
+                "or pass DADTrainer(on_nonfinite='skip') to skip and count such steps"
             )
 
-    @torch.no_grad()
-    def _classifier_step(self, features: Tensor, batch: Batch) -> tuple[Tensor, Tensor]:
-        """The classifier trained as an output head (its gradient is exactly backprop's), and its
-        input features added to the Gram statistics."""
+    def _classifier_gradients(self, features: Tensor, batch: Batch) -> tuple[Tensor, Tensor, list[Tensor]]:
+        """``(logits, loss, [grad_weight, grad_bias])`` of the classifier as an output head, reduced
+        across processes when a ``gradient_reducer`` is set; nothing is updated."""
         classifier = self.model.get_classifier()
-        assert classifier is not None and self.classifier_state is not None and self.classifier_statistics is not None
-        if self.accumulate_classifier_statistics:
-            if features.is_cuda:
-                from ..ops.gram import gram_update_  # lazily: the CPU never imports the kernels
-
-                gram_update_(self.classifier_statistics, features, batch.y)
-            else:
-                self.classifier_statistics.update(features, batch.y)
+        assert classifier is not None
         dtype = batch.compute_dtype or classifier.weight.dtype
         bias = classifier.bias.to(dtype) if classifier.bias is not None else None
         result = functional.head_loss_and_gradients(features.to(dtype), classifier.weight.to(dtype), bias, batch.y)
@@ -422,11 +476,19 @@ class DADTrainer:
             grads.append(result.grad_bias.to(classifier.weight.dtype))
         if self.gradient_reducer is not None:
             self.gradient_reducer(grads)
-        if self.on_nonfinite != "ignore" and not gradients_are_finite(grads):
-            self._skipped_update("model.classifier")
-        else:
-            self.classifier_state.apply_(self._classifier_tensors(), grads, self.config, batch.lr)
-        return result.logits, result.loss.float()
+        return result.logits, result.loss.float(), grads
+
+    def _apply_classifier(self, features: Tensor, batch: Batch, grads: list[Tensor]) -> None:
+        """Step the classifier from ``grads`` and add ``features`` to its Gram statistics."""
+        assert self.classifier_state is not None and self.classifier_statistics is not None
+        if self.accumulate_classifier_statistics:
+            if features.is_cuda:
+                from ..ops.gram import gram_update_  # lazily: the CPU never imports the kernels
+
+                gram_update_(self.classifier_statistics, features, batch.y)
+            else:
+                self.classifier_statistics.update(features, batch.y)
+        self.classifier_state.apply_(self._classifier_tensors(), grads, self.config, batch.lr)
 
     def finish_step(self, output: StepOutput) -> tuple[Tensor, Tensor]:
         """Count the step (and, for the model's output, its loss; no host sync): ``(logits, loss)``."""
@@ -471,8 +533,8 @@ class DADTrainer:
         was_training = self.model.training
         self.model.eval()
         try:
-            for inputs, labels in batches:
-                x, y = self._prepare(inputs, labels)
+            for batch in batches:
+                x, y = self._prepare(*as_batch_pair(batch))
                 stats.update(self.model.features(x), y)
         finally:
             self.model.train(was_training)
@@ -523,7 +585,8 @@ class DADTrainer:
         self, data: Any, batch_size: int, shuffle: bool, generator: torch.Generator | None
     ) -> Iterator[tuple[Tensor, Tensor]]:
         """``(x, y)`` batches of ``data``: a pair of tensors ``(X, Y)`` is cut into ``batch_size``
-        rows (shuffled with ``generator``); any other iterable of batches is passed through."""
+        rows (shuffled with ``generator``); any other iterable yields its batches through
+        :func:`as_batch_pair` (pairs, or dicts with an input and a label key)."""
         if isinstance(data, (tuple, list)) and len(data) == 2 and all(isinstance(t, Tensor) for t in data):
             inputs, labels = data
             n = inputs.shape[0]
@@ -533,8 +596,14 @@ class DADTrainer:
             for start in range(0, n, batch_size):
                 idx = order[start : start + batch_size]
                 yield inputs[idx], labels[idx]
+        elif isinstance(data, (Mapping, str, Tensor)) or not isinstance(data, Iterable):
+            raise TypeError(
+                f"data must be a pair of tensors (X, Y) or an iterable of batches (e.g. a DataLoader), got "
+                f"{type(data).__name__}" + ("; for a dict of tensors pass (d['x'], d['labels'])" if isinstance(data, Mapping) else "")
+            )
         else:
-            yield from data
+            for batch in data:
+                yield as_batch_pair(batch)
 
     def fit(
         self,
@@ -551,8 +620,11 @@ class DADTrainer:
     ) -> list[dict[str, float]]:
         """Train for ``epochs``; returns (and appends to ``self.history``) one record per epoch.
 
-        ``train``/``eval`` are iterables of ``(x, y)`` batches (e.g. a ``DataLoader``) or a
-        pair of tensors ``(X, Y)`` batched here with ``batch_size``. Each record holds
+        ``train``/``eval`` are a pair of tensors ``(X, Y)``, batched here with ``batch_size``, or
+        an iterable of batches (e.g. a ``DataLoader``), each either a pair ``(x, y)`` or a dict
+        with an input key (``"x"``, ``"inputs"``, ``"input"`` or ``"pixel_values"``) and a label
+        key (``"labels"``, ``"label"`` or ``"y"``), as a ``DataLoader`` over a HuggingFace dataset
+        yields; inputs of shape ``(batch, ...)`` are flattened per row. Each record holds
         ``epoch, loss, train_s, img_per_s`` and, with ``eval``, ``accuracy`` / ``eval_loss``.
         A tqdm bar shows progress if tqdm is installed; the loss it shows is read every
         ``log_every`` steps only, so training stays free of host syncs in between.
