@@ -98,7 +98,7 @@ def test_identity_before_any_row_and_errors() -> None:
 @pytest.mark.parametrize("bias", [True, False])
 def test_head_grad_is_stochastic_newton_step(bias: bool) -> None:
     g = torch.Generator().manual_seed(2)
-    layer = DADAutogradLinear(13, 4, bias=bias, update="grad", precondition="gram", dtype=torch.float64)
+    layer = DADAutogradLinear(13, 4, bias=bias, role="head", update="grad", precondition="gram", dtype=torch.float64)
     linear = nn.Linear(13, 4, bias=bias, dtype=torch.float64)
     linear.load_state_dict(layer.state_dict(), strict=False)
     seen, labels = [], []
@@ -144,12 +144,12 @@ def test_hidden_role_preconditions_layer_not_local_head() -> None:
 
 
 def test_state_dict_round_trip_and_linear_load() -> None:
-    layer = DADAutogradLinear(5, 2, precondition="gram")
+    layer = DADAutogradLinear(5, 2, role="head", precondition="gram")
     layer.set_y_context(torch.tensor([0, 1, 1]))
     layer(torch.randn(3, 5)).sum().backward()
     state = layer.state_dict()
     assert "preconditioner.gram" in state and float(state["preconditioner.count"]) == 3
-    other = DADAutogradLinear(5, 2, precondition="gram")
+    other = DADAutogradLinear(5, 2, role="head", precondition="gram")
     other.load_state_dict(state)
     assert torch.equal(other.preconditioner.gram, layer.preconditioner.gram)
     # an nn.Linear state dict loads strictly; the preconditioner keeps its statistics
@@ -183,7 +183,7 @@ def test_gram_head_converges_on_ill_conditioned_features() -> None:
     for precondition in (None, "gram"):
         torch.manual_seed(0)
         # damping below the smallest signal variance (1e-4 of the largest here)
-        layer = DADAutogradLinear(d, 2, update="grad", precondition=precondition, precondition_damping=1e-7)
+        layer = DADAutogradLinear(d, 2, role="head", update="grad", precondition=precondition, precondition_damping=1e-7)
         if precondition == "gram":  # a Gauss-Newton-like step: plain SGD, unit learning rate
             optimizer: torch.optim.Optimizer = torch.optim.SGD(layer.parameters(), lr=1.0)
         else:
@@ -206,9 +206,9 @@ def test_gram_head_converges_on_ill_conditioned_features() -> None:
 def test_inplace_preconditioned_step_is_sgd_on_preconditioned_grad() -> None:
     g = torch.Generator().manual_seed(5)
     layer = DADAutogradLinear(
-        9, 3, update="inplace", precondition="gram", lr=0.7, weight_decay=0.01, dtype=torch.float64
+        9, 3, role="head", update="inplace", precondition="gram", lr=0.7, weight_decay=0.01, dtype=torch.float64
     )
-    reference = DADAutogradLinear(9, 3, update="grad", precondition="gram", dtype=torch.float64)
+    reference = DADAutogradLinear(9, 3, role="head", update="grad", precondition="gram", dtype=torch.float64)
     reference.load_state_dict(layer.state_dict(), strict=False)  # the grad-mode twin has no optimizer state
     w0, b0 = layer.weight.detach().clone(), layer.bias.detach().clone()
     x = torch.randn(12, 9, generator=g, dtype=torch.float64)
