@@ -29,35 +29,24 @@ ARCHS = ("bert", "roberta", "distilbert")
 HEAD_NAME = {"bert": "classifier", "roberta": "classifier.out_proj", "distilbert": "classifier"}
 
 
+#: TrainingArguments of every Trainer test: CPU, seeded, no saving, logging or progress bars
+QUIET_CPU_ARGS = {
+    "report_to": [], "save_strategy": "no", "use_cpu": True, "logging_strategy": "no", "seed": 3, "disable_tqdm": True,
+}
+
+
 def tiny_model(arch: str, num_labels: int = 3, dropout: float = 0.0, seed: int = 0) -> nn.Module:
     """A 2-layer, hidden-32 sequence classifier of the given architecture, random weights."""
     torch.manual_seed(seed)
+    bert_like = dict(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=37,
+        max_position_embeddings=64, num_labels=num_labels, hidden_dropout_prob=dropout,
+        attention_probs_dropout_prob=dropout,
+    )
     if arch == "bert":
-        cfg = transformers.BertConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=37,
-            max_position_embeddings=64,
-            num_labels=num_labels,
-            hidden_dropout_prob=dropout,
-            attention_probs_dropout_prob=dropout,
-        )
-        return transformers.BertForSequenceClassification(cfg)
+        return transformers.BertForSequenceClassification(transformers.BertConfig(**bert_like))
     if arch == "roberta":
-        cfg = transformers.RobertaConfig(
-            vocab_size=VOCAB,
-            hidden_size=32,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            intermediate_size=37,
-            max_position_embeddings=64,
-            num_labels=num_labels,
-            hidden_dropout_prob=dropout,
-            attention_probs_dropout_prob=dropout,
-        )
-        return transformers.RobertaForSequenceClassification(cfg)
+        return transformers.RobertaForSequenceClassification(transformers.RobertaConfig(**bert_like))
     cfg = transformers.DistilBertConfig(
         vocab_size=VOCAB,
         dim=32,
@@ -302,12 +291,7 @@ def _train(model: nn.Module, tmp_path, **overrides) -> None:
         "max_grad_norm": 0.05,
         "warmup_steps": 1,
         "lr_scheduler_type": "linear",
-        "report_to": [],
-        "save_strategy": "no",
-        "use_cpu": True,
-        "logging_strategy": "no",
-        "seed": 3,
-        "disable_tqdm": True,
+        **QUIET_CPU_ARGS,
     }
     args.update(overrides)
     trainer = transformers.Trainer(
@@ -534,12 +518,7 @@ def test_trainer_resume_from_checkpoint_restores_preconditioner(tmp_path) -> Non
         "per_device_train_batch_size": 4,
         "gradient_accumulation_steps": 2,
         "warmup_steps": 1,
-        "report_to": [],
-        "save_strategy": "no",
-        "use_cpu": True,
-        "logging_strategy": "no",
-        "seed": 3,
-        "disable_tqdm": True,
+        **QUIET_CPU_ARGS,
         **common,
     }
     trainer = transformers.Trainer(
