@@ -9,7 +9,7 @@ from torch.utils.checkpoint import checkpoint
 
 import torch_dad as td
 from torch_dad import functional
-from torch_dad.nn.autograd import DADAutogradLinear, label_context
+from torch_dad.nn.autograd import HIDDEN_LABEL_SMOOTHING, DADAutogradLinear, label_context
 
 from .conftest import relative_error
 
@@ -182,7 +182,9 @@ def test_hidden_grad_equals_functional_oracle(act, bias, early):
         layer.head_bias.detach(),
         y.reshape(-1)[keep],
         act,
+        label_smoothing=layer.label_smoothing,
     )
+    assert layer.label_smoothing == HIDDEN_LABEL_SMOOTHING  # the hidden default
     with label_context(layer, y):
         out = layer(x)
     assert relative_error(out.detach().reshape(-1, 27)[keep], ref.output) < 1e-12
@@ -199,13 +201,27 @@ def test_hidden_grad_equals_functional_oracle(act, bias, early):
     assert relative_error(layer.last_local_loss, ref.loss) < 1e-12
 
 
+def test_label_smoothing_defaults_by_role():
+    # a hidden layer's local loss is smoothed; a head's gradient stays a plain cross-entropy's
+    assert DADAutogradLinear(8, 6, num_classes=3).label_smoothing == HIDDEN_LABEL_SMOOTHING == 0.1
+    assert DADAutogradLinear(8, 3).label_smoothing == 0.0
+    assert DADAutogradLinear(8, 6, num_classes=3, label_smoothing=0.0).label_smoothing == 0.0
+    assert DADAutogradLinear(8, 3, label_smoothing=0.2).label_smoothing == 0.2
+    model = td.to_dad(torch.nn.Sequential(torch.nn.Linear(8, 6), torch.nn.ReLU(), torch.nn.Linear(6, 3)), 3)
+    assert [m.label_smoothing for m in model.modules() if isinstance(m, DADAutogradLinear)] == [0.1, 0.0]
+    with pytest.raises(ValueError, match="label_smoothing"):
+        DADAutogradLinear(8, 6, num_classes=3, label_smoothing=1.5)
+
+
 def test_hidden_inplace_equals_torch_adamw_on_oracle_gradients():
     layer = DADAutogradLinear(13, 19, num_classes=5, activation="gelu", lr=2e-3, weight_decay=0.1, dtype=F64)
     params = [t.detach().clone().requires_grad_(True) for t in layer.trained_tensors()]
     opt = torch.optim.AdamW(params, lr=2e-3, weight_decay=0.1)
     for _ in range(3):
         x, y = torch.randn(31, 13, dtype=F64), torch.randint(0, 5, (31,))
-        r = functional.local_loss_and_gradients(x, *[p.detach() for p in params], y, "gelu")
+        r = functional.local_loss_and_gradients(
+            x, *[p.detach() for p in params], y, "gelu", label_smoothing=layer.label_smoothing
+        )
         for p, g in zip(params, (r.grad_weight, r.grad_bias, r.grad_head_weight, r.grad_head_bias)):
             p.grad = g
         opt.step()
@@ -217,8 +233,8 @@ def test_hidden_inplace_equals_torch_adamw_on_oracle_gradients():
 
 def test_hidden_layer_matches_dadlinear_local_step():
     """Same math as DADLinear: one backward == one DADLinear.local_step with the same weights."""
-    dad = td.DADLinear(21, 33, num_classes=4, dtype=F64)
     layer = DADAutogradLinear(21, 33, num_classes=4, dtype=F64)
+    dad = td.DADLinear(21, 33, num_classes=4, dtype=F64, label_smoothing=layer.label_smoothing)
     layer.load_state_dict(dad.state_dict())
     x, y = torch.randn(40, 21, dtype=F64), torch.randint(0, 4, (40,))
     dad.local_step(x, y)
@@ -292,6 +308,7 @@ def test_backprop_gradients_equal_autograd_with_pre_update_weights(act, update, 
                 layer.head_bias.detach(),
                 y.reshape(-1),
                 act,
+                label_smoothing=layer.label_smoothing,
             )
         assert relative_error(layer.weight.grad, want.grad_weight) < 1e-10
 

@@ -105,5 +105,5 @@ def test_readme_drop_in_block_against_backprop(one_thread):
     backprop = readme_accuracy(10_000, convert=False)
     print(f"README drop-in, 1 epoch on 10k MNIST images: DAD {dad:.4f}, backprop {backprop:.4f}")
     assert backprop >= 0.9
-    # measured 0.8958 vs 0.9171; on all 60k images 0.9637 vs 0.9639 (see the README)
-    assert dad >= backprop - 0.025
+    # measured 0.9276 vs 0.9171; on all 60k images 0.9744 vs 0.9639 (see the README)
+    assert dad >= backprop - 0.01

@@ -24,8 +24,8 @@ MARGIN = {torch.float32: 1e-5, torch.bfloat16: 1e-2, torch.float16: 1e-2}
 SHAPES = [(1, 17, 2), (77, 53, 10), (130, 300, 7), (1000, 257, 10), (33, 1025, 100)]
 
 
-def _reference(a, w, b, hw, hb, y, act):  # type: ignore[no-untyped-def]
-    return functional.local_loss_and_gradients(a, w, b, hw, hb, y, act)
+def _reference(a, w, b, hw, hb, y, act, smoothing=0.0):  # type: ignore[no-untyped-def]
+    return functional.local_loss_and_gradients(a, w, b, hw, hb, y, act, label_smoothing=smoothing)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, LOW])
@@ -72,15 +72,27 @@ def test_local_error_launch_configurations(tiles, shape, dtype):  # type: ignore
     _check_local_error(shape, "relu", dtype, Tiles(**spec) if isinstance(spec, dict) else default_tiles(*spec, element_size))
 
 
-def _launch(h, hw, hb, y, activation, with_dz, tiles):  # type: ignore[no-untyped-def]
+# label smoothing on each launch path: the two-kernel default, the column split, one pass
+@pytest.mark.parametrize("dtype", [torch.float32, LOW])
+@pytest.mark.parametrize("smoothing", [0.1, 0.37])
+@pytest.mark.parametrize("tiles", [None, 6, 8])
+def test_local_error_label_smoothing(tiles, smoothing, dtype):  # type: ignore[no-untyped-def]
+    from torch_dad.kernels.local_error import Tiles
+
+    spec = None if tiles is None else Tiles(**TILES[tiles])  # type: ignore[arg-type]
+    for shape in [(77, 53, 10), (130, 300, 7)]:
+        _check_local_error(shape, "tanh", dtype, spec, smoothing)
+
+
+def _launch(h, hw, hb, y, activation, with_dz, tiles, smoothing=0.0):  # type: ignore[no-untyped-def]
     """The Triton path of ``local_error`` with the launch configuration ``tiles``."""
     from torch_dad.kernels.local_error import launch_local_error
     from torch_dad.ops.local_error import LocalError
 
-    return LocalError(*launch_local_error(h, hw, hb, y, activation, with_dz, tiles))
+    return LocalError(*launch_local_error(h, hw, hb, y, activation, with_dz, tiles, label_smoothing=smoothing))
 
 
-def _check_local_error(shape, activation, dtype, tiles=None):  # type: ignore[no-untyped-def]
+def _check_local_error(shape, activation, dtype, tiles=None, smoothing=0.0):  # type: ignore[no-untyped-def]
     from torch_dad.ops.local_error import local_error
 
     m, n, c = shape
@@ -92,14 +104,14 @@ def _check_local_error(shape, activation, dtype, tiles=None):  # type: ignore[no
     hw = (torch.randn(c, n, device=dev) / n**0.5).float()
     hb = (torch.randn(c, device=dev) * 0.1).float()
     y = torch.randint(0, c, (m,), device=dev)
-    ref = _reference(a, w, b, hw.double(), hb.double(), y, activation)
+    ref = _reference(a, w, b, hw.double(), hb.double(), y, activation, smoothing)
     # the reference's own error in this dtype: the same math on inputs rounded to it
-    low = _reference(a.to(dtype), w.to(dtype), b.to(dtype), hw.to(dtype), hb.to(dtype), y, activation)
+    low = _reference(a.to(dtype), w.to(dtype), b.to(dtype), hw.to(dtype), hb.to(dtype), y, activation, smoothing)
     h = ref.output.to(dtype)
     if tiles is None:
-        got = local_error(h, hw, hb, y, activation, backend="triton")
+        got = local_error(h, hw, hb, y, activation, backend="triton", label_smoothing=smoothing)
     else:
-        got = _launch(h, hw, hb, y, activation, True, tiles)
+        got = _launch(h, hw, hb, y, activation, True, tiles, smoothing)
     assert got.d_z is not None and got.grad_bias is not None and got.d_z.dtype == dtype
     pairs = {
         "logits": (got.logits, ref.logits, low.logits),

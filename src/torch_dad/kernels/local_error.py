@@ -30,9 +30,10 @@ from . import cdiv, next_pow2
 
 
 @triton.jit
-def softmax_error(acc, b_ptr, y_ptr, rows, rmask, cls, cmask, inv_count):
-    """``logits = acc + b``; ``d_logits = (softmax(logits) - onehot(y)) * inv_count`` (0 outside
-    the rows and classes); the rows' cross-entropy times ``inv_count`` (0 outside the rows)."""
+def softmax_error(acc, b_ptr, y_ptr, rows, rmask, cls, cmask, inv_count, smoothing, C):
+    """``logits = acc + b``; ``d_logits = (softmax(logits) - q) * inv_count`` with the smoothed
+    target ``q = (1 - smoothing) * onehot(y) + smoothing / C`` (0 outside the rows and classes);
+    the rows' cross-entropy against ``q`` times ``inv_count`` (0 outside the rows)."""
     bias = tl.load(b_ptr + cls, mask=cmask, other=0.0).to(tl.float32)
     logits = acc + bias[None, :]
     masked = tl.where(cmask[None, :], logits, float("-inf"))
@@ -41,10 +42,14 @@ def softmax_error(acc, b_ptr, y_ptr, rows, rmask, cls, cmask, inv_count):
     denom = tl.sum(e, axis=1)
     y = tl.load(y_ptr + rows, mask=rmask, other=0)
     onehot = cls[None, :] == y[:, None]
-    d_logits = (e / denom[:, None] - tl.where(onehot, 1.0, 0.0)) * inv_count
+    uniform = smoothing / C
+    d_logits = (e / denom[:, None] - tl.where(onehot, 1.0 - smoothing, 0.0) - uniform) * inv_count
     d_logits = tl.where(rmask[:, None] & cmask[None, :], d_logits, 0.0)
+    # CE against q: logsumexp - (1 - smoothing) * logit_y - smoothing / C * sum_c logit_c
     logit_y = tl.sum(tl.where(onehot, logits, 0.0), axis=1)
-    row_loss = tl.where(rmask, (row_max + tl.log(denom) - logit_y) * inv_count, 0.0)
+    logit_sum = tl.sum(tl.where(cmask[None, :], logits, 0.0), axis=1)
+    target_logit = (1.0 - smoothing) * logit_y + uniform * logit_sum
+    row_loss = tl.where(rmask, (row_max + tl.log(denom) - target_logit) * inv_count, 0.0)
     return logits, d_logits, row_loss
 
 
@@ -62,7 +67,7 @@ def times_derivative(dz, h, ACT: tl.constexpr):
 @triton.jit
 def rows_kernel(
     h_ptr, w_ptr, b_ptr, y_ptr, logits_ptr, dl_ptr, rowloss_ptr, zero_ptr, part_ptr, count_ptr,
-    M, N, C, stride_h, inv_count, zero_numel, zero_chunk, split_cols,
+    M, N, C, stride_h, inv_count, smoothing, zero_numel, zero_chunk, split_cols,
     BM: tl.constexpr, BN: tl.constexpr, CP: tl.constexpr, IEEE: tl.constexpr, ZBLOCK: tl.constexpr,
     SPLIT: tl.constexpr, SEM: tl.constexpr,
 ):
@@ -102,7 +107,7 @@ def rows_kernel(
         acc = tl.load(part_ptr + rows[:, None] * CP + cls[None, :], mask=rmask[:, None], other=0.0, cache_modifier=".cg")
     else:
         store = rmask
-    logits, d_logits, row_loss = softmax_error(acc, b_ptr, y_ptr, rows, rmask, cls, cmask, inv_count)
+    logits, d_logits, row_loss = softmax_error(acc, b_ptr, y_ptr, rows, rmask, cls, cmask, inv_count, smoothing, C)
     tl.store(logits_ptr + rows[:, None] * C + cls[None, :], logits, mask=store[:, None] & cmask[None, :])
     tl.store(dl_ptr + rows[:, None] * CP + cls[None, :], d_logits, mask=store[:, None])
     tl.store(rowloss_ptr + rows, row_loss, mask=store)
@@ -162,7 +167,7 @@ def cols_kernel(
 @triton.jit
 def one_pass_kernel(
     h_ptr, w_ptr, b_ptr, y_ptr, logits_ptr, dz_ptr, gw_ptr, gb_ptr, gbloc_ptr, loss_ptr,
-    M, N, C, stride_h, inv_count,
+    M, N, C, stride_h, inv_count, smoothing,
     BM: tl.constexpr, BN: tl.constexpr, CP: tl.constexpr, ACT: tl.constexpr,
     WRITE_DZ: tl.constexpr, IEEE: tl.constexpr, SEM: tl.constexpr,
 ):
@@ -183,7 +188,7 @@ def one_pass_kernel(
             acc = tl.dot(h, tl.trans(w.to(h.dtype)), acc, input_precision="ieee")
         else:
             acc = tl.dot(h, tl.trans(w.to(h.dtype)), acc)
-    logits, d_logits, row_loss = softmax_error(acc, b_ptr, y_ptr, rows, rmask, cls, cmask, inv_count)
+    logits, d_logits, row_loss = softmax_error(acc, b_ptr, y_ptr, rows, rmask, cls, cmask, inv_count, smoothing, C)
     tl.store(logits_ptr + rows[:, None] * C + cls[None, :], logits, mask=rmask[:, None] & cmask[None, :])
     tl.atomic_add(loss_ptr, tl.sum(row_loss, axis=0), sem=SEM)
     tl.atomic_add(gbloc_ptr + cls, tl.sum(d_logits, axis=0), mask=cmask, sem=SEM)
@@ -307,9 +312,11 @@ def launch_local_error(
     activation: str,
     with_dz: bool,
     tiles: Tiles | None = None,
+    label_smoothing: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     """``(logits, loss, g_W_loc, g_b_loc, d_z, g_b)`` of checked arguments (``d_z, g_b`` are ``None``
     without ``with_dz``), by the kernels above with ``tiles`` (default :func:`default_tiles`)."""
+    label_smoothing = float(label_smoothing)
     h = h if h.stride(1) == 1 else h.contiguous()
     head_weight = head_weight.contiguous()
     M, N = h.shape
@@ -330,7 +337,7 @@ def launch_local_error(
         dz = torch.empty(M, N, device=dev, dtype=h.dtype) if with_dz else h
         one_pass_kernel[(cdiv(M, t.rows_bm),)](
             h, head_weight, head_bias, target, logits, dz, gw, gb, gbloc, loss,
-            M, N, C, h.stride(0), 1.0 / M,
+            M, N, C, h.stride(0), 1.0 / M, label_smoothing,
             BM=t.rows_bm, BN=t.rows_bn, CP=CP, ACT=ACT_CODE[activation], WRITE_DZ=with_dz, IEEE=ieee,
             SEM=_ATOMIC_SEM, num_warps=t.rows_warps, num_stages=t.rows_stages,
         )
@@ -346,7 +353,7 @@ def launch_local_error(
     zero_chunk = cdiv(flat.numel(), row_blocks * split)
     rows_kernel[(row_blocks, split)](
         h, head_weight, head_bias, target, logits, dl, rowloss, flat, scratch, scratch[M * CP :] if split > 1 else scratch,
-        M, N, C, h.stride(0), 1.0 / M, flat.numel(), zero_chunk, split_cols,
+        M, N, C, h.stride(0), 1.0 / M, label_smoothing, flat.numel(), zero_chunk, split_cols,
         BM=t.rows_bm, BN=t.rows_bn, CP=CP, IEEE=ieee, ZBLOCK=256, SPLIT=split, SEM=_ATOMIC_SEM,
         num_warps=t.rows_warps, num_stages=t.rows_stages,
     )

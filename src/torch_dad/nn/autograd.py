@@ -45,9 +45,16 @@ from ..optim import OptimizerConfig
 from ._local import LocalLayer, activation_backward, check_update
 from .precondition import GramPreconditioner, check_precondition, softmax_curvature
 
-__all__ = ["BACKENDS", "ROLES", "DADAutogradFunction", "DADAutogradLinear", "label_context"]
+__all__ = ["BACKENDS", "HIDDEN_LABEL_SMOOTHING", "ROLES", "DADAutogradFunction", "DADAutogradLinear", "label_context"]
 
 ROLES: tuple[str, ...] = ("hidden", "head")
+#: the default label smoothing of a hidden layer's local cross-entropy. A local head fits its
+#: batch fast, and the plain one-hot target then leaves the layer little signal; the smoothed
+#: target keeps it learning. The README's drop-in MLP (784-512-256-10, batch 64, 1 epoch, 1 CPU
+#: thread), test accuracy, 0 -> 0.1: 60k MNIST images 96.37 -> 97.44% (seed 0) and 96.25 ->
+#: 97.13% (seed 1), against backprop's 96.39 / 96.65%; 10k-image subsets, seeds 0-3, mean gap to
+#: backprop -2.06 -> +0.77pp (docs/autograd.md has the command).
+HIDDEN_LABEL_SMOOTHING = 0.1
 #: ``DADAutogradLinear(backend=...)``: the fused Triton local error where it applies, or plain PyTorch
 BACKENDS: tuple[str, ...] = ("auto", "eager", "triton")
 
@@ -212,7 +219,10 @@ class DADAutogradLinear(LocalLayer):
             reaches its output (it feeds other DAD layers, not the loss), one warning if that
             gradient's rows do not sum to 0 as a softmax loss's do. ``torch_dad.to_dad`` sets roles
             for a whole model.
-        ignore_index, label_smoothing: as ``functional.cross_entropy``.
+        ignore_index: as ``functional.cross_entropy``.
+        label_smoothing: of the layer's cross-entropy, as ``functional.cross_entropy``. ``None``
+            (default): :data:`HIDDEN_LABEL_SMOOTHING` for a hidden layer's local loss, 0 for a
+            head (whose gradient is then exactly that of a plain cross-entropy on its output).
         check_values: check label ranges at forward (a host sync on CUDA); ``"auto"`` checks
             on CPU only. Shapes and dtypes are always checked.
         precondition: ``None`` (the exact local gradient) or ``"gram"``: right-multiply the
@@ -229,7 +239,7 @@ class DADAutogradLinear(LocalLayer):
             cannot run here (no triton, or a CPU tensor without ``TRITON_INTERPRET=1``);
             ``"eager"`` is plain PyTorch and never imports triton; ``"auto"`` picks the kernel
             for CUDA tensors when triton is importable (CPU tensors: PyTorch, even under
-            ``TRITON_INTERPRET=1``). The kernel applies to relu/tanh/identity, ``label_smoothing=0``,
+            ``TRITON_INTERPRET=1``). The kernel applies to relu/tanh/identity,
             at most 256 classes and fp32/bf16/fp16 compute; anything else (and the head role, and
             CUDA-graph capture) runs the PyTorch path under every backend.
             Rows labelled ``ignore_index`` are dropped before the kernel (one host sync per
@@ -265,7 +275,7 @@ class DADAutogradLinear(LocalLayer):
         betas: tuple[float, float] = (0.9, 0.999),
         eps: float = 1e-8,
         ignore_index: int = functional.IGNORE_INDEX,
-        label_smoothing: float = 0.0,
+        label_smoothing: float | None = None,
         check_values: bool | str = "auto",
         precondition: str | None = None,
         precondition_damping: float = 0.1,
@@ -282,6 +292,8 @@ class DADAutogradLinear(LocalLayer):
         self.update = check_update(update)
         self.backprop_gradients = check_bool("backprop_gradients", backprop_gradients)
         self.ignore_index = check_int("ignore_index", ignore_index)
+        if label_smoothing is None:
+            label_smoothing = HIDDEN_LABEL_SMOOTHING if self.role == "hidden" else 0.0
         self.label_smoothing = check_fraction("label_smoothing", label_smoothing)
         if check_values not in (True, False, "auto"):
             raise ValueError(f"check_values={check_values!r} must be True, False or 'auto'")
@@ -578,7 +590,6 @@ class DADAutogradLinear(LocalLayer):
 
         if (
             self.activation not in FUSED_ACTIVATIONS  # gelu: its derivative needs z
-            or self.label_smoothing  # the kernel's target is a plain one-hot
             or self.num_classes > _MAX_TRITON_CLASSES  # the kernel's accumulator stops fitting
             or output.dtype not in (torch.float32, torch.bfloat16, torch.float16)
             or (output.is_cuda and torch.cuda.is_current_stream_capturing())  # the row count syncs
@@ -617,7 +628,8 @@ class DADAutogradLinear(LocalLayer):
         if keep.numel() < labels.shape[0]:
             inputs, output, labels = inputs[keep], output[keep], labels[keep]
         err = local_error(
-            output, self.head_weight.detach(), self.head_bias.detach(), labels, self.activation, backend="triton"
+            output, self.head_weight.detach(), self.head_bias.detach(), labels, self.activation,
+            backend="triton", label_smoothing=self.label_smoothing,
         )
         assert err.d_z is not None and err.grad_bias is not None
         grads = [err.d_z.T @ inputs]

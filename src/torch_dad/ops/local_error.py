@@ -4,7 +4,8 @@ For a layer output ``h`` (M, N) with local head ``W_loc`` (C, N), ``b_loc`` (C,)
 as :func:`torch_dad.functional.local_loss_and_gradients` does after its forward::
 
     logits   = h @ W_loc.T + b_loc                    (fp32 accumulation)
-    d_logits = (softmax(logits) - onehot(y)) / M      loss = mean CE(logits, y)
+    d_logits = (softmax(logits) - q) / M              loss = mean CE(logits, q)
+    q        = (1 - label_smoothing) * onehot(y) + label_smoothing / C
     g_W_loc  = d_logits.T @ h                         g_b_loc = d_logits.sum(0)
     d_z      = (d_logits @ W_loc) * act'(h)           g_b     = d_z.sum(0)
 
@@ -26,6 +27,7 @@ import torch
 from torch import Tensor
 
 from .. import functional
+from .._checks import check_fraction
 from ..kernels import use_triton
 
 __all__ = ["FUSED_ACTIVATIONS", "MAX_TRITON_CLASSES", "LocalError", "local_error"]
@@ -76,6 +78,7 @@ def local_error(
     *,
     with_dz: bool = True,
     backend: str = "auto",
+    label_smoothing: float = 0.0,
 ) -> LocalError:
     """The local error of a DAD layer from its output ``h`` (see the module docstring).
 
@@ -84,19 +87,30 @@ def local_error(
     class ids in ``[0, C)``. ``d_z`` comes back in ``h.dtype``, everything else in float32.
     """
     _check(h, head_weight, head_bias, target, activation)
+    label_smoothing = check_fraction("label_smoothing", label_smoothing)
     if use_triton(h, backend) and head_weight.shape[0] <= MAX_TRITON_CLASSES:
-        return LocalError(*_kernels().launch_local_error(h, head_weight, head_bias, target, activation, with_dz))
-    return _local_error_torch(h, head_weight, head_bias, target, activation, with_dz)
+        return LocalError(
+            *_kernels().launch_local_error(
+                h, head_weight, head_bias, target, activation, with_dz, label_smoothing=label_smoothing
+            )
+        )
+    return _local_error_torch(h, head_weight, head_bias, target, activation, with_dz, label_smoothing)
 
 
 def _local_error_torch(
-    h: Tensor, head_weight: Tensor, head_bias: Tensor, target: Tensor, activation: str, with_dz: bool
+    h: Tensor,
+    head_weight: Tensor,
+    head_bias: Tensor,
+    target: Tensor,
+    activation: str,
+    with_dz: bool,
+    label_smoothing: float = 0.0,
 ) -> LocalError:
     """PyTorch twin: products of ``h.dtype`` operands accumulated in fp32, as the kernel does."""
     w = head_weight.to(h.dtype).float()
     hf = h.float()
     logits = torch.addmm(head_bias.float(), hf, w.T)
-    loss, d_logits = functional.cross_entropy_error(logits, target)
+    loss, d_logits = functional.cross_entropy_error(logits, target, label_smoothing=label_smoothing)
     dl = d_logits.to(h.dtype).float()
     d_z = grad_bias = None
     if with_dz:
