@@ -15,6 +15,13 @@ Systems (each ``--seeds`` times):
   dad-head         the same Trainer + ``replace_head(model, precondition="gram")``, whose gradient
                    is already a Gauss-Newton step: ``optim="sgd"``, lr 1.0 (AdamW's per-coordinate
                    scaling would undo the preconditioning)
+  dad-head-inplace ``replace_head(model, precondition="gram", update="inplace")``: the head applies its
+                   own SGD step (lr 1) inside backward; Trainer's clipping and schedule do not reach it
+  lora-adamw-head  LoRA (r 8, alpha 16, query/value) on the backbone + the ``nn.Linear`` head, both
+                   trained by Trainer's AdamW, lr 1e-3 (PEFT's ``modules_to_save`` head)
+  lora-dad-head    the same LoRA and AdamW for the adapters; the head is
+                   ``replace_head(model, precondition="gram", update="inplace", backprop_gradients=True)``:
+                   it updates itself and passes the exact dL/dx down to the adapters
   closed-form      ``fit_head_closed_form(model, train_loader)``: one no-grad pass + GCV ridge
   wheel-2026.5.24  the published wheel used as its README shows (``DADBERTWrapper``), in a
                    subprocess whose ``PYTHONPATH`` holds only the wheel's extracted folder
@@ -46,7 +53,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SPLIT_SEED = 0
 MAX_LENGTH = 64
-SYSTEMS = ("adamw-head", "dad-head", "closed-form", "wheel-2026.5.24")
+SYSTEMS = ("adamw-head", "dad-head", "dad-head-inplace", "lora-adamw-head", "lora-dad-head", "closed-form", "wheel-2026.5.24")
+TRAINER_SYSTEMS = SYSTEMS[:5]
 
 
 # ------------------------------------------------------------------ data
@@ -171,8 +179,40 @@ def accuracy(model: torch.nn.Module, data: dict[str, Any], device: torch.device)
     return correct / len(data["test"])
 
 
+@torch.no_grad()
+def train_loss(model: torch.nn.Module, data: dict[str, Any], device: torch.device) -> float:
+    """Mean cross-entropy of the trained model over the whole training set, in eval mode."""
+    loader = torch.utils.data.DataLoader(data["train"], batch_size=256, collate_fn=collator(data))
+    model.eval()
+    total = 0.0
+    for batch in loader:
+        labels = batch.pop("labels").to(device)
+        logits = model(**{k: v.to(device) for k, v in batch.items()}).logits
+        total += float(torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum"))
+    return total / len(data["train"])
+
+
+def with_head_and_adapters(model: torch.nn.Module, system: str) -> torch.nn.Module:
+    """``model`` with the system's head (DAD or not) and, for ``lora-*``, LoRA adapters."""
+    from torch_dad.integrations.transformers import replace_head
+
+    if system == "dad-head":
+        replace_head(model, precondition="gram")
+    elif system == "dad-head-inplace":
+        replace_head(model, precondition="gram", update="inplace")
+    elif system == "lora-dad-head":
+        replace_head(model, precondition="gram", update="inplace", backprop_gradients=True)
+    if not system.startswith("lora-"):
+        return model
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(task_type="SEQ_CLS", r=8, lora_alpha=16, lora_dropout=0.0, target_modules=["query", "value"])
+    return get_peft_model(model, config)
+
+
 def training_args(args: argparse.Namespace, out: str, device: torch.device, system: str) -> dict[str, Any]:
-    optim = {"optim": "sgd", "learning_rate": args.dad_lr} if system == "dad-head" else {"learning_rate": args.lr}
+    dad_sgd = system in ("dad-head", "dad-head-inplace")  # inplace: the optimizer sees no trainable tensor
+    optim = {"optim": "sgd", "learning_rate": args.dad_lr} if dad_sgd else {"learning_rate": args.lr}
     return {
         **optim,
         "output_dir": out,
@@ -191,11 +231,7 @@ def training_args(args: argparse.Namespace, out: str, device: torch.device, syst
 def run_trainer(system: str, args: argparse.Namespace, data: dict[str, Any], device: torch.device) -> dict[str, Any]:
     from transformers import Trainer, TrainingArguments
 
-    from torch_dad.integrations.transformers import replace_head
-
-    model = make_model(args, device)
-    if system == "dad-head":
-        replace_head(model, precondition="gram")
+    model = with_head_and_adapters(make_model(args, device), system)
     with tempfile.TemporaryDirectory() as out:
         trainer = Trainer(
             model=model,
@@ -211,6 +247,8 @@ def run_trainer(system: str, args: argparse.Namespace, data: dict[str, Any], dev
     return {
         "epochs": args.epochs,
         "accuracy": accuracy(model, data, device),
+        "train_loss": train_loss(model, data, device),
+        "trainer_training_loss": result.training_loss,
         "wall_s": wall,
         "steps_per_s": result.global_step / wall,
         "peak_mib": peak_mib(device),
@@ -374,19 +412,24 @@ def wheel_worker(args: argparse.Namespace) -> None:
 
 # ------------------------------------------------------------------ driver
 def summary(records: list[dict[str, Any]]) -> str:
-    lines = ["| system | accuracy (mean ± std) | wall s (mean) | steps/s | peak MiB |", "|---|---|---|---|---|"]
+    lines = [
+        "| system | accuracy (mean ± std) | train loss (mean) | wall s (mean) | steps/s | peak MiB |",
+        "|---|---|---|---|---|---|",
+    ]
     for system in dict.fromkeys(r["system"] for r in records):
         rows = [r for r in records if r["system"] == system and r["accuracy"] is not None]
         if not rows:
-            lines.append(f"| {system} | failed | – | – | – |")
+            lines.append(f"| {system} | failed | – | – | – | – |")
             continue
         acc = torch.tensor([r["accuracy"] for r in rows], dtype=torch.float64) * 100
         std = float(acc.std()) if len(rows) > 1 else 0.0
+        losses = [r["train_loss"] for r in rows if r.get("train_loss") is not None]
+        loss = f"{sum(losses) / len(losses):.4f}" if losses else "–"
         wall = sum(r["wall_s"] or 0.0 for r in rows) / len(rows)
         rates = [r["steps_per_s"] for r in rows if r["steps_per_s"] is not None]
         rate = f"{sum(rates) / len(rates):.1f}" if rates else "–"
         peak = max(r["peak_mib"] or 0.0 for r in rows)
-        lines.append(f"| {system} | {float(acc.mean()):.2f} ± {std:.2f}% | {wall:.1f} | {rate} | {peak:.0f} |")
+        lines.append(f"| {system} | {float(acc.mean()):.2f} ± {std:.2f}% | {loss} | {wall:.1f} | {rate} | {peak:.0f} |")
     return "\n".join(lines)
 
 
@@ -444,7 +487,7 @@ def main(argv: list[str] | None = None) -> int:
         seeds = args.seeds[:1] if system == "lbfgs-logreg" else args.seeds
         for seed in seeds:
             args.current_seed = seed
-            if system in ("adamw-head", "dad-head"):
+            if system in TRAINER_SYSTEMS:
                 record = run_trainer(system, args, data, device)
             elif system == "closed-form":
                 record = run_closed_form(args, data, device)
