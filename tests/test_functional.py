@@ -14,7 +14,8 @@ def _autograd_local(a, w, b, wl, bl, y, act, smoothing=0.0):
     w, wl, bl = (t.clone().requires_grad_(True) for t in (w, wl, bl))
     b = b.clone().requires_grad_(True) if b is not None else None
     z = a @ w.T + (b if b is not None else 0)
-    h = {"relu": torch.relu, "gelu": torch.nn.functional.gelu, "tanh": torch.tanh, "identity": lambda t: t}[act](z)
+    h = {"relu": torch.relu, "gelu": torch.nn.functional.gelu, "tanh": torch.tanh, "identity": lambda t: t,
+         "leaky_relu": torch.nn.functional.leaky_relu}[act](z)
     loss = torch.nn.functional.cross_entropy(h @ wl.T + bl, y, label_smoothing=smoothing)
     loss.backward()
     return loss.detach(), w.grad, (b.grad if b is not None else None), wl.grad, bl.grad
@@ -123,3 +124,44 @@ def test_cross_entropy_error_without_ignore_index_is_the_unmasked_mean(smoothing
     assert torch.allclose(loss, want_loss, rtol=1e-14) and torch.allclose(grad, want_grad, rtol=1e-14)
     ref = torch.nn.functional.cross_entropy(logits.reshape(-1, 7), target.reshape(-1), label_smoothing=smoothing)
     assert relative_error(loss, ref) < 1e-12
+
+
+@pytest.mark.parametrize("act", ACTS)
+@pytest.mark.parametrize("affine", [True, False])
+def test_batch_norm_oracle_matches_autograd(act, affine):
+    """``normalize="batchnorm"``: loss and every gradient (layer, local head, affine) against autograd
+    through ``nn.functional.batch_norm`` in training mode (B=37, 23 -> 19, C=7)."""
+    torch.manual_seed(11)
+    a = torch.randn(37, 23, dtype=torch.float64)
+    tensors = [torch.randn(19, 23, dtype=torch.float64) * 0.3, torch.randn(19, dtype=torch.float64),
+               torch.randn(7, 19, dtype=torch.float64), torch.randn(7, dtype=torch.float64),
+               torch.rand(19, dtype=torch.float64) + 0.5, torch.randn(19, dtype=torch.float64)]
+    w, b, wl, bl, gamma, beta = (t.requires_grad_(True) for t in tensors)
+    y = torch.randint(0, 7, (37,))
+    z = torch.nn.functional.batch_norm(a @ w.T + b, None, None, gamma if affine else None,
+                                       beta if affine else None, training=True, eps=functional.BATCH_NORM_EPS)
+    h = {"relu": torch.relu, "gelu": torch.nn.functional.gelu, "tanh": torch.tanh, "identity": lambda t: t,
+         "leaky_relu": torch.nn.functional.leaky_relu}[act](z)
+    loss = torch.nn.functional.cross_entropy(h @ wl.T + bl, y)
+    auto = torch.autograd.grad(loss, [w, wl, bl, gamma, beta] if affine else [w, wl, bl])
+    got = functional.local_loss_and_gradients(
+        a, w.detach(), b.detach(), wl.detach(), bl.detach(), y, act, normalize="batchnorm",
+        norm_weight=gamma.detach() if affine else None, norm_bias=beta.detach() if affine else None,
+    )
+    assert abs(float(got.loss) - float(loss.detach())) < 1e-12
+    mine = [got.grad_weight, got.grad_head_weight, got.grad_head_bias]
+    mine += [got.grad_norm_weight, got.grad_norm_bias] if affine else []
+    for g_mine, g_auto in zip(mine, auto, strict=True):
+        assert relative_error(g_mine, g_auto) < 1e-10
+    assert float(got.grad_bias.abs().max()) < 1e-12  # the mean subtraction cancels the bias
+
+
+def test_batch_norm_forward_with_running_statistics_is_batchnorm1d_eval():
+    z = torch.randn(9, 5, dtype=torch.float64)
+    mean, var = torch.randn(5, dtype=torch.float64), torch.rand(5, dtype=torch.float64) + 0.1
+    gamma, beta = torch.randn(5, dtype=torch.float64), torch.randn(5, dtype=torch.float64)
+    out, _, _ = functional.batch_norm_forward(z, gamma, beta, mean, var)
+    want = torch.nn.functional.batch_norm(z, mean, var, gamma, beta, training=False, eps=1e-5)
+    assert relative_error(out, want) < 1e-14
+    batch_mean, batch_var = functional.batch_norm_statistics(z)
+    assert torch.allclose(batch_var[0], z.var(0, unbiased=False)) and torch.allclose(batch_mean[0], z.mean(0))

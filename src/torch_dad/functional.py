@@ -47,15 +47,25 @@ __all__ = [
     "NORMALIZATIONS",
     "layer_norm_forward",
     "layer_norm_backward",
+    "LEAKY_RELU_SLOPE",
+    "BATCH_NORM_EPS",
+    "BATCH_NORM_MOMENTUM",
+    "batch_norm_statistics",
+    "batch_norm_forward",
+    "batch_norm_backward",
 ]
 
-ACTIVATIONS: tuple[str, ...] = ("relu", "gelu", "tanh", "identity")
+ACTIVATIONS: tuple[str, ...] = ("relu", "gelu", "tanh", "identity", "leaky_relu")
+LEAKY_RELU_SLOPE = 0.01  # torch.nn.LeakyReLU's default negative slope
 IGNORE_INDEX = -100
 LOCAL_LOSSES: tuple[str, ...] = ("ce", "predsim", "drtp")  # see local_rule_error
 PREDSIM_BETA = 0.99  # Nokland & Eidnes (2019)'s weight of the similarity term
 SIMILARITY_EPS = 1e-8
-NORMALIZATIONS: tuple[str, ...] = ("layernorm",)  # DADLinear(normalize=...), see layer_norm_forward
+# DADLinear(normalize=...), see layer_norm_forward and batch_norm_forward
+NORMALIZATIONS: tuple[str, ...] = ("layernorm", "batchnorm")
 LAYER_NORM_EPS = 1e-5
+BATCH_NORM_EPS = 1e-5  # torch.nn.BatchNorm1d's defaults
+BATCH_NORM_MOMENTUM = 0.1
 _INV_SQRT2 = 1.0 / math.sqrt(2.0)
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 
@@ -70,9 +80,11 @@ def check_activation(activation: str) -> str:
 
 
 def activation_forward(z: Tensor, activation: str) -> Tensor:
-    """``act(z)`` for act in relu / gelu (exact, erf form) / tanh / identity."""
+    """``act(z)`` for act in relu / gelu (exact, erf form) / tanh / identity / leaky_relu (slope 0.01)."""
     if activation == "relu":
         return torch.relu(z)
+    if activation == "leaky_relu":
+        return torch.nn.functional.leaky_relu(z, LEAKY_RELU_SLOPE)
     if activation == "gelu":
         return torch.nn.functional.gelu(z)
     if activation == "tanh":
@@ -86,6 +98,8 @@ def activation_derivative(z: Tensor, h: Tensor, activation: str) -> Tensor:
     """``act'(z)`` elementwise; ``h = act(z)`` is reused where it is cheaper (tanh)."""
     if activation == "relu":
         return (z > 0).to(z.dtype)
+    if activation == "leaky_relu":
+        return torch.where(z > 0, torch.ones_like(z), torch.full_like(z, LEAKY_RELU_SLOPE))
     if activation == "gelu":
         # d/dz [z * Phi(z)] = Phi(z) + z * phi(z)
         cdf = 0.5 * (1.0 + torch.erf(z * _INV_SQRT2))
@@ -152,6 +166,9 @@ class LocalGradients:
     grad_bias: Tensor | None
     grad_head_weight: Tensor | None
     grad_head_bias: Tensor | None
+    # normalize="batchnorm": the gradients of its affine weight and bias
+    grad_norm_weight: Tensor | None = None
+    grad_norm_bias: Tensor | None = None
 
 
 @dataclass
@@ -179,6 +196,8 @@ def local_loss_and_gradients(
     projection: Tensor | None = None,
     beta: float = PREDSIM_BETA,
     normalize: str | None = None,
+    norm_weight: Tensor | None = None,
+    norm_bias: Tensor | None = None,
 ) -> LocalGradients:
     """Local loss of a hidden DAD layer and its closed-form gradients.
 
@@ -188,20 +207,31 @@ def local_loss_and_gradients(
     ``local_loss`` picks another rule from :data:`LOCAL_LOSSES` (see :func:`local_rule_error`);
     for the head-free ``"drtp"`` (``projection`` required) the head arguments may be ``None``
     and the head gradients and logits are ``None``. ``normalize="layernorm"`` computes
-    ``h = act(LN(z))`` with a parameter-free LayerNorm (see :func:`layer_norm_forward`).
+    ``h = act(LN(z))`` with a parameter-free LayerNorm (see :func:`layer_norm_forward`);
+    ``normalize="batchnorm"`` computes ``h = act(BN(z))`` with the batch's statistics and the affine
+    ``norm_weight``, ``norm_bias`` (``None``: 1 and 0; see :func:`batch_norm_forward`), whose
+    gradients come back as ``grad_norm_weight``, ``grad_norm_bias``.
     """
     z = inputs @ weight.T
     if bias is not None:
         z = z + bias
-    z_act, inv_std = (z, None) if normalize is None else layer_norm_forward(z)
+    z_act, normed, inv_std = z, z, None
+    if normalize == "layernorm":
+        z_act, inv_std = layer_norm_forward(z)
+        normed = z_act
+    elif normalize == "batchnorm":
+        z_act, normed, inv_std = batch_norm_forward(z, norm_weight, norm_bias, *batch_norm_statistics(z))
     h = activation_forward(z_act, activation)
     rule = local_rule_error(
         local_loss, h, target, head_weight, head_bias, projection=projection, beta=beta,
         label_smoothing=label_smoothing, ignore_index=ignore_index,
     )
     d_z = rule.grad_output * activation_derivative(z_act, h, activation)
-    if inv_std is not None:
-        d_z = layer_norm_backward(d_z, z_act, inv_std)
+    grad_norm_weight = grad_norm_bias = None
+    if normalize == "layernorm" and inv_std is not None:
+        d_z = layer_norm_backward(d_z, normed, inv_std)
+    elif normalize == "batchnorm" and inv_std is not None:
+        d_z, grad_norm_weight, grad_norm_bias = batch_norm_backward(d_z, normed, inv_std, norm_weight)
     return LocalGradients(
         loss=rule.loss,
         pre_activation=z,
@@ -211,6 +241,8 @@ def local_loss_and_gradients(
         grad_bias=d_z.sum(0) if bias is not None else None,
         grad_head_weight=rule.grad_head_weight,
         grad_head_bias=rule.grad_head_bias,
+        grad_norm_weight=grad_norm_weight,
+        grad_norm_bias=grad_norm_bias,
     )
 
 
@@ -387,4 +419,37 @@ def layer_norm_forward(z: Tensor, eps: float = LAYER_NORM_EPS) -> tuple[Tensor, 
 
 def layer_norm_backward(grad: Tensor, normed: Tensor, inv_std: Tensor) -> Tensor:
     """``dL/dz`` from ``dL/dz_hat``: ``inv_std * (g - mean(g) - z_hat * mean(g * z_hat))`` per row."""
-    return inv_std * (grad - grad.mean(1, keepdim=True) - normed * (grad * normed).mean(1, keepdim=True))
+    return _normalization_backward(grad, normed, inv_std, 1)
+
+
+def _normalization_backward(grad: Tensor, normed: Tensor, inv_std: Tensor, dim: int) -> Tensor:
+    """``dL/dz`` of ``z_hat = (z - mean) * inv_std`` with mean and variance taken over ``dim``."""
+    return inv_std * (grad - grad.mean(dim, keepdim=True) - normed * (grad * normed).mean(dim, keepdim=True))
+
+
+def batch_norm_statistics(z: Tensor) -> tuple[Tensor, Tensor]:
+    """Per-feature batch ``mean`` and biased ``var`` of ``z`` (B, N), each (1, N): what training normalises by."""
+    mean = z.mean(0, keepdim=True)
+    return mean, (z - mean).pow(2).mean(0, keepdim=True)
+
+
+def batch_norm_forward(
+    z: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, var: Tensor, eps: float = BATCH_NORM_EPS
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(out, z_hat, inv_std)``: ``z_hat = (z - mean) * inv_std``, ``inv_std = 1/sqrt(var + eps)``,
+    ``out = z_hat * weight + bias`` (``None``: 1 and 0), as ``nn.BatchNorm1d``. Training passes the
+    batch's :func:`batch_norm_statistics`, inference the running ones."""
+    inv_std = (var + eps).rsqrt()
+    normed = (z - mean) * inv_std
+    out = normed if weight is None else normed * weight
+    return (out if bias is None else out + bias), normed, inv_std
+
+
+def batch_norm_backward(
+    grad: Tensor, normed: Tensor, inv_std: Tensor, weight: Tensor | None
+) -> tuple[Tensor, Tensor, Tensor]:
+    """``(dL/dz, dL/dweight, dL/dbias)`` of a training-mode :func:`batch_norm_forward` from ``g = dL/dout``:
+    ``dL/dweight = sum_b g z_hat``, ``dL/dbias = sum_b g`` and, with ``g_hat = g * weight``,
+    ``dL/dz = inv_std * (g_hat - mean_b(g_hat) - z_hat * mean_b(g_hat * z_hat))`` per feature."""
+    g_hat = grad if weight is None else grad * weight
+    return _normalization_backward(g_hat, normed, inv_std, 0), (grad * normed).sum(0), grad.sum(0)

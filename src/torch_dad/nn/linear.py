@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from torch import Tensor, nn
@@ -44,7 +45,12 @@ class DADLinear(LocalLayer):
     a fixed random projection of the one-hot target, kept in the ``target_projection`` buffer,
     drawn from ``projection_seed``; ``head_weight``/``head_bias`` are then ``None``).
     ``normalize="layernorm"`` makes the layer ``act(LN(x @ weight.T + bias))`` with a
-    parameter-free LayerNorm, in training and inference alike.
+    parameter-free LayerNorm, in training and inference alike. ``normalize="batchnorm"`` makes it
+    ``act(BN(x @ weight.T + bias))`` as ``nn.BatchNorm1d``: batch statistics in training, the
+    ``running_mean``/``running_var`` buffers (momentum 0.1, eps 1e-5) in eval mode, and the affine
+    ``norm_weight``/``norm_bias`` (parameters) trained by the local loss. The running statistics
+    advance with each applied local update (:meth:`apply_local_update`), so a skipped update
+    leaves them unchanged. ``activation="leaky_relu"`` has torch's negative slope 0.01.
     """
 
     # buffers; declared for type checkers (the head is None under "drtp", the projection otherwise)
@@ -52,6 +58,11 @@ class DADLinear(LocalLayer):
     head_bias: Tensor
     target_projection: Tensor
     optim_state: LocalOptimizerState
+    # normalize="batchnorm" only (None otherwise)
+    norm_weight: nn.Parameter | None
+    norm_bias: nn.Parameter | None
+    running_mean: Tensor | None
+    running_var: Tensor | None
 
     def __init__(
         self,
@@ -84,6 +95,7 @@ class DADLinear(LocalLayer):
         self.normalize = normalize
         self.projection_seed = projection_seed
         self._init_linear(in_features, out_features, bias, device, dtype)
+        self._init_batch_norm(normalize == "batchnorm")
         self.local_loss = ""
         self.set_local_loss(local_loss)
 
@@ -105,6 +117,42 @@ class DADLinear(LocalLayer):
             self._reset_local()
         self.optim_state = self._new_optim_state()
 
+    def _init_batch_norm(self, enabled: bool) -> None:
+        """The affine ``norm_weight``/``norm_bias`` parameters and the running-statistics buffers of
+        ``normalize="batchnorm"`` (uninitialised), or ``None`` for each."""
+        kw: dict[str, Any] = {"device": self.weight.device, "dtype": self.weight.dtype}
+        out = self.out_features
+        self.norm_weight = nn.Parameter(torch.empty(out, **kw)) if enabled else None
+        self.norm_bias = nn.Parameter(torch.empty(out, **kw)) if enabled else None
+        self.register_buffer("running_mean", torch.empty(out, **kw) if enabled else None)
+        self.register_buffer("running_var", torch.empty(out, **kw) if enabled else None)
+        # (batch mean, biased batch variance, rows) of the last local step, folded into the
+        # running statistics when its update is applied
+        self._batch_statistics: tuple[Tensor, Tensor, int] | None = None
+
+    def reset_parameters(self) -> None:
+        """``nn.Linear``'s initialisation, and ``nn.BatchNorm1d``'s for the batch norm (if any)."""
+        super().reset_parameters()
+        if self.norm_weight is not None and self.norm_bias is not None:
+            with torch.no_grad():
+                self.norm_weight.fill_(1.0)
+                self.norm_bias.zero_()
+            self.reset_running_statistics()
+
+    @torch.no_grad()
+    def reset_running_statistics(self) -> None:
+        """``running_mean = 0``, ``running_var = 1`` (``normalize="batchnorm"``; else nothing)."""
+        if self.running_mean is not None and self.running_var is not None:
+            self.running_mean.zero_()
+            self.running_var.fill_(1.0)
+        self._batch_statistics = None
+
+    def trained_tensors(self) -> list[Tensor]:
+        """``weight, [bias,] [head_weight, head_bias,] [norm_weight, norm_bias]``: the order of every
+        local gradient list."""
+        norm = [t for t in (self.norm_weight, self.norm_bias) if t is not None]
+        return super().trained_tensors() + norm
+
     @torch.no_grad()
     def _reset_local(self) -> None:
         if self.local_loss == "drtp":
@@ -121,11 +169,59 @@ class DADLinear(LocalLayer):
         )
 
     def forward(self, inputs: Tensor) -> Tensor:
-        """``act(inputs @ weight.T + bias)``."""
+        """``act(inputs @ weight.T + bias)``, normalised before the activation if ``normalize``
+        (batch norm: by the batch's statistics in training mode, the running ones in eval mode;
+        the running statistics change only with a local update)."""
         z = nn.functional.linear(inputs, self.weight, self.bias)
-        if self.normalize is not None:
+        if self.normalize == "layernorm":
             z = functional.layer_norm_forward(z)[0]
+        elif self.normalize == "batchnorm":
+            z = self._batch_norm(z, training=self.training)[0]
         return functional.activation_forward(z, self.activation)
+
+    def _batch_norm(self, z: Tensor, training: bool, keep: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        """:func:`~torch_dad.functional.batch_norm_forward` of ``z`` with the batch's statistics
+        (``training``; ``keep`` them for :meth:`update_running_statistics`) or the running ones."""
+        assert self.running_mean is not None and self.running_var is not None
+        if training:
+            if z.shape[0] < 2:
+                raise ValueError(
+                    f"normalize='batchnorm' needs at least 2 rows per training batch, got {z.shape[0]} "
+                    "(as torch.nn.BatchNorm1d); use larger batches or normalize='layernorm'"
+                )
+            mean, var = functional.batch_norm_statistics(z)
+            if keep:
+                self._batch_statistics = (mean, var, z.shape[0])
+        else:
+            mean, var = self.running_mean.to(z.dtype), self.running_var.to(z.dtype)
+        weight = self.norm_weight.to(z.dtype) if self.norm_weight is not None else None
+        bias = self.norm_bias.to(z.dtype) if self.norm_bias is not None else None
+        return functional.batch_norm_forward(z, weight, bias, mean, var)
+
+    @torch.no_grad()
+    def update_running_statistics(self) -> None:
+        """Fold the last local step's batch statistics into ``running_mean``/``running_var`` as
+        ``nn.BatchNorm1d`` does (momentum 0.1, the variance unbiased by ``B / (B - 1)``); nothing
+        if no local step is pending. :meth:`apply_local_update` calls it; no host sync."""
+        pending, self._batch_statistics = self._batch_statistics, None
+        if pending is None or self.running_mean is None or self.running_var is None:
+            return
+        mean, var, rows = pending
+        momentum = functional.BATCH_NORM_MOMENTUM
+        self.running_mean.lerp_(mean.reshape(-1).to(self.running_mean.dtype), momentum)
+        unbiased = var.reshape(-1).to(self.running_var.dtype) * (rows / (rows - 1))
+        self.running_var.lerp_(unbiased, momentum)
+
+    @torch.no_grad()
+    def apply_local_update(
+        self, grads: list[Tensor], config: OptimizerConfig, lr: float | Tensor | None = None, **options: Any
+    ) -> bool:
+        """:meth:`LocalLayer.apply_local_update` (``options``: ``on_nonfinite``, ``loss``), then, if it
+        applied, :meth:`update_running_statistics`."""
+        applied = super().apply_local_update(grads, config, lr, **options)
+        if applied:
+            self.update_running_statistics()
+        return applied
 
     def local_head(self, hidden: Tensor) -> Tensor:
         """Local logits ``hidden @ head_weight.T + head_bias``.
@@ -151,8 +247,11 @@ class DADLinear(LocalLayer):
         Same math as :func:`torch_dad.functional.local_loss_and_gradients` (the test oracle),
         arranged to reuse buffers: ``addmm`` for the biases, an in-place activation and an
         in-place ``softmax - onehot``. Gradients are returned in the order of
-        :meth:`trained_tensors`: ``weight, [bias,] head_weight, head_bias``, in float32 master
-        precision (no local-head gradients for the head-free ``"drtp"`` rule).
+        :meth:`trained_tensors`: ``weight, [bias,] head_weight, head_bias, [norm_weight, norm_bias]``,
+        in float32 master precision (no local-head gradients for the head-free ``"drtp"`` rule).
+        Under ``normalize="batchnorm"`` the batch statistics are kept for the update to fold into
+        the running ones. Free of host syncs and of data-dependent shapes: the fused engine
+        captures it into its CUDA graph for the layers its kernels do not cover.
 
         ``workspace`` (a dict owned by the caller) keeps the three large buffers (``z``,
         ``d_z``, ``g_W``) alive between calls with the same shapes. On CPU, fresh multi-MB
@@ -162,38 +261,50 @@ class DADLinear(LocalLayer):
         """
         dtype = compute_dtype or self.weight.dtype
         a = inputs.to(dtype)
-        z, h, inv_std = self._forward_for_step(a, workspace)
+        z, h, norm = self._forward_for_step(a, workspace)
         if self.local_loss != "ce":
             result, d_h, head_grads = self._rule_error(h, target)
         else:
             result, d_h, head_grads = self._head_error(h, target, _buffer(workspace, "d_z", h))
         d_z = activation_backward(d_h, h, z, self.activation, inplace=True)
-        if inv_std is not None:
-            d_z = functional.layer_norm_backward(d_z, z, inv_std)
+        norm_grads: list[Tensor] = []
+        if norm is not None and self.normalize == "layernorm":
+            d_z = functional.layer_norm_backward(d_z, *norm)
+        elif norm is not None:
+            norm_weight = self.norm_weight.to(dtype) if self.norm_weight is not None else None
+            d_z, *norm_grads = functional.batch_norm_backward(d_z, *norm, norm_weight)
         g_w = _buffer(workspace, "g_w", self.weight, dtype=dtype, device=a.device)
         grads = [torch.mm(d_z.T, a, out=g_w)]
         if self.bias is not None:
-            grads.append(d_z.sum(0))
+            # under batch norm the bias gradient is 0 (the mean subtraction cancels the bias):
+            # computed, it is rounding noise that AdamW would scale up to lr-sized steps
+            grads.append(d_z.sum(0) if self.normalize != "batchnorm" else torch.zeros_like(grads[0][:, 0]))
         master = self.weight.dtype
-        grads = [g if g.dtype == master else g.to(master) for g in grads + head_grads]
+        grads = [g if g.dtype == master else g.to(master) for g in grads + head_grads + norm_grads]
         return result, grads
 
-    def _forward_for_step(self, a: Tensor, workspace: Workspace | None) -> tuple[Tensor, Tensor, Tensor | None]:
-        """``(z, h, inv_std)``: the pre-activation (normalised if ``normalize``), the output and
-        LayerNorm's ``inv_std`` (or ``None``). For relu without LayerNorm, ``z`` *is* ``h``."""
+    def _forward_for_step(
+        self, a: Tensor, workspace: Workspace | None
+    ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
+        """``(z, h, norm)``: the pre-activation (normalised if ``normalize``), the output and the
+        normalisation's ``(z_hat, inv_std)`` (or ``None``). For relu without it, ``z`` *is* ``h``."""
         w = self.weight.to(a.dtype)
         z_buf = _buffer(workspace, "z", a, cols=self.out_features)
         if self.bias is not None:
             z = torch.addmm(self.bias.to(a.dtype), a, w.T, out=z_buf)
         else:
             z = torch.mm(a, w.T, out=z_buf)
-        inv_std = None
-        if self.normalize is not None:
+        norm = None
+        if self.normalize == "layernorm":
             z, inv_std = functional.layer_norm_forward(z)
+            norm = (z, inv_std)
+        elif self.normalize == "batchnorm":
+            z, normed, inv_std = self._batch_norm(z, training=True, keep=True)
+            norm = (normed, inv_std)
         if self.activation == "relu":
-            # z is not needed again (relu' is read off h) unless LayerNorm's backward needs it
-            return z, (z.relu_() if inv_std is None else z.relu()), inv_std
-        return z, functional.activation_forward(z, self.activation), inv_std
+            # z is not needed again (relu' is read off h) unless the normalisation's backward needs it
+            return z, (z.relu_() if norm is None else z.relu()), norm
+        return z, functional.activation_forward(z, self.activation), norm
 
     def _head_error(
         self, h: Tensor, target: Tensor, d_h_buffer: Tensor | None

@@ -29,7 +29,8 @@ the fp32 summation order of the atomically added gradients.
 from __future__ import annotations
 
 import gc
-from collections.abc import Iterator
+import weakref
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, NamedTuple, cast
@@ -40,6 +41,7 @@ from torch import Tensor
 from ..kernels import triton_available
 from ..nn.linear import DADLinear, DADModel
 from ..ops.adamw import adamw_with_shadow_
+from ..ops.dropout import counter_dropout
 from ..ops.gram import gram_update_, mm_fp32
 from ..ops.local_error import FUSED_ACTIVATIONS, local_error
 from ..optim import LocalOptimizerState, OptimizerConfig
@@ -48,26 +50,29 @@ from .input_sample import InputReservoir
 from .options import STREAM_PRIORITIES, EngineOptions
 from .step import Batch, GradientReducer, StepOutput
 
-__all__ = ["FusedStep", "make_engine", "unsupported_reason"]
+__all__ = ["FusedStep", "make_engine", "unsupported_reason", "uses_local_error_kernel"]
+
 
 def unsupported_reason(model: DADModel, config: OptimizerConfig, dropout: float = 0.0) -> str | None:
-    """Why the fused step cannot train ``model`` with ``config``, or ``None`` if it can."""
+    """Why the fused step cannot train ``model`` with ``config``, or ``None`` if it can.
+
+    Every local rule, activation, normalisation, label smoothing and ``dropout`` is supported: a
+    layer the local-error kernel does not cover (see :func:`uses_local_error_kernel`) runs its own
+    :meth:`~torch_dad.DADLinear.local_gradients` (plain torch ops, capturable) inside the step.
+    """
     if config.name != "adamw":
         return f"optimizer={config.name!r} (the fused step implements adamw)"
     for layer in model.dad_layers:
-        if layer.activation not in FUSED_ACTIVATIONS:
-            return f"activation={layer.activation!r} (fused: {', '.join(FUSED_ACTIVATIONS)})"
-        if layer.label_smoothing:
-            return "label_smoothing > 0"
-        if layer.local_loss != "ce":
-            return f"local_loss={layer.local_loss!r} (the fused step implements 'ce')"
-        if layer.normalize is not None:
-            return f"normalize={layer.normalize!r} (the fused step has no normalisation)"
         if layer.weight.dtype != torch.float32:
             return f"master weights in {layer.weight.dtype} (fused: float32)"
-    if dropout:
-        return "dropout > 0 (the fused step has no dropout)"
     return None
+
+
+def uses_local_error_kernel(layer: DADLinear) -> bool:
+    """Whether the fused step computes ``layer``'s local error with :func:`local_error` (relu, tanh or
+    identity, the ``"ce"`` rule with or without label smoothing, no normalisation); other layers run
+    their own :meth:`~torch_dad.DADLinear.local_gradients` in the step."""
+    return layer.activation in FUSED_ACTIVATIONS and layer.local_loss == "ce" and layer.normalize is None
 
 
 def make_engine(trainer: Any, backend: str, options: EngineOptions | None, loss_total: Tensor) -> FusedStep | None:
@@ -86,11 +91,13 @@ def make_engine(trainer: Any, backend: str, options: EngineOptions | None, loss_
         raise ValueError(f"backend={backend!r} cannot run this model: {reason}; use backend='eager'")
     elif backend == "cuda-graph" and not cuda:
         raise ValueError(f"backend='cuda-graph' needs a CUDA device, got {trainer.device}; use 'fused' or 'eager'")
-    return FusedStep(
+    engine = FusedStep(
         trainer.model, trainer.device, options or EngineOptions(), graphed=backend != "fused",
         classifier_state=trainer.classifier_state, statistics=trainer.classifier_statistics, sample=trainer.classifier_sample,
         loss_total=loss_total,
     )
+    engine.dropout_source = weakref.ref(trainer)  # weak: the trainer owns the engine
+    return engine
 
 
 def _forward(a: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> Tensor:
@@ -148,6 +155,11 @@ class FusedStep:
         self._streams: dict[str, torch.cuda.Stream] = {}
         self._pool: Any = None
         self._tracked: list[Tensor] | None = None
+        #: returns the object whose ``dropout``, ``dropout_seed`` and ``step_count`` the step's
+        #: dropout follows (the trainer), or ``None`` for no dropout
+        self.dropout_source: Callable[[], Any] = lambda: None
+        self.dropout = _Dropout(0.0, 0, torch.zeros((), device=device, dtype=torch.int64))
+        self._dropout_step_mirror = 0
 
     # ------------------------------------------------------------------ state
     def shadows(self, dtype: torch.dtype) -> list[tuple[Tensor, Tensor | None]]:
@@ -268,6 +280,7 @@ class FusedStep:
         """
         self.set_lr(batch.lr)
         self.config = config
+        self._sync_dropout()
         if span[0] == 0 and self.sample is not None:
             if batch.x.is_cuda:
                 self.sample.count_rows(batch.x.shape[0])  # the step adds the rows on the device
@@ -278,7 +291,10 @@ class FusedStep:
         if not (self.graphed and whole and reducer is None and count_loss):
             logits, loss, features = _Run(self, batch, settings, overlap=False).train()
             return StepOutput(logits, loss, features, count_loss)
-        key = (tuple(batch.x.shape), batch.x.dtype, batch.compute_dtype, accumulate_statistics, self._signature())
+        key = (
+            tuple(batch.x.shape), batch.x.dtype, batch.compute_dtype, accumulate_statistics, self._signature(),
+            self.dropout.p, self.dropout.seed,
+        )
         entry = self._graphs.get(key)
         if entry is None:
             if key not in self._seen:
@@ -293,6 +309,20 @@ class FusedStep:
         static_y.copy_(batch.y)
         graph.replay()
         return StepOutput(out_logits.clone(), out_loss.clone(), out_features, True)
+
+    def _sync_dropout(self) -> None:
+        """Read the trainer's dropout settings; set the device step counter the masks are drawn
+        from to its ``step_count`` (the step itself adds 1, so this writes only after a resume or
+        an eager step). The counter is a device tensor: a captured graph reads it."""
+        owner = self.dropout_source()
+        p = float(getattr(owner, "dropout", 0.0))
+        seed = int(getattr(owner, "dropout_seed", 0))
+        self.dropout = _Dropout(p, seed, self.dropout.step)
+        if not p or owner is None:
+            return
+        if owner.step_count != self._dropout_step_mirror:
+            self.dropout.step.fill_(owner.step_count)
+        self._dropout_step_mirror = owner.step_count + 1
 
     def _capture(self, key: tuple[Any, ...], batch: Batch, settings: _Settings) -> tuple[Any, ...]:
         if len(self._graphs) >= self.options.max_graphs:
@@ -329,6 +359,14 @@ def _no_garbage_collection() -> Iterator[None]:
         gc.enable()
 
 
+class _Dropout(NamedTuple):
+    """The step's dropout: probability, Philox seed and the device step counter of the masks."""
+
+    p: float
+    seed: int
+    step: Tensor
+
+
 class _Settings(NamedTuple):
     span: tuple[int, int]
     with_classifier: bool
@@ -351,7 +389,11 @@ class _Run:
         low = compute is not None and compute != torch.float32
         self.shadows = engine.shadows(compute)[start:stop] if low and compute is not None else None
         self.main = torch.cuda.current_stream() if overlap else None
-        self.error_stream = engine.stream("error") if overlap and engine.local_error_off_main(self.layers) else None
+        # only kernel layers fork to the error stream; joining a stream that never forked from the
+        # main one is an error under CUDA-graph capture
+        kernel_layers = [layer for layer in self.layers if uses_local_error_kernel(layer)]
+        off_main = overlap and bool(kernel_layers) and engine.local_error_off_main(kernel_layers)
+        self.error_stream = engine.stream("error") if off_main else None
         # under a reducer the local heads and the classifier update together, in one fused AdamW
         self.small_params: list[Tensor] = []
         self.small_grads: list[Tensor] = []
@@ -373,15 +415,19 @@ class _Run:
         compute = batch.compute_dtype
         a = batch.x if compute is None or batch.x.dtype == compute else batch.x.to(compute)
         logits = loss = a
+        dropout = engine.dropout
         for i, layer in enumerate(self.layers):
             h, logits, loss = self._layer(i, layer, a)
-            a = h
+            # the same mask as the eager step's: Philox of (seed, step, layer index, element)
+            a = counter_dropout(h, dropout.p, dropout.seed, dropout.step, settings.span[0] + i) if dropout.p else h
         if self.error_stream is not None and self.main is not None:
             # the local-head gradients, logits and loss of every layer come from the error stream
             self.main.wait_stream(self.error_stream)
         if classifier is not None:
             logits, loss = self._classifier(classifier, a)
         self._finish(loss)
+        if dropout.p:
+            dropout.step.add_(1)
         if sample_stream is not None:
             torch.cuda.current_stream().wait_stream(sample_stream)
         self.keep.clear()
@@ -409,15 +455,18 @@ class _Run:
             w, b = self.shadows[i]
         else:
             w, b = layer.weight.detach(), (layer.bias.detach() if layer.bias is not None else None)
+        if not uses_local_error_kernel(layer):
+            return self._rule_layer(layer, a, w, b)
         h = _forward(a, w, b, layer.activation)
         head_w, head_b = _tensor(layer.head_weight), _tensor(layer.head_bias)
+        smoothing = layer.label_smoothing
         if self.error_stream is not None and self.main is not None:
             self.error_stream.wait_stream(self.main)
             self.keep.append(h)
             with torch.cuda.stream(self.error_stream):
-                err = local_error(h, head_w, head_b, self.batch.y, layer.activation)
+                err = local_error(h, head_w, head_b, self.batch.y, layer.activation, label_smoothing=smoothing)
         else:
-            err = local_error(h, head_w, head_b, self.batch.y, layer.activation)
+            err = local_error(h, head_w, head_b, self.batch.y, layer.activation, label_smoothing=smoothing)
         assert err.d_z is not None and err.grad_bias is not None
         side = self.engine.stream("gemm") if self.overlap and self.main is not None else None
         if side is not None and self.main is not None:
@@ -430,6 +479,32 @@ class _Run:
         # err's B x width temporaries go before the next forward allocates: at 16 x 4096,
         # B=16384 that keeps the peak at ~3.5 such tensors instead of ~4.5
         return h, err.logits, err.loss
+
+    def _rule_layer(self, layer: DADLinear, a: Tensor, w: Tensor, b: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+        """A layer the local-error kernel does not cover: its own ``local_gradients`` (torch ops,
+        on the main stream; it casts the fp32 masters as the eager step does), then AdamW on
+        weight and bias (refreshing their copies) and on each further pair it trains (local head,
+        batch-norm affine), and the batch norm's running statistics."""
+        result, grads = layer.local_gradients(a, self.batch.y, self.batch.compute_dtype)
+        layer.update_running_statistics()  # on the main stream, which made the batch statistics
+        nb = 2 if layer.bias is not None else 1
+        params, state = layer.trained_tensors(), layer.optim_state
+        exp_avg, exp_avg_sq, step = state.moments("exp_avg"), state.moments("exp_avg_sq"), _tensor(state.step)
+        shadow: list[Tensor | None] = [w, b][:nb] if self.shadows is not None else [None] * nb
+        side = self.engine.stream("gemm") if self.overlap and self.main is not None else None
+        if side is not None:
+            side.wait_stream(torch.cuda.current_stream())
+            self.keep += grads
+        with torch.cuda.stream(side) if side is not None else nullcontext():
+            self._launch_update(_Update([p.data for p in params[:nb]], grads[:nb], exp_avg[:nb], exp_avg_sq[:nb], shadow, step))
+            for j in range(nb, len(params), 2):
+                pair = slice(j, j + 2)
+                update = _Update([p.data for p in params[pair]], grads[pair], exp_avg[pair], exp_avg_sq[pair], [None, None], step)
+                if self.settings.reducer is None:
+                    self.engine.adamw(update)
+                else:
+                    self._collect_small(update)
+        return result.output, result.logits.float(), result.loss.float()
 
     def _update_layer(self, layer: DADLinear, a: Tensor, err: Any, w: Tensor, b: Tensor | None) -> None:
         """The layer's weight gradient and AdamW (whole, in row blocks, or after an all-reduce),

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+import os
 import time
 import warnings
 from collections import deque
@@ -12,10 +14,13 @@ import torch
 from torch import Tensor, nn
 
 from .. import functional
-from .._checks import check_device, check_inputs, check_labels, gradients_are_finite
+from .._checks import check_bool, check_device, check_inputs, check_labels, check_positive_int, gradients_are_finite
 from ..nn.linear import DADLinear, DADModel
+from ..ops.dropout import counter_dropout
 from ..optim import LocalOptimizerState, OptimizerConfig, check_optimizer
 from ..ridge import GramAccumulator, RidgeSolution
+from . import checkpoint
+from .checkpoint import CheckpointFolder, FitProgress
 from .input_sample import InputReservoir
 from .options import EngineOptions
 from .step import Batch, GradientReducer, StepOutput, progress_bar
@@ -76,6 +81,30 @@ def _check_amp(amp_dtype: torch.dtype | None, name: str, device: torch.device) -
         raise ValueError(f"{name}=torch.float16 is not supported on CPU; use torch.bfloat16")
 
 
+def _check_options(
+    *,
+    on_nonfinite: object,
+    check_values: object,
+    local_loss: str | None,
+    dropout: object,
+    dropout_seed: object,
+    classifier_sample_size: object,
+    accumulate_classifier_statistics: object,
+) -> None:
+    """The checks of :class:`DADTrainer`'s keyword options that need no model or device."""
+    _check_choice("on_nonfinite", on_nonfinite, ("raise", "skip", "ignore"))
+    _check_choice("check_values", check_values, (True, False, "auto"))
+    _check_choice("accumulate_classifier_statistics", accumulate_classifier_statistics, (True, False, "auto"))
+    if local_loss is not None:
+        functional.check_local_loss(local_loss)
+    if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
+        raise ValueError(f"dropout={dropout!r} must be a float in [0, 1)")
+    if isinstance(dropout_seed, bool) or not isinstance(dropout_seed, int) or not 0 <= dropout_seed < 2**63:
+        raise ValueError(f"dropout_seed={dropout_seed!r} must be an int in [0, 2**63)")
+    if isinstance(classifier_sample_size, bool) or not isinstance(classifier_sample_size, int) or classifier_sample_size < 0:
+        raise ValueError(f"classifier_sample_size={classifier_sample_size!r} must be an int >= 0 (0 disables the sample)")
+
+
 class DADTrainer:
     """Trains a :class:`~torch_dad.DADModel` layer by layer from local targets.
 
@@ -131,7 +160,10 @@ class DADTrainer:
         dropout: in ``step``, drop each hidden output with this probability (scaled by
             ``1/(1-p)``, as ``nn.Dropout``) before the next layer and the classifier (and its
             Gram statistics) see it; never at inference. Off by default (measurements:
-            ``docs/benchmarks.md``).
+            ``docs/benchmarks.md``). The mask is drawn by :func:`~torch_dad.ops.dropout.counter_dropout`,
+            a pure function of ``(dropout_seed, step_count, layer index, element)``: the same in
+            every backend, and a resumed trainer continues it from ``step_count``.
+        dropout_seed: the Philox key of the dropout masks, an int in ``[0, 2**63)``; in ``state_dict``.
     """
 
     def __init__(
@@ -155,6 +187,7 @@ class DADTrainer:
         engine_options: EngineOptions | None = None,
         local_loss: str | None = None,
         dropout: float = 0.0,
+        dropout_seed: int = 0,
     ) -> None:
         if not isinstance(model, DADModel):
             raise TypeError(
@@ -166,15 +199,11 @@ class DADTrainer:
         check_optimizer(optimizer)
         self.device = _resolve_device(device, model)
         _check_amp(amp_dtype, "amp_dtype", self.device)
-        _check_choice("on_nonfinite", on_nonfinite, ("raise", "skip", "ignore"))
-        _check_choice("check_values", check_values, (True, False, "auto"))
-        _check_choice("accumulate_classifier_statistics", accumulate_classifier_statistics, (True, False, "auto"))
-        if local_loss is not None:
-            functional.check_local_loss(local_loss)
-        if isinstance(dropout, bool) or not isinstance(dropout, (int, float)) or not 0.0 <= dropout < 1.0:
-            raise ValueError(f"dropout={dropout!r} must be a float in [0, 1)")
-        if isinstance(classifier_sample_size, bool) or not isinstance(classifier_sample_size, int) or classifier_sample_size < 0:
-            raise ValueError(f"classifier_sample_size={classifier_sample_size!r} must be an int >= 0 (0 disables the sample)")
+        _check_options(
+            on_nonfinite=on_nonfinite, check_values=check_values, local_loss=local_loss, dropout=dropout,
+            dropout_seed=dropout_seed, classifier_sample_size=classifier_sample_size,
+            accumulate_classifier_statistics=accumulate_classifier_statistics,
+        )
         self.config = OptimizerConfig(
             name=optimizer, lr=lr, weight_decay=weight_decay, betas=betas, eps=eps, momentum=momentum
         )
@@ -189,6 +218,7 @@ class DADTrainer:
                 layer.set_local_loss(local_loss)
         self.model = model.to(self.device)
         self.dropout = float(dropout)
+        self.dropout_seed = dropout_seed
         self.amp_dtype = amp_dtype
         self.check_values = (self.device.type == "cpu") if check_values == "auto" else bool(check_values)
         if accumulate_classifier_statistics == "auto":
@@ -272,9 +302,9 @@ class DADTrainer:
 
     @property
     def uses_engine(self) -> bool:
-        """Whether :meth:`step` runs the fused engine: one exists, and neither the per-layer
-        non-finite guard nor dropout (both in the eager layer loop only) is asked for."""
-        return self._engine is not None and self.on_nonfinite == "ignore" and not self.dropout
+        """Whether :meth:`step` runs the fused engine: one exists, and the per-layer non-finite
+        guard (in the eager layer loop only) is not asked for."""
+        return self._engine is not None and self.on_nonfinite == "ignore"
 
     def _classifier_tensors(self) -> list[Tensor]:
         classifier = self.model.get_classifier()
@@ -389,7 +419,7 @@ class DADTrainer:
         hold = stop - start if guarded else int(reducer is not None)
         pending: deque[tuple[DADLinear, Any, list[Tensor], Tensor]] = deque()
         h = batch.x
-        for layer, workspace in zip(self.model.dad_layers[start:stop], workspaces):
+        for index, (layer, workspace) in enumerate(zip(self.model.dad_layers[start:stop], workspaces), start):
             result, grads = layer.local_gradients(h, batch.y, batch.compute_dtype, workspace)
             work = None
             if reducer is not None:
@@ -400,7 +430,7 @@ class DADTrainer:
                 self._apply_pending(*pending.popleft(), batch.lr)
             h = result.output
             if self.dropout:
-                h = nn.functional.dropout(h, self.dropout, training=True)
+                h = counter_dropout(h, self.dropout, self.dropout_seed, self.step_count, index)
         logits, loss = result.logits, result.loss
         classifier_grads: list[Tensor] = []
         if with_classifier:
@@ -617,6 +647,10 @@ class DADTrainer:
         progress: bool = True,
         log_every: int = 50,
         schedule: Callable[[int], float] | None = None,
+        checkpoint_dir: str | os.PathLike[str] | None = None,
+        checkpoint_every: int | None = None,
+        keep_last: int = 2,
+        resume: bool = False,
     ) -> list[dict[str, float]]:
         """Train for ``epochs``; returns (and appends to ``self.history``) one record per epoch.
 
@@ -630,17 +664,26 @@ class DADTrainer:
         ``log_every`` steps only, so training stays free of host syncs in between.
         ``schedule(step_count) -> lr`` sets each step's learning rate (e.g.
         :func:`torch_dad.training.schedules.warmup_cosine`); ``None`` keeps the trainer's ``lr``.
+        ``seed`` draws the data order (``None``: from torch's global generator, once per call).
+
+        With ``checkpoint_dir``, the whole training state (see :mod:`torch_dad.training.checkpoint`)
+        is written there every ``checkpoint_every`` steps (``None``: only at epoch ends) and at the
+        end of each epoch, keeping the newest ``keep_last`` files. ``resume=True`` continues from
+        the newest intact checkpoint there, mid-epoch included (a corrupt one is skipped with a
+        warning; none at all starts from the beginning, with a warning); on CPU the result is
+        bitwise that of an uninterrupted run. An iterable ``train`` is then re-iterated from its
+        start and the batches already trained on are skipped: it must yield the same batches in
+        the same order. Guide: ``docs/checkpoints.md``.
         """
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-            raise ValueError(f"epochs={epochs!r} must be a positive int")
-        if schedule is not None and not callable(schedule):
-            raise TypeError(f"schedule must be a callable step -> lr, got {type(schedule).__name__}")
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        records = []
-        for epoch in range(epochs):
-            batches = self.batches(train, batch_size, shuffle, generator)
+        folder = self._check_fit_arguments(epochs, schedule, checkpoint_dir, checkpoint_every, keep_last, resume)
+        args = {"epochs": epochs, "batch_size": batch_size, "seed": seed, "shuffle": shuffle}
+        generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, ())) if seed is None else seed)
+        run = self._start_fit(folder, resume, args, generator)
+        for epoch in range(run.epoch, epochs):
+            generator.set_state(run.generator_state)
+            batches = itertools.islice(self.batches(train, batch_size, shuffle, generator), run.batches, None)
             bar = progress_bar(batches, progress, desc=f"epoch {epoch + 1}/{epochs}")
-            record = self._train_epoch(bar, log_every, schedule)
+            record = self._train_epoch(bar, log_every, schedule, run, folder)
             if eval is not None:
                 metrics = self.evaluate(eval, batch_size=batch_size)
                 record["accuracy"] = metrics["accuracy"]
@@ -648,22 +691,89 @@ class DADTrainer:
             if hasattr(bar, "close"):
                 bar.close()
             self.history.append(record)
-            records.append(record)
-        return records
+            run.next_epoch(generator.get_state())
+            if folder is not None:
+                folder.save(self.step_count, self._checkpoint_state(run))
+        return self.history[run.history_start :]
 
-    def _train_epoch(self, bar: Any, log_every: int, schedule: Callable[[int], float] | None) -> dict[str, float]:
-        """One pass of :meth:`step` over ``bar``: ``{epoch, loss, train_s, img_per_s}``."""
-        seen, count = 0, 0
-        losses = torch.zeros((), device=self.device)
+    def _check_fit_arguments(
+        self,
+        epochs: object,
+        schedule: object,
+        checkpoint_dir: object,
+        checkpoint_every: object,
+        keep_last: object,
+        resume: object,
+    ) -> CheckpointFolder | None:
+        """Validate ``fit``'s arguments before anything changes; the checkpoint folder or ``None``."""
+        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+            raise ValueError(f"epochs={epochs!r} must be a positive int")
+        if schedule is not None and not callable(schedule):
+            raise TypeError(f"schedule must be a callable step -> lr, got {type(schedule).__name__}")
+        check_bool("resume", resume)
+        every = None if checkpoint_every is None else check_positive_int("checkpoint_every", checkpoint_every)
+        keep = check_positive_int("keep_last", keep_last)
+        if checkpoint_dir is None:
+            if resume or every is not None:
+                raise ValueError(
+                    f"{'resume=True' if resume else f'checkpoint_every={every}'} needs checkpoint_dir= (the folder "
+                    "that holds the checkpoints)"
+                )
+            return None
+        if self.gradient_reducer is not None:
+            raise ValueError(
+                "checkpoint_dir: fit() checkpoints a single process; with data parallelism call "
+                "save_checkpoint(path) on rank 0 between fit() calls"
+            )
+        return CheckpointFolder(checkpoint.check_folder(checkpoint_dir), every, keep)
+
+    def _start_fit(
+        self, folder: CheckpointFolder | None, resume: bool, args: dict[str, Any], generator: torch.Generator
+    ) -> FitProgress:
+        """The starting point of ``fit``: restored from the newest intact checkpoint with ``resume``, else fresh."""
+        fresh = FitProgress(args, len(self.history), generator.get_state(), torch.zeros((), device=self.device))
+        if folder is None:
+            return fresh
+        found = folder.newest() if resume else None
+        if found is None:
+            if resume:
+                warnings.warn(
+                    f"resume=True: no checkpoint in {folder.folder}; training from the start", UserWarning, stacklevel=3
+                )
+            folder.check_fresh_start(self.step_count)
+            folder.remove_temporaries()
+            return fresh
+        path, state = found
+        if not isinstance(state, dict) or state.get("fit") is None:
+            raise ValueError(f"resume=True: {path} holds no fit() progress (written by save_checkpoint?)")
+        run = FitProgress.from_state(state["fit"], path, self.device)
+        run.check_args(args, path)
+        self._restore(state["trainer"], path)
+        folder.remove_temporaries()
+        return run
+
+    def _checkpoint_state(self, run: FitProgress) -> dict[str, Any]:
+        return {"trainer": self.state_dict(), "fit": run.state()}
+
+    def _train_epoch(
+        self,
+        bar: Any,
+        log_every: int,
+        schedule: Callable[[int], float] | None,
+        run: FitProgress,
+        folder: CheckpointFolder | None = None,
+    ) -> dict[str, float]:
+        """:meth:`step` over ``bar``, continuing ``run``'s totals (checkpointed to ``folder`` when due):
+        ``{epoch, loss, train_s, img_per_s}``. Checkpoint writes are not counted in ``train_s``."""
         self._synchronize()
         start = time.perf_counter()
         for inputs, labels in bar:
             _, loss = self.step(inputs, labels, lr=None if schedule is None else schedule(self.step_count))
-            losses += loss
-            count += 1
-            seen += inputs.shape[0]
-            if count % log_every == 0:
-                mean_loss = float(losses) / count
+            run.loss_sum += loss
+            run.batches += 1
+            run.seen += inputs.shape[0]
+            if run.batches % log_every == 0:
+                mean_loss = float(run.loss_sum) / run.batches
                 if mean_loss != mean_loss or mean_loss in (float("inf"), float("-inf")):
                     raise FloatingPointError(
                         f"training loss became non-finite by step {self.step_count}; lower lr, or use "
@@ -671,13 +781,18 @@ class DADTrainer:
                     )
                 if hasattr(bar, "set_postfix"):
                     bar.set_postfix(loss=f"{mean_loss:.4f}")
+            if folder is not None and folder.due(self.step_count):
+                self._synchronize()
+                run.seconds += time.perf_counter() - start
+                folder.save(self.step_count, self._checkpoint_state(run))
+                start = time.perf_counter()
         self._synchronize()
-        elapsed = time.perf_counter() - start
+        run.seconds += time.perf_counter() - start
         return {
             "epoch": float(len(self.history) + 1),
-            "loss": float(losses) / max(count, 1),
-            "train_s": elapsed,
-            "img_per_s": seen / elapsed if elapsed > 0 else float("nan"),
+            "loss": float(run.loss_sum) / max(run.batches, 1),
+            "train_s": run.seconds,
+            "img_per_s": run.seen / run.seconds if run.seconds > 0 else float("nan"),
         }
 
     def _synchronize(self) -> None:
@@ -724,6 +839,8 @@ class DADTrainer:
             "classifier_statistics": self.classifier_statistics.state_dict() if self.classifier_statistics is not None else None,
             "classifier_sample": self.classifier_sample.state_dict() if self.classifier_sample is not None else None,
             "step_count": self.step_count,
+            "dropout_seed": self.dropout_seed,
+            "skipped_updates": self.skipped_updates,
             "config": dict(vars(self.config)),
             "history": list(self.history),
         }
@@ -751,6 +868,39 @@ class DADTrainer:
         config["betas"] = tuple(config["betas"])
         self.config = OptimizerConfig(**config)
         self.step_count = int(state["step_count"])
+        self.dropout_seed = int(state.get("dropout_seed", self.dropout_seed))
+        self.skipped_updates = int(state.get("skipped_updates", 0))
         self.history = list(state.get("history", []))
         if self._engine is not None:
             self._engine.refresh_shadows()
+
+    def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Write :meth:`state_dict` to ``path`` as one safetensors file (tensors; the rest as JSON in its
+        metadata, with a sha256 of the whole), atomically: see ``docs/checkpoints.md``."""
+        checkpoint.write(path, {"trainer": self.state_dict(), "fit": None})
+
+    def load_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Restore a checkpoint written by :meth:`save_checkpoint` or by ``fit(checkpoint_dir=...)``.
+
+        No code runs on load (no pickle). Raises ``ValueError`` naming the file and the fault when it is
+        truncated or corrupted, and naming each difference (``"model.l1.weight: checkpoint (512, 784),
+        model (256, 784)"``) when it was written for another model or configuration; the trainer is then
+        unchanged.
+        """
+        state = checkpoint.read(path)
+        if not isinstance(state, dict) or not isinstance(state.get("trainer"), dict):
+            raise checkpoint.CheckpointError(f"{path} holds no trainer state")
+        self._restore(state["trainer"], path)
+
+    def _restore(self, state: dict[str, Any], path: str | os.PathLike[str]) -> None:
+        """:meth:`load_state_dict` after checking every tensor's presence, shape and dtype; on any failure
+        the previous state is put back."""
+        problems = checkpoint.mismatches(self.state_dict(), state)
+        if problems:
+            raise ValueError(f"checkpoint {path} does not match this trainer: " + "; ".join(problems))
+        skeleton, tensors = checkpoint.flatten(self.state_dict())
+        try:
+            self.load_state_dict(state)
+        except Exception:
+            self.load_state_dict(checkpoint.unflatten(skeleton, tensors))
+            raise

@@ -1,0 +1,348 @@
+"""Checkpoint files: one safetensors file each, written atomically and verified on load.
+
+A checkpoint holds a nested state (dicts, lists, tensors, ints, floats, strings, bools, ``None``), such as
+``DADTrainer.state_dict()``. Its tensors go into the safetensors file under flattened keys
+(``"trainer.model.l1.weight"``); everything else is JSON in the file's metadata, where each tensor is the
+placeholder ``{"__tensor__": key}``. Loading runs no code: no pickle, no ``torch.load``.
+
+The metadata (``str -> str``) holds two entries: ``"torch_dad"``, the JSON document
+``{"format", "version", "state"}``, and ``"sha256"``, the hex digest of that JSON text followed by, for every
+tensor in sorted key order, its key, dtype, shape and raw bytes. A truncated or altered file fails to parse or
+fails the digest, and :func:`read` raises :class:`CheckpointError` (a ``ValueError``) naming the file.
+
+:func:`write` writes to a temporary file in the target's folder, flushes and ``fsync``\\ s it, renames it over
+the target with ``os.replace`` and ``fsync``\\ s the folder: a reader sees the old file or the new one, never a
+part. :class:`CheckpointFolder` numbers a training run's checkpoints by step, keeps the newest ``keep_last``
+(deleting older ones only once the new one is durable) and skips corrupt ones when resuming.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import struct
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "CheckpointError",
+    "CheckpointFolder",
+    "FitProgress",
+    "flatten",
+    "mismatches",
+    "read",
+    "unflatten",
+    "write",
+]
+
+FORMAT = "torch_dad.checkpoint"
+VERSION = 1
+TENSOR_TAG = "__tensor__"
+SUFFIX = ".safetensors"
+_NAME = re.compile(r"checkpoint-(\d+)\.safetensors")
+_TEMPORARY = ".tmp-"
+
+
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be trusted: truncated, altered, or not a checkpoint of this format."""
+
+
+def _safetensors() -> Any:
+    """``safetensors.torch``, imported on first use so that ``import torch_dad`` needs only torch and numpy."""
+    try:
+        import safetensors.torch
+    except ImportError:
+        raise ImportError(
+            "checkpoints are safetensors files: install the checkpoint extra, `pip install 'torch-dad[checkpoint]'` "
+            "(or `pip install safetensors`)"
+        ) from None
+    return safetensors.torch
+
+
+# ---------------------------------------------------------------------------------------- state <-> tensors + JSON
+def _walk(tree: Any, path: tuple[str, ...]) -> Iterator[tuple[str, Tensor]]:
+    """``(flat key, tensor)`` for every tensor in ``tree``; raises ``TypeError`` on anything JSON cannot hold."""
+    if isinstance(tree, Tensor):
+        yield ".".join(path), tree
+    elif isinstance(tree, Mapping):
+        for key, value in tree.items():
+            if not isinstance(key, str) or key == TENSOR_TAG:
+                raise TypeError(
+                    f"checkpoint state {'.'.join(path) or '<root>'}: key {key!r} must be a str other than {TENSOR_TAG!r}"
+                )
+            yield from _walk(value, (*path, key))
+    elif isinstance(tree, (list, tuple)):
+        for index, value in enumerate(tree):
+            yield from _walk(value, (*path, str(index)))
+    elif tree is not None and not isinstance(tree, (bool, int, float, str)):
+        raise TypeError(f"checkpoint state {'.'.join(path)}: {type(tree).__name__} is neither a tensor nor JSON")
+
+
+def _skeleton(tree: Any, path: tuple[str, ...]) -> Any:
+    """``tree`` with every tensor replaced by ``{TENSOR_TAG: flat key}`` (tuples become lists)."""
+    if isinstance(tree, Tensor):
+        return {TENSOR_TAG: ".".join(path)}
+    if isinstance(tree, Mapping):
+        return {key: _skeleton(value, (*path, key)) for key, value in tree.items()}
+    if isinstance(tree, (list, tuple)):
+        return [_skeleton(value, (*path, str(i))) for i, value in enumerate(tree)]
+    return tree
+
+
+def flatten(tree: Any) -> tuple[Any, dict[str, Tensor]]:
+    """``(skeleton, tensors)``: ``tensors`` maps each tensor's dotted path to a contiguous CPU copy of it,
+    ``skeleton`` is ``tree`` with placeholders instead (see :func:`unflatten`)."""
+    tensors: dict[str, Tensor] = {}
+    for key, tensor in _walk(tree, ()):
+        if key in tensors:
+            raise ValueError(f"checkpoint state: two tensors flatten to the key {key!r}; rename one")
+        tensors[key] = tensor.detach().to("cpu", copy=True).contiguous()
+    return _skeleton(tree, ()), tensors
+
+
+def unflatten(skeleton: Any, tensors: Mapping[str, Tensor]) -> Any:
+    """The inverse of :func:`flatten`: ``skeleton`` with each placeholder replaced by its tensor."""
+    if isinstance(skeleton, dict):
+        if set(skeleton) == {TENSOR_TAG}:
+            return tensors[skeleton[TENSOR_TAG]]
+        return {key: unflatten(value, tensors) for key, value in skeleton.items()}
+    if isinstance(skeleton, list):
+        return [unflatten(value, tensors) for value in skeleton]
+    return skeleton
+
+
+def mismatches(expected: Any, found: Any, limit: int = 8) -> list[str]:
+    """Where the tensors of ``found`` (a checkpoint's state) differ from ``expected`` (the live state) in
+    presence, shape or dtype, e.g. ``"model.l1.weight: checkpoint (512, 784), model (256, 784)"``."""
+    ours, theirs = dict(_walk(expected, ())), dict(_walk(found, ()))
+    problems = []
+    for key, a in ours.items():  # in the live state's order: a model's first layer first
+        b = theirs.get(key)
+        if b is None:
+            problems.append(f"{key}: in this model only")
+        elif a.shape != b.shape:
+            problems.append(f"{key}: checkpoint {tuple(b.shape)}, model {tuple(a.shape)}")
+        elif a.dtype != b.dtype:
+            problems.append(f"{key}: checkpoint {b.dtype}, model {a.dtype}")
+    problems += [f"{key}: in the checkpoint only" for key in theirs if key not in ours]
+    return problems[:limit] + ([f"and {len(problems) - limit} more"] if len(problems) > limit else [])
+
+
+def _digest(document: str, tensors: Mapping[str, Tensor]) -> str:
+    """sha256 of ``document`` and of each tensor's key, dtype, shape and bytes, in sorted key order."""
+    digest = hashlib.sha256(document.encode())
+    for key in sorted(tensors):
+        tensor = tensors[key]
+        digest.update(f"\0{key}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
+        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().data)
+    return digest.hexdigest()
+
+
+# ---------------------------------------------------------------------------------------- files
+def _fsync_folder(folder: Path) -> None:
+    """Make a rename in ``folder`` durable (POSIX; elsewhere the rename is all the OS offers)."""
+    if os.name != "posix":
+        return
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, fill: Callable[[Path], None]) -> None:
+    """``fill(temporary)`` in ``path``'s folder, then fsync, ``os.replace`` onto ``path`` and fsync the folder."""
+    temporary = path.with_name(f".{path.name}{_TEMPORARY}{os.getpid()}")
+    try:
+        fill(temporary)
+        with open(temporary, "rb+") as handle:
+            os.fsync(handle.fileno())
+        os.replace(temporary, path)
+    except BaseException:
+        temporary.unlink(missing_ok=True)
+        raise
+    _fsync_folder(path.parent)
+
+
+def write(path: str | os.PathLike[str], state: Any) -> None:
+    """Write ``state`` to ``path`` as one verified safetensors file, atomically (see the module docstring)."""
+    path = Path(path)
+    if path.is_dir():
+        raise ValueError(f"checkpoint path {path} is a folder; pass a file path such as {path / 'model.safetensors'}")
+    storage = _safetensors()
+    skeleton, tensors = flatten(state)
+    document = json.dumps({"format": FORMAT, "version": VERSION, "state": skeleton})
+    metadata = {"torch_dad": document, "sha256": _digest(document, tensors)}
+    atomic_write(path, lambda temporary: storage.save_file(tensors, str(temporary), metadata=metadata))
+
+
+def _metadata(data: bytes) -> dict[str, str]:
+    """The ``__metadata__`` of a safetensors file's header (8-byte little-endian length, then JSON)."""
+    if len(data) < 8:
+        raise ValueError(f"{len(data)} bytes, shorter than a safetensors header")
+    (length,) = struct.unpack("<Q", data[:8])
+    if 8 + length > len(data):
+        raise ValueError(f"header of {length} bytes but the file has {len(data)}")
+    metadata = json.loads(data[8 : 8 + length]).get("__metadata__")
+    if not isinstance(metadata, dict) or not {"torch_dad", "sha256"} <= metadata.keys():
+        raise ValueError("no torch_dad checkpoint metadata")
+    return metadata
+
+
+def read(path: str | os.PathLike[str]) -> Any:
+    """The state saved by :func:`write` (tensors on the CPU); :class:`CheckpointError` if the file is
+    truncated, altered or not a checkpoint, ``FileNotFoundError`` if it does not exist."""
+    path = Path(path)
+    data = path.read_bytes()
+    try:
+        metadata = _metadata(data)
+        tensors = _safetensors().load(data)
+        document = json.loads(metadata["torch_dad"])
+    except ImportError:
+        raise
+    except Exception as exc:  # any parse failure means a damaged file: safetensors, json and struct errors alike
+        raise CheckpointError(f"checkpoint {path} is truncated or corrupted: {exc}") from exc
+    if _digest(metadata["torch_dad"], tensors) != metadata["sha256"]:
+        raise CheckpointError(f"checkpoint {path} is corrupted: its sha256 does not match its contents")
+    if (
+        not isinstance(document, dict)
+        or document.get("format") != FORMAT
+        or not isinstance(document.get("version"), int)
+    ):
+        raise CheckpointError(f"{path} is not a {FORMAT} file")
+    if document["version"] > VERSION:
+        raise CheckpointError(
+            f"checkpoint {path} has format version {document['version']}; this torch_dad reads up to {VERSION}"
+        )
+    try:
+        return unflatten(document["state"], tensors)
+    except (KeyError, TypeError) as exc:
+        raise CheckpointError(f"checkpoint {path} names a tensor it does not hold: {exc}") from exc
+
+
+# ---------------------------------------------------------------------------------------- a training run's folder
+def check_folder(value: object, name: str = "checkpoint_dir") -> Path:
+    """``Path(value)`` for a folder path (existing or not), else ``TypeError``/``ValueError`` naming ``name``."""
+    if not isinstance(value, (str, os.PathLike)):
+        raise TypeError(f"{name} must be a folder path (str or os.PathLike), got {type(value).__name__}")
+    folder = Path(value)
+    if folder.exists() and not folder.is_dir():
+        raise ValueError(f"{name}={str(value)!r} is a file; pass a folder path (it is created if missing)")
+    return folder
+
+
+class CheckpointFolder:
+    """The checkpoints of one training run: ``folder/checkpoint-<step>.safetensors``, newest ``keep_last`` kept.
+
+    ``every``: :meth:`due` is true every that many steps (``None``: never; the caller saves at epoch ends).
+    """
+
+    def __init__(self, folder: Path, every: int | None, keep_last: int) -> None:
+        self.folder = folder
+        self.every = every
+        self.keep_last = keep_last
+
+    def paths(self) -> list[tuple[int, Path]]:
+        """``(step, path)`` of every checkpoint in the folder, newest first."""
+        if not self.folder.is_dir():
+            return []
+        found = [(int(m.group(1)), p) for p in self.folder.iterdir() if (m := _NAME.fullmatch(p.name))]
+        return sorted(found, reverse=True)
+
+    def due(self, step: int) -> bool:
+        return self.every is not None and step % self.every == 0
+
+    def save(self, step: int, state: Any) -> Path:
+        """Write ``state`` as the checkpoint of ``step``; once it is durable, delete all but the newest ``keep_last``."""
+        self.folder.mkdir(parents=True, exist_ok=True)
+        path = self.folder / f"checkpoint-{step:09d}{SUFFIX}"
+        write(path, state)
+        for _, old in self.paths()[self.keep_last :]:
+            old.unlink(missing_ok=True)
+        return path
+
+    def newest(self) -> tuple[Path, Any] | None:
+        """``(path, state)`` of the newest checkpoint that reads back intact, or ``None``. Each corrupt one
+        on the way is renamed to ``<name>.corrupt`` (kept for inspection, never read again) with a warning."""
+        for _, path in self.paths():
+            try:
+                return path, read(path)
+            except CheckpointError as exc:
+                aside = path.with_name(path.name + ".corrupt")
+                os.replace(path, aside)
+                warnings.warn(
+                    f"{exc}; renamed it to {aside.name} and trying the previous checkpoint", UserWarning, stacklevel=4
+                )
+        return None
+
+    def check_fresh_start(self, step: int) -> None:
+        """Raise ``ValueError`` if the folder holds a checkpoint of a later step than ``step``: a new run
+        there would have its own checkpoints rotated away in favour of the older run's."""
+        later = [path.name for saved, path in self.paths() if saved > step]
+        if later:
+            raise ValueError(
+                f"checkpoint_dir={str(self.folder)!r} holds {later[0]}, from a later step than this trainer's {step}; "
+                "pass resume=True to continue from it, or another (or an empty) checkpoint_dir"
+            )
+
+    def remove_temporaries(self) -> None:
+        """Delete temporary files left by a write that was killed before its rename."""
+        if self.folder.is_dir():
+            for path in self.folder.glob(f".checkpoint-*{SUFFIX}{_TEMPORARY}*"):
+                path.unlink(missing_ok=True)
+
+
+@dataclass
+class FitProgress:
+    """Where ``DADTrainer.fit`` stands: ``epoch`` epochs of this call done, then ``batches`` batches of the next
+    (``seen`` rows, summed loss ``loss_sum``, ``seconds`` of training), its data order drawn from a generator
+    in ``generator_state``; ``history_start`` is the length of the trainer's history when the call began."""
+
+    args: dict[str, Any]
+    history_start: int
+    generator_state: Tensor
+    loss_sum: Tensor
+    epoch: int = 0
+    batches: int = 0
+    seen: int = 0
+    seconds: float = 0.0
+
+    def state(self) -> dict[str, Any]:
+        return dict(vars(self))
+
+    @classmethod
+    def from_state(cls, state: Mapping[str, Any], path: Path, device: torch.device) -> FitProgress:
+        try:
+            progress = cls(**state)
+        except TypeError as exc:
+            raise CheckpointError(f"checkpoint {path} has no fit progress this version reads: {exc}") from exc
+        progress.loss_sum = progress.loss_sum.to(device)
+        return progress
+
+    def next_epoch(self, generator_state: Tensor) -> None:
+        """Start the next epoch: nothing consumed yet, its order drawn from ``generator_state``."""
+        self.epoch += 1
+        self.batches, self.seen, self.seconds = 0, 0, 0.0
+        self.loss_sum = torch.zeros_like(self.loss_sum)
+        self.generator_state = generator_state
+
+    def check_args(self, args: Mapping[str, Any], path: Path) -> None:
+        """``ValueError`` naming each argument of this ``fit`` call that differs from the checkpoint's run."""
+        changed = [
+            f"{key}={args[key]!r} (checkpoint: {self.args.get(key)!r})"
+            for key in args
+            if self.args.get(key) != args[key]
+        ]
+        if changed:
+            raise ValueError(
+                f"resume=True: {path} was written by a fit() run with other arguments: {', '.join(changed)}; "
+                "pass the same arguments, or resume=False with another checkpoint_dir"
+            )
