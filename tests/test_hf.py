@@ -129,13 +129,14 @@ def test_precondition_gram_head_grad_matches_reference() -> None:
     out.loss.backward()
     x = torch.cat([features["x"], torch.ones(11, 1, dtype=torch.float64)], 1)
     second = x.T @ x / 11
-    m = second + 1e-2 * second.diagonal().mean() * torch.eye(33, dtype=torch.float64)
+    ridge = 1e-2 * features["x"].var(0, correction=0).mean()  # damping x the features' mean variance
+    m = second + ridge * torch.eye(33, dtype=torch.float64)
     # the stochastic Newton step: B / (C + (d+1)/2) (g + rho [W, b]) M^-1, C the rows' summed curvature along their error
     p = torch.softmax(out.logits.detach(), 1)
     e = p - nn.functional.one_hot(inputs["labels"], 3).double()
     curved = torch.einsum("nij,nj->ni", torch.diag_embed(p) - p[:, :, None] * p[:, None, :], e)
     curvature = ((e * curved).sum(1) / (e * e).sum(1)).sum()
-    rho = curvature / 11 * 1e-2 * second.diagonal().mean()
+    rho = curvature / 11 * ridge
     params = torch.cat([reference.classifier.weight, reference.classifier.bias[:, None]], 1).detach()
     g = torch.cat([reference.classifier.weight.grad, reference.classifier.bias.grad[:, None]], 1)
     expected = 11 / (curvature + 33 / 2) * (g + rho * params) @ torch.linalg.inv(m)

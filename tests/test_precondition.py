@@ -10,12 +10,17 @@ from torch_dad import DADAutogradLinear
 from torch_dad.nn.precondition import GramPreconditioner
 
 
+def reference_ridge(x: torch.Tensor, damping: float) -> torch.Tensor:
+    """``damping`` times the features' mean (population) variance."""
+    return damping * x.double().var(0, correction=0).mean()
+
+
 def reference_matrix(x: torch.Tensor, damping: float, bias: bool = True) -> torch.Tensor:
-    """``[x,1]^T [x,1] / n + damping * mean(diag) * I`` (bias) or the same without the ones column."""
+    """``[x,1]^T [x,1] / n + damping * mean_j Var(x_j) * I`` (bias) or the same without the ones column."""
     x = x.double()
     xa = torch.cat([x, torch.ones(x.shape[0], 1, dtype=torch.float64)], 1)
     second = xa.T @ xa / x.shape[0]
-    m = second + damping * second.diagonal().mean() * torch.eye(xa.shape[1], dtype=torch.float64)
+    m = second + reference_ridge(x, damping) * torch.eye(xa.shape[1], dtype=torch.float64)
     return m if bias else m[:-1, :-1]
 
 
@@ -23,15 +28,13 @@ def reference_newton(
     x: torch.Tensor, logits: torch.Tensor, y: torch.Tensor, grad: torch.Tensor, params: torch.Tensor, batch: int
 ) -> torch.Tensor:
     """``B / (C + (d+1)/2) (grad + rho params) @ M^-1`` with ``C`` = sum of ``e^T (diag p - p p^T) e / |e|^2``
-    over ``logits`` (all rows seen), ``rho = (C / n) damping mean(diag M0)``, damping 0.1."""
+    over ``logits`` (all rows seen), ``rho = (C / n) damping mean_j Var(x_j)``, damping 0.1."""
     damping = 0.1
     p = torch.softmax(logits.double(), 1)
     e = p - nn.functional.one_hot(y, p.shape[1]).double()
     hessian_e = torch.einsum("nij,nj->ni", torch.diag_embed(p) - p[:, :, None] * p[:, None, :], e)
     curvature = ((e * hessian_e).sum(1) / (e * e).sum(1)).sum()
-    n = x.shape[0]
-    xa = torch.cat([x.double(), torch.ones(n, 1, dtype=torch.float64)], 1)
-    rho = curvature / n * damping * (xa.T @ xa / n).diagonal().mean()
+    rho = curvature / x.shape[0] * reference_ridge(x, damping)
     m = reference_matrix(x, damping, bias=params.shape[1] == x.shape[1] + 1)
     return batch / (curvature + (x.shape[1] + 1) / 2) * (grad + rho * params) @ torch.linalg.inv(m)
 
@@ -59,10 +62,25 @@ def test_preconditioner_matches_reference_over_batches(dtype: torch.dtype, tol: 
     assert rel_err(new_b, expected[:, 37]) < tol
     no_bias, none = pre.precondition(grad_w, None)
     assert none is None
-    # without a bias the constant column is dropped but the damping keeps the full mean diagonal
+    # without a bias the constant column is dropped; the damping is the same
     m_full = reference_matrix(torch.cat(batches), 1e-3)
     expected_nb = grad_w.double() @ torch.linalg.inv(m_full[:-1, :-1])
     assert rel_err(no_bias, expected_nb) < tol
+
+
+def test_damping_follows_the_variance_not_the_mean() -> None:
+    # pooled features far from the origin: shifting every row changes S/n but not the damping,
+    # and scaling the rows scales the damping with the variance
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(50, 9, generator=g, dtype=torch.float64) * 0.04
+    ridges = []
+    for rows in (x, x + 1.0, 10 * x):
+        pre = GramPreconditioner(9, damping=0.1)
+        pre.update(rows)
+        ridges.append(float(pre.ridge()))
+        assert abs(ridges[-1] - float(reference_ridge(rows, 0.1))) <= 1e-12 * ridges[-1]
+    assert abs(ridges[1] - ridges[0]) <= 1e-9 * ridges[0]
+    assert abs(ridges[2] - 100 * ridges[0]) <= 1e-9 * ridges[2]
 
 
 def test_window_forgets_old_rows() -> None:
