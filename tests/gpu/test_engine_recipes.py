@@ -98,10 +98,12 @@ def test_dropout_kernel_matches_twin(shape, dtype):  # type: ignore[no-untyped-d
     from torch_dad.ops.dropout import counter_dropout
 
     x = torch.randn(shape, device=DEVICE).to(dtype)
-    for step in (0, 7, 2**33 + 1):
+    # layer and seed 0 and 1 too: triton passes an int argument equal to 1 as a constexpr
+    cases = [(step, 3, 2**40 + 9) for step in (0, 7, 2**33 + 1)] + [(5, layer, seed) for layer in (0, 1) for seed in (0, 1)]
+    for step, layer, seed in cases:
         counter = torch.tensor(step, device=DEVICE)
-        kernel = counter_dropout(x, 0.3, 2**40 + 9, counter, 3, backend="triton")
-        twin = counter_dropout(x, 0.3, 2**40 + 9, counter, 3, backend="torch")
+        kernel = counter_dropout(x, 0.3, seed, counter, layer, backend="triton")
+        twin = counter_dropout(x, 0.3, seed, counter, layer, backend="torch")
         assert kernel.dtype == dtype and torch.equal(kernel != 0, twin != 0), step
         if DEVICE == "cuda" or dtype == torch.float32:
             assert torch.equal(kernel, twin), step

@@ -30,7 +30,8 @@ def dropout_kernel(x_ptr, out_ptr, step_ptr, n, seed, layer, threshold, scale, B
     step = tl.load(step_ptr)
     c0 = groups.to(tl.uint32)
     zero = tl.zeros_like(c0)
-    c1 = zero + layer.to(tl.uint32)
+    # tl.full, not layer.to(): triton passes an int argument equal to 1 as a constexpr
+    c1 = tl.full((BLOCK,), layer, tl.uint32)
     c2 = zero + (step & 0xFFFFFFFF).to(tl.uint32)
     c3 = zero + (step >> 32).to(tl.uint32)
     w0, w1, w2, w3 = philox(seed, c0, c1, c2, c3)
