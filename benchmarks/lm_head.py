@@ -1,22 +1,27 @@
-"""LM-head training step: HF unfused ``lm_head`` + AdamW against the DAD fused head (peak memory, step time).
+"""LM-head training step at LLM scale: the DAD fused head against the unfused HF head, Liger-Kernel and
+cut-cross-entropy, each a whole training step with float32 master weights and fused AdamW (peak memory, step time,
+loss agreement), beside a measured floor.
 
-Shape of SmolLM2-135M's head: vocab 49152, hidden 576, 8192 tokens, bf16 compute, float32 master
-weights and AdamW moments for both systems. Systems:
+Shapes (``--shapes``): ``smollm2`` (vocab 49152, hidden 576, 8192 tokens) and ``llama3-8b`` (128256 x 4096 x 8192);
+bf16 compute. Systems per shape, each without and with ``dL/dhidden`` (``+dh``, what LoRA or a trained trunk needs):
 
-- ``hf-adamw``: ``logits = h @ W.T`` under bf16 autocast, ``F.cross_entropy(logits.float(), y)``,
-  ``backward``, ``torch.optim.AdamW(fused=True)`` (5,773 MiB peak on the H200);
-- ``dad-fused``: ``DADLMHead`` on backend ``auto``: chunked fused loss + update in backward, no full logits;
-- ``dad-fused-<backend>[-c<rows>]``: each available backend (torch, triton, liger, cce), torch chunk sizes
-  (``--chunks``) and triton chunk sizes (``--triton-chunks``: 512, 1024, 2048); on CPU (``--smoke``) the
-  CUDA-only rows are skipped with the reason printed;
-- ``dad-fused+dh``: ``dad-fused`` that also returns ``dL/dhidden`` (``backprop_gradients=True``), for LoRA.
+- ``hf-adamw``: ``logits = h @ W.T`` under bf16 autocast, ``F.cross_entropy(logits.float(), y)``, ``backward``,
+  ``torch.optim.AdamW(fused=True)``;
+- ``liger-adamw``: ``LigerFusedLinearCrossEntropyLoss`` on a bf16 copy of ``W`` (its gradient flows back into the
+  float32 master), then fused AdamW; Liger always computes ``dL/dhidden``, so its two rows do the same work;
+- ``cce-adamw``: cut-cross-entropy's ``linear_cross_entropy`` the same way;
+- ``dad-fused``: ``DADLMHead`` on backend ``auto``: chunked fused loss, update in backward, no full logits;
+- ``floor``: the bare bf16 GEMMs of the step (logits, ``dL/dW``, and ``dL/dh`` for ``+dh``) and one fused AdamW
+  over the ``V x D`` float32 weight, each timed alone; their sum bounds any implementation of the step.
 
-``peak_mib`` = ``torch.cuda.max_memory_allocated`` during one step after warm-up (static weights,
-moments and data included); ``step_ms`` = median of CUDA-event timed steps after
-warm-up (p20/p80 too). Writes ``results/lm_head.json`` (or ``--out``).
+``--sweep`` adds ``dad-fused-<backend>[-c<rows>]`` for each available backend and chunk size (first shape only).
+``peak_mib`` = ``torch.cuda.max_memory_allocated`` during one step after warm-up (static weights, moments and data
+included); ``step_ms`` = median of CUDA-event timed steps after warm-up (p20/p80 too). ``loss_30``: every system
+starts from the same weights and trains ``--loss-steps`` steps over the same 4 cycled batches; the loss of the last
+step. Writes ``results/lm_head.json`` (or ``--out``).
 
-    python benchmarks/lm_head.py                 # H200: about a minute
-    python benchmarks/lm_head.py --smoke         # CPU, seconds, tiny shapes (CI)
+    python benchmarks/lm_head.py                 # H200, both shapes
+    python benchmarks/lm_head.py --smoke         # CPU, seconds, tiny shapes (CI): the CUDA-only peers are skipped
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ import torch
 
 from _common import cuda_step_memory, environment, write_records
 from torch_dad.nn.lm_head import DADLMHead
-from torch_dad.ops.linear_cross_entropy import CUDA_PREFERENCE, resolve_backend
+from torch_dad.ops.linear_cross_entropy import resolve_backend
 
 
 def _percentile(samples: list[float], q: float) -> float:
@@ -72,115 +77,223 @@ def measure(step: Callable[[], None], device: torch.device, warmup: int, repeats
     }
 
 
-def hf_adamw(vocab: int, hidden: int, h: torch.Tensor, y: torch.Tensor, dtype: torch.dtype) -> Callable[[], None]:
-    """The unfused HF step: full logits, float32 CE, backprop, fused AdamW."""
-    device = h.device
-    weight = torch.nn.Parameter(torch.randn(vocab, hidden, device=device) * 0.02)
-    opt = torch.optim.AdamW([weight], lr=1e-3, weight_decay=0.01, fused=True)
+SHAPES = {"smollm2": (49152, 576, 8192), "llama3-8b": (128256, 4096, 8192)}
+Step = Callable[[], Any]
 
-    def step() -> None:
-        with torch.autocast(device.type, dtype=dtype, enabled=dtype != torch.float32):
-            logits = h @ weight.t()
-        loss = torch.nn.functional.cross_entropy(logits.float(), y)
+
+class Data:
+    """The step's input buffers ``h`` (tokens, hidden) and ``y`` (tokens,), refilled in place from ``batches``
+    (every system's step reads these same tensors, so one ``load(k)`` switches all of them)."""
+
+    def __init__(self, vocab: int, hidden: int, tokens: int, dtype: torch.dtype, device: torch.device) -> None:
+        g = torch.Generator(device="cpu").manual_seed(0)
+        self.batches = [
+            (torch.randn(tokens, hidden, generator=g).to(device, dtype), torch.randint(0, vocab, (tokens,), generator=g).to(device))
+            for _ in range(4)
+        ]
+        self.h, self.y = (t.clone() for t in self.batches[0])
+        self.init = (torch.randn(vocab, hidden, generator=g) * 0.02).to(device)
+
+    def load(self, k: int) -> None:
+        h, y = self.batches[k % len(self.batches)]
+        self.h.copy_(h)
+        self.y.copy_(y)
+
+
+def _master(data: Data) -> tuple[torch.nn.Parameter, torch.optim.Optimizer]:
+    """A float32 master copy of the shared initial weights and its fused AdamW."""
+    weight = torch.nn.Parameter(data.init.clone())
+    return weight, torch.optim.AdamW([weight], lr=1e-3, weight_decay=0.01, fused=data.init.is_cuda)
+
+
+def _input(data: Data, grad_hidden: bool) -> torch.Tensor:
+    """``h`` as the step's input: a view of the shared buffer that asks for ``dL/dh`` if ``grad_hidden``."""
+    return data.h.detach().requires_grad_(grad_hidden)
+
+
+def hf_adamw(data: Data, dtype: torch.dtype, grad_hidden: bool) -> tuple[Step, None]:
+    """The unfused HF step: full logits, float32 CE, backprop, fused AdamW."""
+    weight, opt = _master(data)
+    x = _input(data, grad_hidden)
+
+    def step() -> torch.Tensor:
+        with torch.autocast(x.device.type, dtype=dtype, enabled=dtype != torch.float32):
+            logits = x @ weight.t()
+        loss = torch.nn.functional.cross_entropy(logits.float(), data.y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
+        x.grad = None
+        return loss.detach()
 
-    return step
+    return step, None
 
 
-def dad_fused(vocab: int, hidden: int, h: torch.Tensor, y: torch.Tensor, dtype: torch.dtype, backend: str,
-              chunk: int | None = None, grad_hidden: bool = False) -> tuple[Callable[[], None], DADLMHead]:
+def peer_adamw(library: str, data: Data, dtype: torch.dtype, grad_hidden: bool) -> tuple[Step, None]:
+    """Liger-Kernel's or cut-cross-entropy's fused linear cross-entropy on a ``dtype`` copy of the float32
+    master weight (autograd carries ``dL/dW`` back through the cast), then fused AdamW."""
+    if library == "liger":
+        from liger_kernel.transformers import LigerFusedLinearCrossEntropyLoss
+
+        liger = LigerFusedLinearCrossEntropyLoss()
+
+        def loss_of(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return liger(w, x, data.y)
+    else:
+        from cut_cross_entropy import linear_cross_entropy
+
+        def loss_of(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+            return linear_cross_entropy(x, w, data.y)
+
+    weight, opt = _master(data)
+    x = _input(data, grad_hidden)
+
+    def step() -> torch.Tensor:
+        loss = loss_of(x, weight.to(dtype))
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        x.grad = None
+        return loss.detach()
+
+    return step, None
+
+
+def dad_fused(
+    data: Data, dtype: torch.dtype, grad_hidden: bool, backend: str = "auto", chunk: int | None = None
+) -> tuple[Step, DADLMHead]:
     """One DAD head step: fused loss forward, in-place AdamW in backward; ``y`` is already shifted."""
+    vocab, hidden = data.init.shape
     head = DADLMHead(hidden, vocab, lr=1e-3, weight_decay=0.01, backend=backend, chunk_size=chunk,
-                     backprop_gradients=grad_hidden, compute_dtype=dtype, device=h.device)
+                     backprop_gradients=grad_hidden, compute_dtype=dtype, device=data.h.device)
     with torch.no_grad():
-        head.weight.normal_(std=0.02)
-    x = h.detach().requires_grad_(grad_hidden)
+        head.weight.copy_(data.init)
+    x = _input(data, grad_hidden)
 
-    def step() -> None:
-        out = head.fused_loss(x, y, shift=False)
+    def step() -> torch.Tensor:
+        out = head.fused_loss(x, data.y, shift=False)
         out.loss.backward()
-        if grad_hidden:
-            x.grad = None
+        x.grad = None
+        return out.loss.detach()
 
     return step, head
+
+
+def floor(data: Data, dtype: torch.dtype, grad_hidden: bool, warmup: int, repeats: int) -> dict[str, Any]:
+    """Median times of the step's bare bf16 GEMMs and of one fused AdamW over the float32 weight; their sum."""
+    vocab, hidden = data.init.shape
+    a, w = data.h.to(dtype), data.init.to(dtype)
+    grad_logits = torch.randn(a.shape[0], vocab, device=a.device, dtype=dtype)
+    weight, opt = _master(data)
+    weight.grad = torch.randn_like(weight)
+    parts: dict[str, Step] = {"logits_gemm": lambda: a @ w.t(), "grad_weight_gemm": lambda: grad_logits.t() @ a}
+    if grad_hidden:
+        parts["grad_hidden_gemm"] = lambda: grad_logits @ w
+    parts["adamw"] = opt.step
+    times = {f"{name}_ms": measure(part, a.device, warmup, repeats)["step_ms"] for name, part in parts.items()}
+    return {"step_ms": sum(times.values()), "peak_mib": None, **times}
+
+
+def loss_after(step: Step, data: Data, steps: int) -> float:
+    """The loss of the last of ``steps`` steps over the cycled batches (then the first batch is loaded back)."""
+    loss = torch.zeros(())
+    for k in range(steps):
+        data.load(k)
+        loss = step()
+    data.load(0)
+    return float(loss)
+
+
+def systems_for(data: Data, dtype: torch.dtype, device: torch.device, sweep: dict[str, list[int]]) -> list[tuple[str, Callable[[], Any]]]:
+    """``(name, build)`` of every system of one shape; ``build()`` returns ``(step, head or None)``."""
+    systems: list[tuple[str, Callable[[], Any]]] = []
+    for dh in (False, True):
+        tag = "+dh" if dh else ""
+        systems += [(f"hf-adamw{tag}", lambda dh=dh: hf_adamw(data, dtype, dh))]
+        for library in ("liger", "cce"):
+            if device.type != "cuda":
+                print(f"skip {library}-adamw{tag}: CUDA only")
+                continue
+            systems += [(f"{library}-adamw{tag}", lambda library=library, dh=dh: peer_adamw(library, data, dtype, dh))]
+        systems += [(f"dad-fused{tag}", lambda dh=dh: dad_fused(data, dtype, dh))]
+    for backend, chunks in sweep.items():
+        try:
+            resolve_backend(backend, device)
+        except ValueError as exc:
+            print(f"skip backend={backend}: {exc}")
+            continue
+        systems.append((f"dad-fused-{backend}", lambda backend=backend: dad_fused(data, dtype, False, backend)))
+        for rows in chunks:
+            systems.append((f"dad-fused-{backend}-c{rows}",
+                            lambda backend=backend, rows=rows: dad_fused(data, dtype, False, backend, rows)))
+    return systems
+
+
+def run_system(name: str, build: Callable[[], Any], data: Data, device: torch.device, warmup: int, repeats: int,
+               loss_steps: int) -> dict[str, Any]:
+    """Time one system, then retrain a fresh copy from the shared weights for the loss-agreement column."""
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+    try:
+        step, head = build()
+        stats = measure(step, device, warmup, repeats)
+        backend = None if head is None else head.last_backend
+        del step, head
+        fresh, _ = build()
+        stats["loss_30"] = loss_after(fresh, data, loss_steps)
+        del fresh
+    except Exception as exc:  # a library kernel failing on this machine must not hide the other rows
+        print(f"{name:24s} FAILED: {type(exc).__name__}: {exc}")
+        return {"system": name, "error": f"{type(exc).__name__}: {exc}"}
+    return {"system": name, "backend": backend, **stats}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny shapes on CPU, seconds")
-    parser.add_argument("--vocab", type=int, default=49152)
-    parser.add_argument("--hidden", type=int, default=576)
-    parser.add_argument("--tokens", type=int, default=8192)
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
     parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--loss-steps", type=int, default=30)
+    parser.add_argument("--sweep", action="store_true", help="also every backend and chunk size (first shape)")
     parser.add_argument("--chunks", type=int, nargs="*", default=[128, 256, 512, 1024])
     parser.add_argument("--triton-chunks", type=int, nargs="*", default=[512, 1024, 2048])
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default results/lm_head.json)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if args.smoke:
-        vocab, hidden, tokens, dtype, warmup, repeats = 257, 24, 96, torch.float32, 1, 3
-        chunks: list[int] = [32]
-        triton_chunks: list[int] = [32]
+        shapes, dtype, warmup, repeats = {"smoke": (257, 24, 96)}, torch.float32, 1, 3
+        sweep = {"torch": [32], "triton": [32]}
     else:
         if device.type != "cuda":
             sys.exit("the full benchmark needs CUDA; use --smoke on CPU")
-        vocab, hidden, tokens, dtype, warmup, repeats = args.vocab, args.hidden, args.tokens, torch.bfloat16, 3, args.repeats
-        chunks = args.chunks
-        triton_chunks = args.triton_chunks
-    torch.manual_seed(0)
-    h = torch.randn(tokens, hidden, device=device, dtype=dtype)
-    y = torch.randint(0, vocab, (tokens,), device=device)
+        shapes, dtype, warmup, repeats = {k: SHAPES[k] for k in args.shapes}, torch.bfloat16, 3, args.repeats
+        sweep = {"torch": args.chunks, "triton": args.triton_chunks, "liger": [], "cce": []} if args.sweep else {}
     env = environment()
-    auto = resolve_backend("auto", device)
-    systems: list[tuple[str, str | None, Callable[[], Any]]] = [
-        ("hf-adamw", None, lambda: (hf_adamw(vocab, hidden, h, y, dtype), None)),
-        ("dad-fused", auto, lambda: dad_fused(vocab, hidden, h, y, dtype, "auto")),
-        ("dad-fused+dh", auto, lambda: dad_fused(vocab, hidden, h, y, dtype, "auto", grad_hidden=True)),
-    ]
-    backends = ["torch", "triton"] + ([n for n in ("liger", "cce") if device.type == "cuda"])
-    sizes = {"torch": chunks, "triton": triton_chunks}
-    for backend in backends:
-        try:
-            resolve_backend(backend, device)
-        except ValueError as exc:
-            print(f"skip backend={backend}: {exc}")
-            continue
-        systems.append((f"dad-fused-{backend}", backend,
-                        lambda backend=backend: dad_fused(vocab, hidden, h, y, dtype, backend)))
-        for rows in sizes.get(backend, []):
-            systems.append((f"dad-fused-{backend}-c{rows}", backend,
-                            lambda backend=backend, rows=rows: dad_fused(vocab, hidden, h, y, dtype, backend, rows)))
     records = []
-    for name, backend, build in systems:
-        if device.type == "cuda":
-            torch.cuda.empty_cache()
-        try:
-            step, head = build()
-            stats = measure(step, device, warmup, repeats)
-            backend = backend if head is None else head.last_backend
-        except Exception as exc:  # a library kernel failing on this machine must not hide the other rows
-            print(f"{name:24s} FAILED: {type(exc).__name__}: {exc}")
-            records.append({"system": name, "backend": backend, "error": f"{type(exc).__name__}: {exc}", **env})
-            continue
-        del step, head
-        record = {"system": name, "backend": backend, "tokens": tokens, "vocab": vocab, "hidden": hidden,
-                  "dtype": str(dtype).removeprefix("torch."), **stats, **env}
-        records.append(record)
-        peak = "n/a" if stats["peak_mib"] is None else f"{stats['peak_mib']:8.0f} MiB"
-        print(f"{name:24s} backend={backend or '-':6s} peak {peak}  step {stats['step_ms']:8.3f} ms")
-    hf = next(r for r in records if r["system"] == "hf-adamw")
-    ours = next(r for r in records if r["system"] == "dad-fused")
-    if "error" not in ours and hf.get("peak_mib"):
-        print(f"dad-fused/hf-adamw: peak {ours['peak_mib'] / hf['peak_mib']:.3f} (1/6 = 0.167), "
-              f"step {ours['step_ms'] / hf['step_ms']:.3f}; CUDA preference {CUDA_PREFERENCE}")
+    for index, (shape, (vocab, hidden, tokens)) in enumerate(shapes.items()):
+        data = Data(vocab, hidden, tokens, dtype, device)
+        systems = systems_for(data, dtype, device, sweep if index == 0 else {})
+        rows = [run_system(name, build, data, device, warmup, repeats, args.loss_steps) for name, build in systems]
+        rows += [{"system": f"floor{tag}", **floor(data, dtype, dh, warmup, repeats)} for dh, tag in ((False, ""), (True, "+dh"))]
+        for row in rows:
+            row.update(shape=shape, tokens=tokens, vocab=vocab, hidden=hidden, dtype=str(dtype).removeprefix("torch."), **env)
+            report(row)
+        records += rows
+        del data
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(records, indent=2) + "\n")
         print("wrote", args.out)
     else:
         print("wrote", write_records("lm_head", records, args.smoke))
+
+
+def report(row: dict[str, Any]) -> None:
+    if "error" in row:
+        return
+    peak = "n/a" if row.get("peak_mib") is None else f"{row['peak_mib']:8.0f} MiB"
+    loss = "" if row.get("loss_30") is None else f"  loss_30 {row['loss_30']:.4f}"
+    print(f"{row['shape']:10s} {row['system']:24s} peak {peak}  step {row['step_ms']:8.3f} ms{loss}")
 
 
 if __name__ == "__main__":
