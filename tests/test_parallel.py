@@ -49,6 +49,31 @@ class Net(td.DADModel):
             self.classifier = torch.nn.Linear(widths[-1], CLASSES)
 
 
+class ConvNet(td.DADModel):
+    """A conv stem, a residual DADBlock and a dense layer: the layer types a stage may hold."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = td.DADConv2d(1, 4, 3, padding=1, num_classes=CLASSES, pool="max")
+        self.block = td.DADBlock(_Residual(4), num_classes=CLASSES, head_features=4)
+        self.dense = td.DADLinear(4 * 3 * 3, 11, num_classes=CLASSES)
+        self.classifier = torch.nn.Linear(11, CLASSES)
+
+
+class _Residual(torch.nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.conv = torch.nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x):
+        return torch.relu(x + self.conv(x))
+
+
+def make_images(n=107, seed=3):
+    x, y, _, _ = make_data(n, seed)
+    return x[:, :18].reshape(n, 1, 6, 3).repeat(1, 1, 1, 2), y  # 1 x 6 x 6 images
+
+
 def make_data(n=107, seed=3):
     (x, y), (xt, yt) = data.synthetic(num_train=n, num_test=49, num_features=D_IN, num_classes=CLASSES, seed=seed)
     return x, y, xt, yt  # 107 = 4 * 24 + 11: the last global batch splits 5 / 6 over 2 ranks
@@ -172,6 +197,20 @@ def _pipeline(rank, out, balance):
     out["synced"] = full_state(trainer)
 
 
+def _conv_models(rank, out):
+    torch.manual_seed(400 + rank)
+    trainer = DataParallelTrainer(ConvNet(), DEVICE, **trainer_kwargs())
+    x, y = make_images()
+    trainer.fit((x, y), epochs=1, batch_size=24, progress=False)
+    out["dp_state"] = full_state(trainer)
+    torch.manual_seed(500 + rank)
+    trainer = td.DADTrainer(ConvNet(), DEVICE, **trainer_kwargs())
+    pipe = Pipeline(trainer, balance=[1, 2])  # the conv | the block and the dense layer
+    pipe.fit((x, y) if rank == 0 else None, epochs=1, batch_size=16, progress=False)
+    pipe.synchronize()
+    out["pipe_state"] = full_state(trainer)
+
+
 def _errors(rank, out):
     torch.manual_seed(0)
     out["too_many_stages"] = _catch(lambda: Pipeline(td.DADTrainer(Net(widths=(D_IN, 7)), DEVICE)))
@@ -243,6 +282,7 @@ def _worker(rank, world, port, outdir, backend):
             ("dp_sampled", lambda o: _data_parallel_sampled(rank, o)),
             ("pipe_sampled", lambda o: _pipeline_sampled(rank, o)),
             ("errors", lambda o: _errors(rank, o)),
+            ("conv", lambda o: _conv_models(rank, o)),
             ("ddp_autograd", lambda o: _ddp_autograd(rank, o)),
         ]:
             out[name] = {}
@@ -360,6 +400,24 @@ def test_data_parallel_global_batch_equals_single_process(ranks, name, epochs):
         assert r["evaluate"]["samples"] == metrics["samples"]
         assert r["evaluate"]["accuracy"] == metrics["accuracy"]
         assert abs(r["evaluate"]["loss"] - metrics["loss"]) <= 1e-5 * metrics["loss"]
+
+
+def test_conv_and_block_models_data_parallel_and_pipeline(ranks):
+    """DADConv2d and DADBlock train alike with data parallelism (global batch 24 over 2 ranks) and
+    in a pipeline (conv on one stage, block and dense layer on the other) as on one process."""
+    x, y = make_images()
+    for key, seed, batch_size, tol in (("dp_state", 400, 24, 1e-5), ("pipe_state", 500, 16, 0.0)):
+        torch.manual_seed(seed)
+        trainer = td.DADTrainer(ConvNet(), ranks.device, **trainer_kwargs())
+        trainer.fit((x, y), epochs=1, batch_size=batch_size, progress=False)
+        want = full_state(trainer)
+        for rank in ranks:
+            got = rank["conv"][key]
+            skip = ("stats.",) if key == "dp_state" else ()  # per-rank Gram statistics
+            if tol == 0.0 and ranks.device == "cpu":
+                assert all(torch.equal(got[k], want[k]) for k in want), key
+            else:
+                assert_close_states(got, want, max(tol, TOL), skip=skip)
 
 
 def test_data_parallel_bad_configuration(ranks):

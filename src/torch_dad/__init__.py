@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from . import functional
 from .nn.autograd import DADAutogradLinear, label_context
+from .nn.block import DADBlock
+from .nn.conv import DADConv2d
 from .nn.convert import to_dad
 from .nn.linear import DADLinear, DADModel
 from .nn.lm_head import DADLMHead
@@ -26,6 +28,8 @@ __version__ = "2026.12.0"
 
 __all__ = [
     "DADAutogradLinear",
+    "DADBlock",
+    "DADConv2d",
     "DADLMHead",
     "DADLinear",
     "DADModel",

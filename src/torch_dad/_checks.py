@@ -16,6 +16,7 @@ __all__ = [
     "check_bool",
     "check_choice",
     "check_device",
+    "check_finite",
     "check_fraction",
     "check_inputs",
     "check_int",
@@ -164,9 +165,15 @@ def check_inputs(inputs: Tensor, in_features: int, *, check_values: bool = True,
         )
     if inputs.shape[0] == 0:
         raise ValueError(f"{name} are an empty batch; pass at least one row")
+    if check_values:
+        check_finite(inputs, name)
+
+
+def check_finite(inputs: Tensor, name: str = "inputs") -> None:
+    """Raise ``ValueError`` if ``inputs`` (a floating tensor of any shape) holds a NaN or Inf."""
     # a NaN/Inf anywhere makes the sum non-finite: one reduction instead of isfinite().all(),
     # which cost 2.5% of a CPU step at B=1024
-    if check_values and not bool(torch.isfinite(inputs.sum())) and not bool(torch.isfinite(inputs).all()):
+    if not bool(torch.isfinite(inputs.sum())) and not bool(torch.isfinite(inputs).all()):
         raise ValueError(f"{name} contain NaN or Inf; clean the data before training")
 
 

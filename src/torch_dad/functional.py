@@ -53,6 +53,11 @@ __all__ = [
     "batch_norm_statistics",
     "batch_norm_forward",
     "batch_norm_backward",
+    "POOLS",
+    "ConvLocalGradients",
+    "conv2d_reference",
+    "pool2x2_reference",
+    "conv_local_loss_and_gradients",
 ]
 
 ACTIVATIONS: tuple[str, ...] = ("relu", "gelu", "tanh", "identity", "leaky_relu")
@@ -453,3 +458,132 @@ def batch_norm_backward(
     ``dL/dz = inv_std * (g_hat - mean_b(g_hat) - z_hat * mean_b(g_hat * z_hat))`` per feature."""
     g_hat = grad if weight is None else grad * weight
     return _normalization_backward(g_hat, normed, inv_std, 0), (grad * normed).sum(0), grad.sum(0)
+
+
+# ---------------------------------------------------------------------------------------------
+# A DAD convolution (torch_dad.DADConv2d). z = conv2d(a, W, b), h = act(z), and the layer output
+# o = h, or its 2 x 2 max/avg pool with ``pool``: what the next layer reads and what the local head
+# reads, through the grid x grid adaptive average pool P, flattened: logits = P(o) W_loc^T + b_loc.
+# P, the average pool and (given the argmax) the max pool are linear, so the closed form is the
+# dense one with these maps and the convolution in place of the matrix products:
+#
+#     d_logits = (softmax(logits) - onehot(y)) / N
+#     g_W_loc  = d_logits.T @ P(o)       g_b_loc = d_logits.sum(0)
+#     d_z      = pool^T(P^T(d_logits @ W_loc)) * act'(z)
+#     g_W      = sum over rows and positions of d_z x (the input patch)      g_b = d_z summed
+# ---------------------------------------------------------------------------------------------
+
+#: DADConv2d(pool=...): a 2 x 2, stride 2 pooling of the output (floor mode, as nn.MaxPool2d(2))
+POOLS: tuple[str, ...] = ("max", "avg")
+
+
+def conv2d_reference(
+    inputs: Tensor, weight: Tensor, bias: Tensor | None, stride: int, padding: int
+) -> tuple[Tensor, Tensor]:
+    """``(z, patches)``: ``z = conv2d(inputs, weight, bias)`` as one matrix product over the unfolded
+    input, ``z[n, o, p] = sum_k weight[o, k] patches[n, k, p] + bias[o]`` (``patches`` (N, C_in*k*k, P))."""
+    out_channels, _, kh, kw = weight.shape
+    patches = torch.nn.functional.unfold(inputs, (kh, kw), padding=padding, stride=stride)
+    height = (inputs.shape[2] + 2 * padding - kh) // stride + 1
+    width = (inputs.shape[3] + 2 * padding - kw) // stride + 1
+    z = weight.reshape(out_channels, -1) @ patches
+    if bias is not None:
+        z = z + bias[:, None]
+    return z.reshape(inputs.shape[0], out_channels, height, width), patches
+
+
+def _grid_pool_matrix(size: int, grid: int, dtype: torch.dtype, device: torch.device) -> Tensor:
+    """(grid, size): row ``i`` averages the window ``[floor(i*size/grid), ceil((i+1)*size/grid))``,
+    the windows of ``adaptive_avg_pool2d`` along one axis."""
+    matrix = torch.zeros(grid, size, dtype=dtype, device=device)
+    for i in range(grid):
+        lo, hi = (i * size) // grid, -((-(i + 1) * size) // grid)
+        matrix[i, lo:hi] = 1.0 / (hi - lo)
+    return matrix
+
+
+def pool2x2_reference(h: Tensor, pool: str) -> tuple[Tensor, Tensor]:
+    """``(out, share)``: 2 x 2, stride 2 max or average pooling of ``h`` (an odd last row/column is
+    dropped) and, per element of ``h``, its share of its window's output: ``d_h = share * d_out``
+    spread back over the window (1/4 each for avg; 1 at the window's first maximum for max)."""
+    n, c, height, width = h.shape
+    windows = h[:, :, : height // 2 * 2, : width // 2 * 2].reshape(n, c, height // 2, 2, width // 2, 2)
+    windows = windows.permute(0, 1, 2, 4, 3, 5).reshape(n, c, height // 2, width // 2, 4)
+    if pool == "max":
+        out = windows.amax(-1)
+        share = torch.nn.functional.one_hot(windows.argmax(-1), 4).to(h.dtype)
+    else:
+        out = windows.mean(-1)
+        share = torch.full_like(windows, 0.25)
+    share = share.reshape(n, c, height // 2, width // 2, 2, 2).permute(0, 1, 2, 4, 3, 5)
+    full = torch.zeros_like(h)
+    full[:, :, : height // 2 * 2, : width // 2 * 2] = share.reshape(n, c, height // 2 * 2, width // 2 * 2)
+    return out, full
+
+
+def _unpool2x2(d_out: Tensor, share: Tensor) -> Tensor:
+    """``d_h`` from ``d_out``: each window's gradient times each element's ``share`` of it."""
+    spread = d_out.repeat_interleave(2, 2).repeat_interleave(2, 3)
+    full = torch.zeros_like(share)
+    full[:, :, : spread.shape[2], : spread.shape[3]] = spread
+    return full * share
+
+
+@dataclass
+class ConvLocalGradients:
+    """One local step of a DAD convolution: loss, ``z``, ``h``, the layer output ``o`` (``h`` pooled
+    if ``pool``), the local logits and the gradients of ``W, b, W_loc, b_loc``."""
+
+    loss: Tensor
+    pre_activation: Tensor
+    hidden: Tensor
+    output: Tensor
+    logits: Tensor
+    grad_weight: Tensor
+    grad_bias: Tensor | None
+    grad_head_weight: Tensor
+    grad_head_bias: Tensor
+
+
+def conv_local_loss_and_gradients(
+    inputs: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    head_weight: Tensor,
+    head_bias: Tensor,
+    target: Tensor,
+    *,
+    stride: int = 1,
+    padding: int = 0,
+    activation: str = "relu",
+    grid: int = 4,
+    pool: str | None = None,
+    label_smoothing: float = 0.0,
+) -> ConvLocalGradients:
+    """Local loss of a DAD convolution and its closed-form gradients (see the table above), written
+    with unfold and matrix products only. ``inputs`` (N, C_in, H, W), ``weight`` (C_out, C_in, k, k),
+    ``head_weight`` (C, C_out * grid * grid)."""
+    z, patches = conv2d_reference(inputs, weight, bias, stride, padding)
+    h = activation_forward(z, activation)
+    out, share = pool2x2_reference(h, pool) if pool is not None else (h, None)
+    rows = _grid_pool_matrix(out.shape[2], grid, h.dtype, h.device)
+    cols = _grid_pool_matrix(out.shape[3], grid, h.dtype, h.device)
+    pooled = (rows @ out @ cols.T).flatten(1)  # (N, C_out * grid * grid), channel-major
+    logits = pooled @ head_weight.T + head_bias
+    loss, d_logits = cross_entropy_error(logits, target, label_smoothing=label_smoothing)
+    d_pooled = (d_logits @ head_weight).reshape(out.shape[0], out.shape[1], grid, grid)
+    d_out = rows.T @ d_pooled @ cols
+    d_h = _unpool2x2(d_out, share) if share is not None else d_out
+    d_z = (d_h * activation_derivative(z, h, activation)).flatten(2)  # (N, C_out, positions)
+    grad_weight = torch.einsum("nop,nkp->ok", d_z, patches).reshape(weight.shape)
+    return ConvLocalGradients(
+        loss=loss,
+        pre_activation=z,
+        hidden=h,
+        output=out,
+        logits=logits,
+        grad_weight=grad_weight,
+        grad_bias=d_z.sum((0, 2)) if bias is not None else None,
+        grad_head_weight=d_logits.T @ pooled,
+        grad_head_bias=d_logits.sum(0),
+    )

@@ -1,10 +1,22 @@
-"""DAD layers on one local-update core: a trainer-driven layer, an autograd drop-in for ``nn.Linear`` and an LM head."""
+"""DAD layers on one local-update core: trainer-driven dense, convolution and block layers, an autograd drop-in for ``nn.Linear`` and an LM head."""
 
 from __future__ import annotations
 
 from .autograd import DADAutogradLinear, label_context
+from .block import DADBlock, MeanPoolHead
+from .conv import DADConv2d
 from .convert import to_dad
 from .linear import DADLinear, DADModel
 from .lm_head import DADLMHead
 
-__all__ = ["DADAutogradLinear", "DADLMHead", "DADLinear", "DADModel", "label_context", "to_dad"]
+__all__ = [
+    "DADAutogradLinear",
+    "DADBlock",
+    "DADConv2d",
+    "DADLMHead",
+    "DADLinear",
+    "DADModel",
+    "MeanPoolHead",
+    "label_context",
+    "to_dad",
+]

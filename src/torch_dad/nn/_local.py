@@ -1,7 +1,8 @@
 """What every DAD layer shares: its trained tensors, their optimizer state and the local update.
 
-A DAD layer owns ``weight`` (out, in), an optional ``bias`` (out,) and, if it has a local
-head, ``head_weight`` (C, out) and ``head_bias`` (C,). Its local gradients come as a list in
+A dense DAD layer owns ``weight`` (out, in), an optional ``bias`` (out,) and, if it has a local
+head, ``head_weight`` (C, out) and ``head_bias`` (C,) (a convolution: the same names, a 4-D
+``weight``; a block: its module's and its head's parameters). Its local gradients come as a list in
 that order (:meth:`LocalLayer.trained_tensors`) and are applied in place by the layer's own
 optimizer state (``update="inplace"``) or handed to autograd, which accumulates them into
 ``.grad`` for an external optimizer (``update="grad"``).
@@ -57,11 +58,14 @@ def activation_backward(
 
 
 class LocalLayer(nn.Module):
-    """Base of :class:`~torch_dad.DADLinear`, :class:`~torch_dad.DADAutogradLinear` and
-    :class:`~torch_dad.DADLMHead`: ``out = x @ weight.T + bias`` plus the local update.
+    """Base of every DAD layer: :class:`~torch_dad.DADLinear`, :class:`~torch_dad.DADConv2d`,
+    :class:`~torch_dad.DADBlock`, :class:`~torch_dad.DADAutogradLinear` and :class:`~torch_dad.DADLMHead`:
+    the trained tensors (:meth:`trained_tensors`, any list), their optimizer state and the local update.
 
-    Subclasses create ``weight``/``bias`` with :meth:`_init_linear` and, if they have one, the
-    local head with :meth:`_init_local_head`. ``config``/``update``/``grad_scaler`` are used by
+    The trainer trains every subclass that adds ``local_gradients(inputs, target, compute_dtype,
+    workspace) -> (LocalStepResult, grads)`` (grads in :meth:`trained_tensors` order), ``local_head``
+    and ``num_classes``. Dense subclasses create ``weight``/``bias`` with :meth:`_init_linear` and,
+    if they have one, the local head with :meth:`_init_local_head`. ``config``/``update``/``grad_scaler`` are used by
     the layers that update themselves inside ``backward`` (:meth:`_local_update`).
     """
 
@@ -124,9 +128,21 @@ class LocalLayer(nn.Module):
         nn.init.uniform_(head_bias, -bound, bound)
 
     def _new_optim_state(self) -> LocalOptimizerState:
-        """Zero optimizer moments for :meth:`trained_tensors`, on the weight's device and dtype."""
-        shapes = [t.shape for t in self.trained_tensors()]
-        return LocalOptimizerState(shapes, device=self.weight.device, dtype=self.weight.dtype)
+        """Zero optimizer moments for :meth:`trained_tensors`, on the first one's device and dtype."""
+        tensors = self.trained_tensors()
+        shapes = [t.shape for t in tensors]
+        return LocalOptimizerState(shapes, device=tensors[0].device, dtype=tensors[0].dtype)
+
+    @property
+    def master_dtype(self) -> torch.dtype:
+        """The dtype of the trained tensors (the layer's inputs are cast to it)."""
+        return self.trained_tensors()[0].dtype
+
+    def update_running_statistics(self) -> None:
+        """Fold the last local step's batch statistics into running ones; layers without any do nothing."""
+
+    def check_input(self, inputs: Tensor, name: str = "inputs") -> None:
+        """Raise ``ValueError``/``TypeError`` unless ``inputs`` is a batch this layer takes (here: any)."""
 
     @classmethod
     def from_linear(cls, linear: nn.Module, **kwargs: Any) -> Self:

@@ -171,7 +171,10 @@ class DADLinear(LocalLayer):
     def forward(self, inputs: Tensor) -> Tensor:
         """``act(inputs @ weight.T + bias)``, normalised before the activation if ``normalize``
         (batch norm: by the batch's statistics in training mode, the running ones in eval mode;
-        the running statistics change only with a local update)."""
+        the running statistics change only with a local update). Inputs with more than two
+        dimensions (e.g. a convolution's (B, C, H, W) output) are flattened to (B, -1) first."""
+        if inputs.dim() > 2:
+            inputs = inputs.flatten(1)
         z = nn.functional.linear(inputs, self.weight, self.bias)
         if self.normalize == "layernorm":
             z = functional.layer_norm_forward(z)[0]
@@ -257,10 +260,11 @@ class DADLinear(LocalLayer):
         ``d_z``, ``g_W``) alive between calls with the same shapes. On CPU, fresh multi-MB
         allocations are served by mmap and page-faulted on every step (0.48 ms vs 0.07 ms
         to fill a reused 4 MB buffer on a 2-core CPU). The returned output then
-        aliases ``workspace["z"]`` and is overwritten by the next call.
+        aliases ``workspace["z"]`` and is overwritten by the next call. Inputs with more than two
+        dimensions are flattened to (B, -1), as in :meth:`forward`.
         """
         dtype = compute_dtype or self.weight.dtype
-        a = inputs.to(dtype)
+        a = (inputs.flatten(1) if inputs.dim() > 2 else inputs).to(dtype)
         z, h, norm = self._forward_for_step(a, workspace)
         if self.local_loss != "ce":
             result, d_h, head_grads = self._rule_error(h, target)
@@ -391,17 +395,36 @@ def _buffer(
 
 
 class DADModel(nn.Module):
-    """Base class for models built from :class:`DADLinear` layers.
+    """Base class for models built from DAD layers: :class:`DADLinear`, :class:`~torch_dad.DADConv2d`
+    and :class:`~torch_dad.DADBlock`, in any mix.
 
-    ``model(x)`` flattens ``x`` to (B, -1), runs the DAD layers in registration order,
-    then ``self.classifier`` if the model has one, otherwise the last layer's local head.
+    ``model(x)`` runs the layers in registration order on ``x`` as given (a :class:`DADLinear`
+    flattens a (B, C, H, W) input itself), then ``self.classifier`` on the last output flattened to
+    (B, -1) if the model has one, otherwise the last layer's local head.
     Subclasses only declare layers in ``__init__``.
     """
 
     @property
-    def dad_layers(self) -> list[DADLinear]:
-        """Every :class:`DADLinear` in the model, in registration order."""
-        return [m for m in self.modules() if isinstance(m, DADLinear)]
+    def local_layers(self) -> list[LocalLayer]:
+        """Every layer the trainer trains, in registration order: each :class:`LocalLayer` submodule
+        with a ``local_gradients`` method (a :class:`DADLinear`, ``DADConv2d`` or ``DADBlock``); the
+        modules inside such a layer (e.g. a ``DADBlock``'s block) are not searched."""
+        found: list[LocalLayer] = []
+
+        def visit(module: nn.Module) -> None:
+            for child in module.children():
+                if isinstance(child, LocalLayer) and callable(getattr(child, "local_gradients", None)):
+                    found.append(child)
+                else:
+                    visit(child)
+
+        visit(self)
+        return found
+
+    @property
+    def dad_layers(self) -> list[Any]:
+        """:attr:`local_layers` (the name from when every DAD layer was a :class:`DADLinear`)."""
+        return self.local_layers
 
     def get_classifier(self) -> nn.Linear | None:
         """``self.classifier`` (the model's output layer) if the model declares one, else ``None``;
@@ -423,34 +446,39 @@ class DADModel(nn.Module):
             return classifier.out_features
         return self.require_layers()[-1].num_classes
 
-    def require_layers(self) -> list[DADLinear]:
-        """:attr:`dad_layers`, or ``ValueError`` if the model has none."""
-        layers = self.dad_layers
+    def require_layers(self) -> list[Any]:
+        """:attr:`local_layers`, or ``ValueError`` if the model has none."""
+        layers = self.local_layers
         if not layers:
-            raise ValueError(f"{type(self).__name__} has no DADLinear layers; register at least one")
+            raise ValueError(
+                f"{type(self).__name__} has no DADLinear layers (nor DADConv2d / DADBlock); register at least one"
+            )
         return layers
 
     def iter_features(self, inputs: Tensor) -> Iterator[Tensor]:
-        """Yield each DAD layer's output in turn, starting from ``inputs.flatten(1)``."""
-        h = inputs.reshape(inputs.shape[0], -1)
+        """Yield each DAD layer's output in turn, starting from ``inputs`` as given."""
+        h = inputs
         for layer in self.require_layers():
             h = layer(h)
             yield h
 
-    def features(self, inputs: Tensor) -> Tensor:
-        """Output of the last DAD layer: what ``classifier`` (or the local head) sees."""
+    def last_output(self, inputs: Tensor) -> Tensor:
+        """Output of the last DAD layer in its own shape: what its local head reads."""
         h = inputs
         for output in self.iter_features(inputs):
             h = output
         return h
 
+    def features(self, inputs: Tensor) -> Tensor:
+        """Output of the last DAD layer flattened to (B, -1): what ``classifier`` sees."""
+        return self.last_output(inputs).flatten(1)
+
     def forward(self, inputs: Tensor) -> Tensor:
         """Logits: ``classifier(features(x))`` if a classifier exists, else the last local head."""
-        h = self.features(inputs)
         classifier = self.get_classifier()
         if classifier is not None:
-            return classifier(h)
-        return self.dad_layers[-1].local_head(h)
+            return classifier(self.features(inputs))
+        return self.local_head_logits(inputs)
 
     def forward_inference(self, inputs: Tensor) -> Tensor:
         """Alias of :meth:`forward`: inference is just a forward pass."""
@@ -458,4 +486,4 @@ class DADModel(nn.Module):
 
     def local_head_logits(self, inputs: Tensor) -> Tensor:
         """Logits of the last DAD layer's local head (ignores ``classifier``)."""
-        return self.dad_layers[-1].local_head(self.features(inputs))
+        return self.require_layers()[-1].local_head(self.last_output(inputs))

@@ -19,6 +19,10 @@ forward of layer ``i + 1``: DAD allows it because layer ``i + 1`` never waits fo
 from above. :class:`EngineOptions` holds the measured scheduling choices
 (``docs/design-engine.md`` has the numbers and the commands).
 
+A ``DADConv2d`` or ``DADBlock`` runs its own ``local_gradients`` in the step (torch ops, captured
+with the rest), and AdamW on all its tensors joins the one ``torch._fused_adamw_`` launch at the end
+of the step; a :class:`DADLinear` after it reads its output flattened.
+
 Semantics match the eager step: outputs and losses come from the pre-update weights, every
 layer's optimizer state and step counter advance as in :mod:`torch_dad.optim`, the classifier
 is trained as an output head and its Gram statistics accumulate. What differs is rounding
@@ -39,6 +43,7 @@ import torch
 from torch import Tensor
 
 from ..kernels import triton_available
+from ..nn._local import LocalLayer
 from ..nn.linear import DADLinear, DADModel
 from ..ops.adamw import adamw_with_shadow_
 from ..ops.dropout import counter_dropout
@@ -57,22 +62,26 @@ def unsupported_reason(model: DADModel, config: OptimizerConfig, dropout: float 
     """Why the fused step cannot train ``model`` with ``config``, or ``None`` if it can.
 
     Every local rule, activation, normalisation, label smoothing and ``dropout`` is supported: a
-    layer the local-error kernel does not cover (see :func:`uses_local_error_kernel`) runs its own
-    :meth:`~torch_dad.DADLinear.local_gradients` (plain torch ops, capturable) inside the step.
+    layer the local-error kernel does not cover (see :func:`uses_local_error_kernel`), and every
+    ``DADConv2d`` and ``DADBlock``, runs its own ``local_gradients`` (torch ops, capturable) inside
+    the step.
     """
     if config.name != "adamw":
         return f"optimizer={config.name!r} (the fused step implements adamw)"
-    for layer in model.dad_layers:
-        if layer.weight.dtype != torch.float32:
-            return f"master weights in {layer.weight.dtype} (fused: float32)"
+    for layer in model.local_layers:
+        if layer.master_dtype != torch.float32:
+            return f"master weights in {layer.master_dtype} (fused: float32)"
     return None
 
 
-def uses_local_error_kernel(layer: DADLinear) -> bool:
-    """Whether the fused step computes ``layer``'s local error with :func:`local_error` (relu, tanh or
-    identity, the ``"ce"`` rule with or without label smoothing, no normalisation); other layers run
-    their own :meth:`~torch_dad.DADLinear.local_gradients` in the step."""
-    return layer.activation in FUSED_ACTIVATIONS and layer.local_loss == "ce" and layer.normalize is None
+def uses_local_error_kernel(layer: LocalLayer) -> bool:
+    """Whether the fused step computes ``layer``'s local error with :func:`local_error`: a
+    :class:`~torch_dad.DADLinear` with relu, tanh or identity, the ``"ce"`` rule with or without
+    label smoothing, no normalisation; other layers run their own ``local_gradients`` in the step."""
+    return (
+        isinstance(layer, DADLinear) and layer.activation in FUSED_ACTIVATIONS and layer.local_loss == "ce"
+        and layer.normalize is None
+    )
 
 
 def make_engine(trainer: Any, backend: str, options: EngineOptions | None, loss_total: Tensor) -> FusedStep | None:
@@ -141,13 +150,13 @@ class FusedStep:
         sample: InputReservoir | None, loss_total: Tensor,
     ) -> None:
         self.model, self.device, self.options, self.graphed = model, device, options, graphed
-        # read once: the module walk behind model.dad_layers costs host time every step
-        self.layers = model.dad_layers
+        # read once: the module walk behind model.local_layers costs host time every step
+        self.layers: list[Any] = model.local_layers
         self.classifier = model.get_classifier()
         self.classifier_state, self.statistics, self.sample = classifier_state, statistics, sample
         self.loss_total = loss_total
         self.config = OptimizerConfig()
-        self._shadows: dict[torch.dtype, list[tuple[Tensor, Tensor | None]]] = {}
+        self._shadows: dict[torch.dtype, list[tuple[Tensor | None, Tensor | None]]] = {}
         self.lr_tensor = torch.zeros((), device=device, dtype=torch.float32)
         self.lr_value = float("nan")
         self._graphs: dict[tuple[Any, ...], tuple[Any, Tensor, Tensor, Tensor, Tensor, Tensor]] = {}
@@ -162,13 +171,15 @@ class FusedStep:
         self._dropout_step_mirror = 0
 
     # ------------------------------------------------------------------ state
-    def shadows(self, dtype: torch.dtype) -> list[tuple[Tensor, Tensor | None]]:
-        """bf16/fp16 copies of every layer's (weight, bias), refreshed by the AdamW kernel."""
+    def shadows(self, dtype: torch.dtype) -> list[tuple[Tensor | None, Tensor | None]]:
+        """bf16/fp16 copies of every :class:`DADLinear`'s (weight, bias), refreshed by the AdamW kernel;
+        ``(None, None)`` for other layers, which cast their masters in ``local_gradients``."""
         layers = self.layers
         cached = self._shadows.get(dtype)
         if cached is None or len(cached) != len(layers):
             cached = [
                 (layer.weight.detach().to(dtype), layer.bias.detach().to(dtype) if layer.bias is not None else None)
+                if isinstance(layer, DADLinear) else (None, None)
                 for layer in layers
             ]
             self._shadows[dtype] = cached
@@ -178,6 +189,8 @@ class FusedStep:
         """Re-copy the low-precision weights from the fp32 masters (after an outside edit)."""
         for pairs in self._shadows.values():
             for layer, (w, b) in zip(self.layers, pairs):
+                if w is None:
+                    continue
                 w.copy_(layer.weight.detach())
                 if b is not None and layer.bias is not None:
                     b.copy_(layer.bias.detach())
@@ -228,9 +241,9 @@ class FusedStep:
         """``options.stream_priorities``, with ``None`` resolved by the largest DAD layer."""
         if self.options.stream_priorities is not None:
             return self.options.stream_priorities
-        return all(layer.weight.numel() < self.options.update_chunk_numel for layer in self.layers)
+        return all(layer.weight.numel() < self.options.update_chunk_numel for layer in self.layers if isinstance(layer, DADLinear))
 
-    def local_error_off_main(self, layers: list[DADLinear]) -> bool:
+    def local_error_off_main(self, layers: list[Any]) -> bool:
         """``options.local_error_off_main``, with ``None`` resolved by the widest of ``layers``."""
         if self.options.local_error_off_main is not None:
             return self.options.local_error_off_main
@@ -449,14 +462,19 @@ class _Run:
             engine.sample.add_on_device(x, y)
         return stream
 
-    def _layer(self, i: int, layer: DADLinear, a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    def _layer(self, i: int, layer: LocalLayer, a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Layer ``i``: forward, local error, then its updates (on the side stream under overlap)."""
+        if not isinstance(layer, DADLinear):
+            return self._local_layer(layer, a)
+        if a.dim() > 2:  # a convolution's or block's output, read as rows
+            a = a.flatten(1)
         if self.shadows is not None:
             w, b = self.shadows[i]
         else:
             w, b = layer.weight.detach(), (layer.bias.detach() if layer.bias is not None else None)
         if not uses_local_error_kernel(layer):
             return self._rule_layer(layer, a, w, b)
+        assert w is not None
         h = _forward(a, w, b, layer.activation)
         head_w, head_b = _tensor(layer.head_weight), _tensor(layer.head_bias)
         smoothing = layer.label_smoothing
@@ -480,7 +498,21 @@ class _Run:
         # B=16384 that keeps the peak at ~3.5 such tensors instead of ~4.5
         return h, err.logits, err.loss
 
-    def _rule_layer(self, layer: DADLinear, a: Tensor, w: Tensor, b: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
+    def _local_layer(self, layer: Any, a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """A ``DADConv2d``, ``DADBlock`` or other local layer: its own ``local_gradients`` (torch ops
+        on the main stream, capturable), then AdamW on all its trained tensors at the end of the
+        step, in the one ``torch._fused_adamw_`` launch shared with the batched small updates
+        (after their all-reduce under data parallelism)."""
+        result, grads = layer.local_gradients(a, self.batch.y, self.batch.compute_dtype)
+        layer.update_running_statistics()
+        params, state = layer.trained_tensors(), layer.optim_state
+        moments = state.moments("exp_avg"), state.moments("exp_avg_sq")
+        self._collect_small(
+            _Update([p.data for p in params], grads, moments[0], moments[1], [None] * len(params), _tensor(state.step))
+        )
+        return result.output, result.logits.float(), result.loss.float()
+
+    def _rule_layer(self, layer: DADLinear, a: Tensor, w: Tensor | None, b: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         """A layer the local-error kernel does not cover: its own ``local_gradients`` (torch ops,
         on the main stream; it casts the fp32 masters as the eager step does), then AdamW on
         weight and bias (refreshing their copies) and on each further pair it trains (local head,
@@ -593,6 +625,7 @@ class _Run:
         """The classifier's Gram update, its output-head error and its AdamW."""
         engine, y = self.engine, self.batch.y
         assert engine.classifier_state is not None and engine.statistics is not None
+        a = a.flatten(1)  # a convolution's or block's output, read as rows (a view for a matrix)
         if self.settings.accumulate_statistics:
             gram_update_(engine.statistics, a, y)
         bias = classifier.bias.detach() if classifier.bias is not None else torch.zeros(

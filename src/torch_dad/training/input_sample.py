@@ -36,7 +36,11 @@ class InputReservoir(torch.nn.Module):
     seen: Tensor
     _winner: Tensor
 
-    def __init__(self, capacity: int, num_features: int, device=None, dtype=None, seed: int = 0) -> None:
+    def __init__(
+        self, capacity: int, num_features: int | tuple[int, ...], device=None, dtype=None, seed: int = 0
+    ) -> None:
+        """``num_features``: the width of a row, or the shape of one sample (e.g. ``(C, H, W)`` for a
+        convolutional first layer); rows are kept in that shape."""
         super().__init__()
         if isinstance(capacity, bool) or not isinstance(capacity, int) or capacity < 1:
             raise ValueError(f"capacity={capacity!r} must be a positive int")
@@ -44,7 +48,8 @@ class InputReservoir(torch.nn.Module):
         self.capacity = capacity
         # one spare last row, which nothing writes: older checkpoints, whose device path sent the
         # dropped rows there, still load
-        self.register_buffer("inputs", torch.zeros(capacity + 1, num_features, device=device, dtype=dtype))
+        shape = (num_features,) if isinstance(num_features, int) else tuple(num_features)
+        self.register_buffer("inputs", torch.zeros(capacity + 1, *shape, device=device, dtype=dtype))
         self.register_buffer("labels", torch.zeros(capacity + 1, dtype=torch.long, device=device))
         # rows seen, on the device too: the device path reads it inside a captured CUDA graph
         self.register_buffer("seen", torch.zeros((), dtype=torch.long, device=device))
@@ -106,11 +111,13 @@ class InputReservoir(torch.nn.Module):
         uploading the kept indices cost 2.2x the step; outside the graph, these device ops
         cost ~200 us a step; inside it, a few us.
         """
+        # the kernels move rows of a matrix: a sample of (C, H, W) images is viewed as (rows, C*H*W)
+        held, rows = self.inputs.flatten(1), inputs.flatten(1)
         if use_triton(inputs, "auto"):
-            reservoir_add_(self.inputs, self.labels, self.seen, self._winner, inputs, labels, seed=self.seed)
+            reservoir_add_(held, self.labels, self.seen, self._winner, rows, labels, seed=self.seed)
             return
         draws = torch.rand(inputs.shape[0], device=self.seen.device, dtype=torch.float64)
-        reservoir_add_(self.inputs, self.labels, self.seen, self._winner, inputs, labels, draws, backend="torch")
+        reservoir_add_(held, self.labels, self.seen, self._winner, rows, labels, draws, backend="torch")
 
     def _add_on_host(self, inputs: Tensor, labels: Tensor) -> None:
         n = inputs.shape[0]

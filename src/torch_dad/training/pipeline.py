@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ..nn.linear import DADModel
+from ..nn.linear import DADLinear, DADModel
 from ..ridge import GramAccumulator, RidgeSolution
 from .data_parallel import DataParallelTrainer
 from .distributed import broadcast, check_same_on_all_ranks, group_info
@@ -33,12 +33,21 @@ __all__ = ["Pipeline", "layer_costs", "partition_layers"]
 
 def layer_costs(model: DADModel, accumulate_classifier_statistics: bool = True) -> list[float]:
     """Relative cost of one step of each DAD layer: ``2*in*out`` (forward + weight gradient GEMMs)
-    plus ``out*classes`` (local head), plus ``out*out`` for the Gram update after the last layer."""
+    plus ``out*classes`` (local head), plus ``out*out`` for the Gram update after the last layer.
+    A layer without ``in_features``/``out_features`` (a convolution or block, whose cost depends
+    on the input size) counts ``2 *`` its trained parameters: pass ``balance=`` to do better."""
     layers = model.require_layers()
-    costs = [2.0 * m.in_features * m.out_features + 2.0 * m.out_features * m.num_classes for m in layers]
-    if model.get_classifier() is not None and accumulate_classifier_statistics:
-        costs[-1] += float(layers[-1].out_features) ** 2
+    costs = [_layer_cost(m) for m in layers]
+    classifier = model.get_classifier()
+    if classifier is not None and accumulate_classifier_statistics:
+        costs[-1] += float(classifier.in_features) ** 2
     return costs
+
+
+def _layer_cost(layer: Any) -> float:
+    if isinstance(layer, DADLinear):
+        return 2.0 * layer.in_features * layer.out_features + 2.0 * layer.out_features * layer.num_classes
+    return 2.0 * sum(t.numel() for t in layer.trained_tensors())
 
 
 def partition_layers(costs: Sequence[float], num_stages: int) -> list[tuple[int, int]]:
@@ -76,6 +85,8 @@ def partition_layers(costs: Sequence[float], num_stages: int) -> list[tuple[int,
 
 
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
+#: the most dimensions of an activation sent between stages (a (B, C, H, W) conv output has 4)
+_MAX_DIMS = 6
 _END, _TRAIN, _FORWARD = 0.0, 1.0, 2.0
 
 
@@ -106,7 +117,7 @@ class Pipeline:
         # DADTrainer.solve_head() recomputes its features. Without a sample the last stage
         # accumulates the Gram statistics every step, one width x width GEMM: 4 ms of a 55 ms
         # stage at B=65536, width 4096 on an H200, which made it the slower stage.
-        self._sampled = trainer.classifier_sample is not None
+        self._sampled = trainer.keeps_input_sample
         trainer.accumulate_classifier_statistics = not self._sampled
         if trainer.gradient_reducer is not None:
             raise ValueError("trainer.gradient_reducer is set; a Pipeline stage updates from its own batch only")
@@ -135,6 +146,7 @@ class Pipeline:
         self.is_first, self.is_last = rank == 0, rank == world - 1
         if not self.is_first:
             trainer.classifier_sample = None  # only stage 0 sees raw inputs
+            trainer._sample_size = 0
         self.max_in_flight = max_in_flight
         self._sends: deque[list[Any]] = deque()
         nccl = dist.get_backend(process_group) == "nccl"
@@ -148,11 +160,13 @@ class Pipeline:
     # -------------------------------------------------------------- point-to-point
     def _send(self, kind: float, h: Tensor | None, y: Tensor | None, lr: float, compute: torch.dtype | None) -> None:
         dst = self._global(self.stage + 1)
-        rows = h.shape[0] if h is not None else 0
-        cols = h.shape[1] if h is not None else 0
+        shape = list(h.shape) if h is not None else []
+        if len(shape) > _MAX_DIMS:
+            raise ValueError(f"a stage output of shape {tuple(shape)} has more than {_MAX_DIMS} dimensions")
         code = _DTYPES.index(h.dtype) if h is not None else 0
         amp = _DTYPES.index(compute) if compute is not None else -1
-        header = torch.tensor([kind, rows, cols, code, lr, amp], dtype=torch.float64)
+        dims = [float(len(shape))] + shape + [0.0] * (_MAX_DIMS - len(shape))
+        header = torch.tensor([kind, code, lr, amp, *dims], dtype=torch.float64)
         works = [dist.isend(header, dst, group=self._control)]
         keep: list[Any] = [header]
         if h is not None and y is not None:
@@ -174,15 +188,16 @@ class Pipeline:
 
     def _receive(self) -> tuple[float, Tensor | None, Tensor | None, float, torch.dtype | None]:
         src = self._global(self.stage - 1)
-        header = torch.empty(6, dtype=torch.float64)
+        header = torch.empty(5 + _MAX_DIMS, dtype=torch.float64)
         dist.recv(header, src, group=self._control)
-        kind, rows, cols, code, lr, amp = header.tolist()
+        kind, code, lr, amp, ndim, *dims = header.tolist()
         compute = _DTYPES[int(amp)] if amp >= 0 else None
         if kind == _END:
             return kind, None, None, lr, compute
         device = self.trainer.device
-        h = torch.empty(int(rows), int(cols), dtype=_DTYPES[int(code)], device=device)
-        y = torch.empty(int(rows), dtype=torch.long, device=device)
+        shape = [int(d) for d in dims[: int(ndim)]]
+        h = torch.empty(shape, dtype=_DTYPES[int(code)], device=device)
+        y = torch.empty(shape[0], dtype=torch.long, device=device)
         for work in (dist.irecv(h, src, group=self.process_group), dist.irecv(y, src, group=self.process_group)):
             if work is not None:  # None only on ranks outside the group, which never get here
                 work.wait()
@@ -313,7 +328,7 @@ class Pipeline:
             if not self.is_last:
                 return
             classifier = trainer.model.get_classifier()
-            logits = classifier(h) if classifier is not None else self.layers[-1].local_head(h)
+            logits = classifier(h.flatten(1)) if classifier is not None else self.layers[-1].local_head(h)
             sums[0] += (logits.argmax(1) == y).sum()
             sums[1] += torch.nn.functional.cross_entropy(logits.float(), y, reduction="sum").double()
             sums[2] += y.shape[0]
@@ -362,7 +377,7 @@ class Pipeline:
             trainer.model.eval()
             try:
                 self._stream(self._stage0_batches(data, batch_size, False, None), _FORWARD, None,
-                             lambda _, h, y, __: stats.update(h, y) if self.is_last else None)
+                             lambda _, h, y, __: stats.update(h.flatten(1), y) if self.is_last else None)
             finally:
                 trainer.model.train(was_training)
             if self.is_last:

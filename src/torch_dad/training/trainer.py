@@ -14,7 +14,16 @@ import torch
 from torch import Tensor, nn
 
 from .. import functional
-from .._checks import check_bool, check_device, check_inputs, check_labels, check_positive_int, gradients_are_finite
+from .._checks import (
+    check_bool,
+    check_device,
+    check_finite,
+    check_inputs,
+    check_labels,
+    check_positive_int,
+    gradients_are_finite,
+)
+from ..nn._local import LocalLayer
 from ..nn.linear import DADLinear, DADModel
 from ..ops.dropout import counter_dropout
 from ..optim import LocalOptimizerState, OptimizerConfig, check_optimizer
@@ -108,8 +117,9 @@ def _check_options(
 class DADTrainer:
     """Trains a :class:`~torch_dad.DADModel` layer by layer from local targets.
 
-    ``step(x, y)`` runs, for each DAD layer in order: forward, local error, in-place update;
-    only the current layer's activations are alive. If the model has a ``classifier``
+    ``step(x, y)`` runs, for each DAD layer in order (:class:`~torch_dad.DADLinear`,
+    :class:`~torch_dad.DADConv2d`, :class:`~torch_dad.DADBlock`, in any mix): forward, local error,
+    in-place update; only the current layer's activations are alive. If the model has a ``classifier``
     (``nn.Linear``), it is trained as an output head (its gradient is exactly backprop's for
     that layer) and its input features are accumulated into float64 Gram statistics for
     :meth:`solve_head`.
@@ -214,6 +224,9 @@ class DADTrainer:
         self._first_layer = layers[0]
         self._has_classifier = model.get_classifier() is not None
         if local_loss is not None:
+            for layer in layers:  # checked before any layer changes: only DADLinear has other rules
+                if local_loss != "ce" and not isinstance(layer, DADLinear):
+                    raise ValueError(f"local_loss={local_loss!r}: {type(layer).__name__} implements 'ce' only")
             for layer in layers:
                 layer.set_local_loss(local_loss)
         self.model = model.to(self.device)
@@ -246,7 +259,7 @@ class DADTrainer:
 
     # ------------------------------------------------------------------ construction
     @staticmethod
-    def _check_layers(model: DADModel, layers: list[DADLinear]) -> None:
+    def _check_layers(model: DADModel, layers: list[LocalLayer]) -> None:
         for layer in layers:
             if layer.num_classes != model.num_classes:
                 raise ValueError(
@@ -254,7 +267,10 @@ class DADTrainer:
                     f"but {layer!r} has {layer.num_classes}"
                 )
         classifier = model.get_classifier()
-        if classifier is not None and classifier.in_features != layers[-1].out_features:
+        # a convolution's or block's flattened output size depends on the input: the classifier's
+        # own shape check reports it at the first step
+        last = layers[-1]
+        if classifier is not None and isinstance(last, DADLinear) and classifier.in_features != last.out_features:
             raise ValueError(
                 f"model.classifier takes {classifier.in_features} features but the last DADLinear "
                 f"gives {layers[-1].out_features}"
@@ -262,6 +278,7 @@ class DADTrainer:
 
     def _build_classifier_state(self, window: float | None, sample_size: int) -> None:
         """The classifier's optimizer state, its Gram statistics and the input sample for its solve."""
+        self._sample_size = sample_size
         classifier = self.model.get_classifier()
         self.classifier_state: LocalOptimizerState | None = None
         self.classifier_statistics: GramAccumulator | None = None
@@ -273,9 +290,26 @@ class DADTrainer:
         self.classifier_statistics = GramAccumulator(
             classifier.in_features, classifier.out_features, device=self.device, window=window
         )
-        if sample_size:
-            first = self.model.dad_layers[0]
-            self.classifier_sample = InputReservoir(sample_size, first.in_features, device=self.device, dtype=first.weight.dtype)
+        first = self._first_layer
+        if sample_size and isinstance(first, DADLinear):
+            self._make_sample((first.in_features,))
+
+    @property
+    def keeps_input_sample(self) -> bool:
+        """Whether ``step`` keeps the classifier's input sample (made at the first batch for a model
+        whose first layer is a convolution or block)."""
+        return self.classifier_sample is not None or bool(self._sample_size and self._has_classifier)
+
+    def _make_sample(self, shape: tuple[int, ...], dtype: torch.dtype | None = None) -> InputReservoir:
+        """The classifier's input sample for rows of ``shape`` (``dtype``: the first layer's by default).
+        A convolution or block learns its input's shape from the first batch, so its sample is made
+        there (or from a checkpoint)."""
+        dtype = dtype or self._first_layer.master_dtype
+        self.classifier_sample = InputReservoir(self._sample_size, shape, device=self.device, dtype=dtype)
+        engine = getattr(self, "_engine", None)
+        if engine is not None:
+            engine.sample = self.classifier_sample
+        return self.classifier_sample
 
     def _make_engine(self, backend: str, options: EngineOptions | None) -> FusedStep | None:
         if backend == "eager" or (backend == "auto" and self.device.type != "cuda"):
@@ -338,6 +372,8 @@ class DADTrainer:
         compute = amp_dtype if amp_dtype is not None else self.amp_dtype
         _check_amp(compute, "amp_dtype", self.device)
         x, y = self._prepare(inputs, labels)
+        if self.classifier_sample is None and self._sample_size and self._has_classifier:
+            self._make_sample(tuple(x.shape[1:]), x.dtype)
         lr = self.config.lr if lr is None else float(lr)
         return Batch(x, y, lr, None if compute == torch.float32 else compute)
 
@@ -349,6 +385,23 @@ class DADTrainer:
         if inputs.shape[0] == 0:
             raise ValueError("inputs are an empty batch; pass at least one row")
         first = self._first_layer
+        if isinstance(first, DADLinear):
+            x = self._prepare_rows(inputs, first)
+        else:
+            first.check_input(inputs)
+            x = inputs.to(self.device, non_blocking=True)
+            if x.dtype.is_floating_point:
+                x = x.to(first.master_dtype)
+                if self.check_values:
+                    check_finite(x)
+        if not isinstance(target, Tensor):
+            raise TypeError(f"labels must be a torch.Tensor of class ids, got {type(target).__name__}")
+        y = target.to(self.device, non_blocking=True)
+        check_labels(y, x.shape[0], self.num_classes, check_values=self.check_values)
+        return x, y.long()
+
+    def _prepare_rows(self, inputs: Tensor, first: DADLinear) -> Tensor:
+        """``inputs`` on the device as (batch, in_features) rows in the first layer's dtype, checked."""
         if inputs.dim() < 2 or inputs[0].numel() != first.in_features:
             single = " (one sample? add a batch dimension: inputs.unsqueeze(0))" if inputs.numel() == first.in_features else ""
             raise ValueError(
@@ -361,11 +414,7 @@ class DADTrainer:
         if x.dtype != first.weight.dtype:
             x = x.to(first.weight.dtype)
         check_inputs(x, first.in_features, check_values=self.check_values)
-        if not isinstance(target, Tensor):
-            raise TypeError(f"labels must be a torch.Tensor of class ids, got {type(target).__name__}")
-        y = target.to(self.device, non_blocking=True)
-        check_labels(y, x.shape[0], self.num_classes, check_values=self.check_values)
-        return x, y.long()
+        return x
 
     def train_layers(
         self, batch: Batch, *, span: tuple[int, int] | None = None, with_classifier: bool = True
@@ -417,7 +466,7 @@ class DADTrainer:
             workspaces[-1] = None
         reducer = self.gradient_reducer
         hold = stop - start if guarded else int(reducer is not None)
-        pending: deque[tuple[DADLinear, Any, list[Tensor], Tensor]] = deque()
+        pending: deque[tuple[LocalLayer, Any, list[Tensor], Tensor]] = deque()
         h = batch.x
         for index, (layer, workspace) in enumerate(zip(self.model.dad_layers[start:stop], workspaces), start):
             result, grads = layer.local_gradients(h, batch.y, batch.compute_dtype, workspace)
@@ -433,12 +482,13 @@ class DADTrainer:
                 h = counter_dropout(h, self.dropout, self.dropout_seed, self.step_count, index)
         logits, loss = result.logits, result.loss
         classifier_grads: list[Tensor] = []
+        rows = h.flatten(1)  # the classifier reads a convolution's or block's output as rows
         if with_classifier:
             # the classifier reads the last layer's pre-update output: with a reducer its step
             # runs while the last layer's gradients are still being reduced
-            logits, loss, classifier_grads = self._classifier_gradients(h, batch)
+            logits, loss, classifier_grads = self._classifier_gradients(rows, batch)
             if not guarded:
-                self._apply_classifier(h, batch, classifier_grads)
+                self._apply_classifier(rows, batch, classifier_grads)
         if guarded and not self._all_finite(pending, classifier_grads):
             self._skipped_update(self._first_nonfinite(pending, classifier_grads))
             return logits, loss, h
@@ -446,18 +496,18 @@ class DADTrainer:
             self._apply_pending(*pending.popleft(), batch.lr)
         if guarded:
             if with_classifier:
-                self._apply_classifier(h, batch, classifier_grads)
+                self._apply_classifier(rows, batch, classifier_grads)
             if start == 0 and self.classifier_sample is not None:
                 self.classifier_sample.add(batch.x, batch.y)
         return logits, loss, h
 
-    def _apply_pending(self, layer: DADLinear, work: Any, grads: list[Tensor], loss: Tensor, lr: float) -> None:
+    def _apply_pending(self, layer: LocalLayer, work: Any, grads: list[Tensor], loss: Tensor, lr: float) -> None:
         if work is not None:
             work.wait()
         layer.apply_local_update(grads, self.config, lr)
 
     def _all_finite(
-        self, pending: deque[tuple[DADLinear, Any, list[Tensor], Tensor]], classifier_grads: list[Tensor]
+        self, pending: deque[tuple[LocalLayer, Any, list[Tensor], Tensor]], classifier_grads: list[Tensor]
     ) -> bool:
         """Whether every pending gradient (after its reduction) and local loss is finite. With a
         reducer only the reduced gradients count: they are the same on every rank, the local
@@ -472,7 +522,7 @@ class DADTrainer:
         return gradients_are_finite(witnesses + classifier_grads)
 
     def _first_nonfinite(
-        self, pending: deque[tuple[DADLinear, Any, list[Tensor], Tensor]], classifier_grads: list[Tensor]
+        self, pending: deque[tuple[LocalLayer, Any, list[Tensor], Tensor]], classifier_grads: list[Tensor]
     ) -> str:
         """``model.<name>`` of the first layer (or the classifier) whose gradients are not all finite."""
         names = {id(module): f"model.{name}" for name, module in self.model.named_modules()}
@@ -658,7 +708,9 @@ class DADTrainer:
         an iterable of batches (e.g. a ``DataLoader``), each either a pair ``(x, y)`` or a dict
         with an input key (``"x"``, ``"inputs"``, ``"input"`` or ``"pixel_values"``) and a label
         key (``"labels"``, ``"label"`` or ``"y"``), as a ``DataLoader`` over a HuggingFace dataset
-        yields; inputs of shape ``(batch, ...)`` are flattened per row. Each record holds
+        yields; inputs of shape ``(batch, ...)`` are flattened per row when the first layer is a
+        :class:`~torch_dad.DADLinear`, and kept as they are for a ``DADConv2d`` (``(batch, C, H, W)``) or a
+        ``DADBlock``. Each record holds
         ``epoch, loss, train_s, img_per_s`` and, with ``eval``, ``accuracy`` / ``eval_loss``.
         A tqdm bar shows progress if tqdm is installed; the loss it shows is read every
         ``log_every`` steps only, so training stays free of host syncs in between.
@@ -852,6 +904,7 @@ class DADTrainer:
             raise ValueError(f"trainer state_dict is missing keys {sorted(missing)}")
         if self.classifier_state is not None and state["classifier_state"] is None:
             raise ValueError("checkpoint has no classifier state but this model has a classifier")
+        self._sample_for(state)
         if self.classifier_state is not None and (self.classifier_sample is None) != (state.get("classifier_sample") is None):
             raise ValueError(
                 "checkpoint and trainer disagree on classifier_sample_size (one keeps an input sample, the "
@@ -874,6 +927,23 @@ class DADTrainer:
         if self._engine is not None:
             self._engine.refresh_shadows()
 
+    def _sample_for(self, state: dict[str, Any]) -> bool:
+        """Make the input sample that ``state`` holds if this trainer has not made it yet (a convolution
+        or block makes it at its first batch); True if it did."""
+        saved = state.get("classifier_sample")
+        inputs = saved.get("inputs") if isinstance(saved, dict) else None
+        if self.classifier_sample is not None or not self._sample_size or not isinstance(inputs, Tensor):
+            return False
+        if self.classifier_state is None:
+            return False
+        self._make_sample(tuple(inputs.shape[1:]), inputs.dtype)
+        return True
+
+    def _drop_sample(self) -> None:
+        self.classifier_sample = None
+        if self._engine is not None:
+            self._engine.sample = None
+
     def save_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Write :meth:`state_dict` to ``path`` as one safetensors file (tensors; the rest as JSON in its
         metadata, with a sha256 of the whole), atomically: see ``docs/checkpoints.md``."""
@@ -895,8 +965,11 @@ class DADTrainer:
     def _restore(self, state: dict[str, Any], path: str | os.PathLike[str]) -> None:
         """:meth:`load_state_dict` after checking every tensor's presence, shape and dtype; on any failure
         the previous state is put back."""
+        made = self._sample_for(state)
         problems = checkpoint.mismatches(self.state_dict(), state)
         if problems:
+            if made:
+                self._drop_sample()
             raise ValueError(f"checkpoint {path} does not match this trainer: " + "; ".join(problems))
         skeleton, tensors = checkpoint.flatten(self.state_dict())
         try:

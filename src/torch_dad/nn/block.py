@@ -1,0 +1,144 @@
+"""``DADBlock``: any ``nn.Module`` (a residual block, a transformer encoder block) trained by a local head."""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+from .._checks import check_fraction, check_int, check_num_classes, check_positive_int
+from ..optim import LocalOptimizerState
+from ._local import LocalLayer
+from .linear import LocalStepResult
+
+__all__ = ["DADBlock", "MeanPoolHead"]
+
+
+class MeanPoolHead(nn.Module):
+    """``Linear(in_features -> num_classes)`` on the mean over every dimension but the batch and
+    ``feature_dim``: ``(B, C, H, W)`` with ``feature_dim=1`` averages over space (global average
+    pooling), ``(B, T, D)`` with ``feature_dim=-1`` over tokens; a ``(B, D)`` input is used as is."""
+
+    def __init__(self, in_features: int, num_classes: int, feature_dim: int = 1) -> None:
+        super().__init__()
+        self.feature_dim = check_int("feature_dim", feature_dim)
+        if feature_dim == 0:
+            raise ValueError("feature_dim=0 is the batch dimension; pass the features' dimension (1 or -1)")
+        self.linear = nn.Linear(check_positive_int("in_features", in_features), check_num_classes(num_classes))
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        features = hidden.movedim(self.feature_dim, -1)
+        if features.dim() > 2:
+            features = features.mean(tuple(range(1, features.dim() - 1)))
+        return self.linear(features)
+
+
+class DADBlock(LocalLayer):
+    """A block ``out = module(x)`` trained by its own local head, with autograd inside the block only.
+
+    :meth:`local_gradients` runs ``module`` under ``torch.enable_grad()`` on the detached input,
+    ``logits = local_head(out)``, ``loss = CE(logits, y)`` and returns
+    ``torch.autograd.grad(loss, trained_tensors())``: the block's and then the head's trainable
+    parameters, in registration order. The output handed to the next layer is detached, so no
+    gradient crosses blocks (DGL / InfoPro-style block-local training). The update comes from
+    :class:`~torch_dad.nn._local.LocalLayer` (the layer's own AdamW/SGD state), like every DAD layer.
+
+    ``local_head`` is any module mapping the block's output to ``(batch, num_classes)`` logits.
+    Without one, pass ``head_features`` (the block's output features) for a
+    :class:`MeanPoolHead` (mean over all but the batch and ``feature_dim``, then a Linear). The head
+    is built up front, never lazily, so the optimizer state and checkpoints have fixed shapes.
+    Unlike :class:`~torch_dad.DADLinear`'s, its parameters are in ``parameters()``. Buffers of
+    ``module`` (e.g. batch-norm running statistics) advance in its forward, as in backprop training.
+    """
+
+    optim_state: LocalOptimizerState
+    #: the only local rule implemented for blocks
+    local_loss = "ce"
+    normalize = None
+
+    def __init__(
+        self,
+        module: nn.Module,
+        local_head: nn.Module | None = None,
+        num_classes: int = 10,
+        *,
+        head_features: int | None = None,
+        feature_dim: int = 1,
+        label_smoothing: float = 0.0,
+    ) -> None:
+        super().__init__()
+        if not isinstance(module, nn.Module):
+            raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
+        self.num_classes = check_num_classes(num_classes)
+        self.label_smoothing = check_fraction("label_smoothing", label_smoothing)
+        if local_head is None:
+            if head_features is None:
+                raise TypeError(
+                    "DADBlock needs local_head= (a module giving (batch, num_classes) logits) or head_features= "
+                    "(the block's output features, for a mean-pool + Linear head)"
+                )
+            local_head = MeanPoolHead(head_features, num_classes, feature_dim)
+        elif not isinstance(local_head, nn.Module):
+            raise TypeError(f"local_head must be a torch.nn.Module, got {type(local_head).__name__}")
+        self.block = module
+        self.head = local_head
+        if not self.trained_tensors():
+            raise ValueError("the block and its local head have no parameter that requires grad; nothing to train")
+        self.optim_state = self._new_optim_state()
+
+    def trained_tensors(self) -> list[Tensor]:
+        """Every parameter of the block that requires grad, then every one of the local head's."""
+        modules = (self.block, self.head)
+        return [p for module in modules for p in module.parameters() if p.requires_grad]
+
+    def set_local_loss(self, local_loss: str) -> None:
+        """Only ``"ce"`` is implemented for blocks; anything else raises ``ValueError``."""
+        if local_loss != "ce":
+            raise ValueError(f"local_loss={local_loss!r}: DADBlock implements the 'ce' local rule only")
+
+    def check_input(self, inputs: Tensor, name: str = "inputs") -> None:
+        """Blocks take any shape with a batch dimension; the block itself raises on a wrong one."""
+        if inputs.dim() < 2:
+            raise ValueError(
+                f"{name} have shape {tuple(inputs.shape)}; expected (batch, ...) for {type(self).__name__}"
+            )
+
+    def forward(self, inputs: Tensor) -> Tensor:
+        """``module(inputs)``."""
+        return self.block(inputs)
+
+    def local_head(self, hidden: Tensor) -> Tensor:
+        """Local logits ``local_head(hidden)``."""
+        return self.head(hidden)
+
+    def local_gradients(
+        self,
+        inputs: Tensor,
+        target: Tensor,
+        compute_dtype: torch.dtype | None = None,
+        workspace: dict[str, Tensor] | None = None,
+    ) -> tuple[LocalStepResult, list[Tensor]]:
+        """``(LocalStepResult(out.detach(), loss, logits), grads)`` with
+        ``grads = torch.autograd.grad(CE(local_head(module(x)), y), trained_tensors())`` (zeros for
+        a tensor the loss does not reach), in the parameters' dtype. A half ``compute_dtype`` runs the
+        block under ``torch.autocast``. ``workspace`` is accepted for the trainer's protocol and unused.
+        """
+        params = self.trained_tensors()
+        master = params[0].dtype
+        autocast: Any = nullcontext()
+        if compute_dtype is not None and compute_dtype != master:
+            autocast = torch.autocast(inputs.device.type, dtype=compute_dtype)
+        x = inputs.detach()
+        if x.dtype.is_floating_point and isinstance(autocast, nullcontext):
+            x = x.to(master)
+        with torch.enable_grad():
+            with autocast:
+                out = self.block(x)
+                logits = self.head(out)
+            wide = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
+            loss = nn.functional.cross_entropy(wide, target, label_smoothing=self.label_smoothing)
+        grads = torch.autograd.grad(loss, params, allow_unused=True)
+        grads_list = [torch.zeros_like(p) if g is None else g.detach() for p, g in zip(params, grads)]
+        return LocalStepResult(out.detach(), loss.detach(), logits.detach()), grads_list

@@ -1,0 +1,360 @@
+"""DADConv2d and DADBlock: closed-form conv gradients against the float64 oracle and torch autograd,
+block-local autograd, and conv / residual-block models through the trainer, the fused engine,
+solve_head, state_dict and checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import torch_dad as td
+from torch_dad import functional
+
+from .conftest import relative_error
+
+CLASSES = 4
+# bf16 rounds the input, weights and every intermediate (8 bits of mantissa)
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 1e-5, torch.bfloat16: 5e-2}
+
+
+def _conv_layer(dtype=torch.float64, **kwargs):
+    options = {"stride": 2, "padding": 1, "num_classes": CLASSES, "dtype": dtype, **kwargs}
+    return td.DADConv2d(3, 7, 3, **options)
+
+
+def _oracle(layer, x, y):
+    """The float64 reference on the layer's own tensors."""
+    wide = [t.detach().double() for t in (layer.weight, layer.head_weight, layer.head_bias)]
+    bias = layer.bias.detach().double() if layer.bias is not None else None
+    ref = functional.conv_local_loss_and_gradients(
+        x.double(),
+        wide[0],
+        bias,
+        wide[1],
+        wide[2],
+        y,
+        stride=layer.stride,
+        padding=layer.padding,
+        activation=layer.activation,
+        grid=layer.local_head_grid,
+        pool=layer.pool,
+        label_smoothing=layer.label_smoothing,
+    )
+    grads = (
+        [ref.grad_weight] + ([ref.grad_bias] if bias is not None else []) + [ref.grad_head_weight, ref.grad_head_bias]
+    )
+    return ref, grads
+
+
+def _autograd(layer, x, y):
+    """The same loss through torch's conv2d / pooling and autograd, in float64."""
+    params = [t.detach().double().requires_grad_() for t in layer.trained_tensors()]
+    weight, *rest = params
+    bias = rest.pop(0) if layer.bias is not None else None
+    head_weight, head_bias = rest
+    h = functional.activation_forward(
+        torch.nn.functional.conv2d(x, weight, bias, layer.stride, layer.padding), layer.activation
+    )
+    if layer.pool == "max":
+        h = torch.nn.functional.max_pool2d(h, 2)
+    elif layer.pool == "avg":
+        h = torch.nn.functional.avg_pool2d(h, 2)
+    pooled = torch.nn.functional.adaptive_avg_pool2d(h, layer.local_head_grid).flatten(1)
+    loss = torch.nn.functional.cross_entropy(pooled @ head_weight.T + head_bias, y)
+    return torch.autograd.grad(loss, params)
+
+
+@pytest.mark.parametrize("pool", [None, "max", "avg"])
+@pytest.mark.parametrize("activation", functional.ACTIVATIONS)
+@pytest.mark.parametrize("bias", [True, False])
+def test_conv_gradients_match_oracle_and_autograd(pool, activation, bias):
+    # odd shapes: B=5, C_in=3, C_out=7, 9 x 9 input, kernel 3, stride 2, padding 1 -> 5 x 5 (pooled 2 x 2)
+    layer = _conv_layer(pool=pool, activation=activation, bias=bias)
+    x, y = torch.randn(5, 3, 9, 9, dtype=torch.float64), torch.randint(0, CLASSES, (5,))
+    result, grads = layer.local_gradients(x, y)
+    ref, want = _oracle(layer, x, y)
+    assert len(grads) == len(layer.trained_tensors()) == len(want)
+    for got, expected, auto in zip(grads, want, _autograd(layer, x, y)):
+        assert got.shape == expected.shape
+        assert relative_error(expected, auto) <= 1e-12  # the oracle is the gradient of the loss
+        assert relative_error(got, expected) <= TOLERANCE[torch.float64]
+    assert abs(float(result.loss) - float(ref.loss)) <= 1e-12
+    assert relative_error(result.output, ref.output) <= 1e-12
+    assert relative_error(result.logits, ref.logits) <= 1e-12
+    assert torch.allclose(layer(x), ref.output)  # forward is the training output
+    assert torch.allclose(layer.local_head(layer(x)), ref.logits)
+
+
+@pytest.mark.parametrize("grid", [1, 3, 6])  # 6 > the 5 x 5 output: adaptive pooling repeats cells
+def test_conv_head_grid_and_label_smoothing(grid):
+    layer = _conv_layer(local_head_grid=grid, label_smoothing=0.1)
+    assert layer.head_weight.shape == (CLASSES, 7 * grid * grid)
+    x, y = torch.randn(4, 3, 9, 9, dtype=torch.float64), torch.randint(0, CLASSES, (4,))
+    _, grads = layer.local_gradients(x, y)
+    for got, expected in zip(grads, _oracle(layer, x, y)[1]):
+        assert relative_error(got, expected) <= 1e-12
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_gradients_in_low_precision(dtype):
+    torch.manual_seed(0)
+    layer = _conv_layer(dtype=torch.float32, pool="max")
+    x, y = torch.randn(6, 3, 9, 9), torch.randint(0, CLASSES, (6,))
+    result, grads = layer.local_gradients(x, y, compute_dtype=dtype)
+    assert all(g.dtype == torch.float32 for g in grads)  # master precision
+    _, want = _oracle(layer, x, y)
+    for got, expected in zip(grads, want):
+        assert relative_error(got, expected) <= TOLERANCE[dtype]
+    assert result.output.dtype == dtype
+
+
+def test_conv_bad_arguments_and_inputs():
+    with pytest.raises(ValueError, match="pool='min' is not supported"):
+        td.DADConv2d(3, 4, 3, pool="min")
+    with pytest.raises(ValueError, match="padding=-1"):
+        td.DADConv2d(3, 4, 3, padding=-1)
+    with pytest.raises(ValueError, match="kernel_size=0"):
+        td.DADConv2d(3, 4, 0)
+    with pytest.raises(ValueError, match="activation='swish'"):
+        td.DADConv2d(3, 4, 3, activation="swish")
+    layer = td.DADConv2d(3, 4, 3)
+    with pytest.raises(ValueError, match=r"expected \(batch, 3, height, width\)"):
+        layer.check_input(torch.randn(2, 1, 9, 9))
+    with pytest.raises(TypeError, match="float"):
+        layer.check_input(torch.zeros(2, 3, 9, 9, dtype=torch.long))
+    with pytest.raises(ValueError, match="'ce' local rule only"):
+        layer.set_local_loss("predsim")
+
+
+# ------------------------------------------------------------------------------------ blocks
+class Residual(torch.nn.Module):
+    def __init__(self, channels):
+        super().__init__()
+        self.a = torch.nn.Conv2d(channels, channels, 3, padding=1)
+        self.b = torch.nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x):
+        return torch.relu(x + self.b(torch.relu(self.a(x))))
+
+
+def test_block_gradients_are_autograd_inside_the_block():
+    block = td.DADBlock(Residual(5), num_classes=CLASSES, head_features=5).double()
+    assert isinstance(block.head, td.nn.MeanPoolHead)
+    assert len(block.trained_tensors()) == 6  # a.weight, a.bias, b.weight, b.bias, head weight, head bias
+    x, y = torch.randn(3, 5, 7, 7, dtype=torch.float64), torch.randint(0, CLASSES, (3,))
+    with torch.no_grad():  # as the trainer calls it
+        result, grads = block.local_gradients(x, y)
+    params = [p.detach().clone().requires_grad_() for p in block.trained_tensors()]
+    wa, ba, wb, bb, hw, hb = params
+    h = torch.relu(
+        x + torch.nn.functional.conv2d(torch.relu(torch.nn.functional.conv2d(x, wa, ba, padding=1)), wb, bb, padding=1)
+    )
+    logits = h.mean((2, 3)) @ hw.T + hb
+    want = torch.autograd.grad(torch.nn.functional.cross_entropy(logits, y), params)
+    for got, expected in zip(grads, want):
+        assert relative_error(got, expected) <= 1e-12
+    assert not result.output.requires_grad and torch.allclose(result.output, h.detach())
+    assert torch.allclose(result.logits, logits.detach())
+
+
+def test_block_transformer_layer_and_bad_arguments():
+    encoder = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
+    block = td.DADBlock(encoder, num_classes=CLASSES, head_features=8, feature_dim=-1)
+    x, y = torch.randn(3, 5, 8), torch.randint(0, CLASSES, (3,))
+    before = [t.clone() for t in block.trained_tensors()]
+    result, grads = block.local_gradients(x, y)
+    assert result.output.shape == (3, 5, 8) and result.logits.shape == (3, CLASSES)
+    assert all(torch.isfinite(g).all() for g in grads)
+    block.apply_local_update(grads, td.OptimizerConfig(lr=1e-2))
+    assert all(not torch.equal(a, b) for a, b in zip(before, block.trained_tensors()))
+    with pytest.raises(TypeError, match="local_head= .* or head_features="):
+        td.DADBlock(encoder, num_classes=CLASSES)
+    with pytest.raises(TypeError, match="module must be a torch.nn.Module"):
+        td.DADBlock("encoder", num_classes=CLASSES, head_features=8)  # type: ignore[arg-type]
+    frozen = torch.nn.Linear(3, 3).requires_grad_(False)
+    with pytest.raises(ValueError, match="nothing to train"):
+        td.DADBlock(frozen, local_head=torch.nn.Identity(), num_classes=3)
+
+
+# ------------------------------------------------------------------------------------ models
+class SmallVGG(td.DADModel):
+    """conv(pool) - conv(pool) - dense - classifier on 1 x 12 x 12 images."""
+
+    def __init__(self, classifier=True):
+        super().__init__()
+        self.c1 = td.DADConv2d(1, 6, 3, padding=1, num_classes=CLASSES, pool="max")
+        self.c2 = td.DADConv2d(6, 8, 3, padding=1, num_classes=CLASSES, pool="avg", activation="tanh")
+        self.fc = td.DADLinear(8 * 3 * 3, 16, num_classes=CLASSES)
+        if classifier:
+            self.classifier = torch.nn.Linear(16, CLASSES)
+
+
+class ResNetLike(td.DADModel):
+    """conv stem - residual block - classifier on the flattened block output."""
+
+    def __init__(self):
+        super().__init__()
+        self.stem = td.DADConv2d(1, 6, 3, padding=1, stride=2, num_classes=CLASSES)
+        self.block = td.DADBlock(Residual(6), num_classes=CLASSES, head_features=6)
+        self.classifier = torch.nn.Linear(6 * 6 * 6, CLASSES)
+
+
+MODELS = {"vgg": SmallVGG, "resnet": ResNetLike}
+
+
+def _images(n=40, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    y = torch.randint(0, CLASSES, (n,), generator=generator)
+    x = torch.randn(n, 1, 12, 12, generator=generator) * 0.5
+    x[:, 0, :6, :6] += y[:, None, None].float()  # learnable: the class brightens one corner
+    return x, y
+
+
+def _trainer(name, backend="eager", **kwargs):
+    torch.manual_seed(0)
+    options = {"lr": 1e-2, "on_nonfinite": "ignore" if backend == "fused" else "raise", **kwargs}
+    return td.DADTrainer(MODELS[name](), backend=backend, **options)
+
+
+def test_local_layers_in_registration_order():
+    model = ResNetLike()
+    assert [type(m) for m in model.local_layers] == [td.DADConv2d, td.DADBlock]
+    assert model.dad_layers == model.local_layers  # the old name still works
+    assert model(torch.randn(2, 1, 12, 12)).shape == (2, CLASSES)
+    no_head = SmallVGG(classifier=False)
+    x = torch.randn(2, 1, 12, 12)
+    assert torch.equal(no_head(x), no_head.fc.local_head(no_head.fc(no_head.c2(no_head.c1(x)))))
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_fit_evaluate_solve_head(name):
+    trainer = _trainer(name)
+    x, y = _images()
+    records = trainer.fit((x, y), epochs=3, batch_size=8, eval=(x, y), progress=False)
+    assert records[-1]["loss"] < records[0]["loss"]
+    assert trainer.classifier_sample is not None and trainer.classifier_sample.inputs.shape[1:] == (1, 12, 12)
+    solution = trainer.solve_head(lambda_reg=1e-2)
+    assert solution.weight.shape == (CLASSES, trainer.model.get_classifier().in_features)
+    accuracy = trainer.evaluate((x, y))["accuracy"]
+    assert accuracy >= 0.6, accuracy  # chance is 0.25
+    assert trainer.evaluate((x, y), use_local_head=True)["samples"] == 40
+
+
+class _IdentityReducer:
+    """A one-process gradient reducer: runs the engine's data-parallel path (all-reduce, then the
+    batched AdamW) on CPU."""
+
+    def launch(self, grads):  # type: ignore[no-untyped-def]
+        return None, [g.clone() for g in grads]
+
+    def __call__(self, grads):  # type: ignore[no-untyped-def]
+        pass
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+@pytest.mark.parametrize("amp,tol", [(None, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("reducer", [False, True])
+def test_fused_engine_equals_eager(name, amp, tol, reducer):
+    x, y = _images()
+    eager = _trainer(name, on_nonfinite="ignore", amp_dtype=amp)
+    fused = _trainer(name, backend="fused", amp_dtype=amp)
+    assert fused.uses_engine
+    if reducer:
+        fused.gradient_reducer = eager.gradient_reducer = _IdentityReducer()
+    for start in range(0, 40, 8):
+        _, loss_e = eager.step(x[start : start + 8], y[start : start + 8])
+        _, loss_f = fused.step(x[start : start + 8], y[start : start + 8])
+        assert relative_error(loss_f, loss_e) <= tol
+    for (key, a), b in zip(eager.model.state_dict().items(), fused.model.state_dict().values()):
+        if amp is None and not key.startswith(("classifier", "fc.")):
+            # the conv and block layers run the same local_gradients and the same fused AdamW kernel
+            assert torch.equal(a, b), key
+        # the dense layer's and the classifier's fused kernels round differently
+        assert relative_error(b, a) <= 5 * tol, key
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_state_dict_and_checkpoint_round_trip(name, tmp_path):
+    x, y = _images()
+    trainer = _trainer(name)
+    trainer.fit((x, y), epochs=1, batch_size=8, progress=False)
+    trainer.save_checkpoint(tmp_path / "model.safetensors")
+    fresh = _trainer(name)
+    assert fresh.classifier_sample is None  # made at the first batch, or from the checkpoint
+    fresh.load_checkpoint(tmp_path / "model.safetensors")
+    for (key, a), b in zip(trainer.model.state_dict().items(), fresh.model.state_dict().values()):
+        assert torch.equal(a, b), key
+    assert torch.equal(fresh.classifier_sample.inputs, trainer.classifier_sample.inputs)
+    # both continue identically
+    assert torch.equal(trainer.step(x[:8], y[:8])[1], fresh.step(x[:8], y[:8])[1])
+    other = td.DADTrainer(SmallVGG() if name == "resnet" else ResNetLike())
+    with pytest.raises(ValueError, match="does not match this trainer"):
+        other.load_checkpoint(tmp_path / "model.safetensors")
+    assert other.classifier_sample is None  # unchanged by the failed load
+
+
+def test_fit_checkpoint_resume_is_bitwise(tmp_path):
+    x, y = _images()
+    whole = _trainer("vgg")
+    whole.fit((x, y), epochs=2, batch_size=8, progress=False, checkpoint_dir=tmp_path, checkpoint_every=3, keep_last=10)
+    for path in tmp_path.glob("checkpoint-*.safetensors"):
+        if int(path.stem.split("-")[1]) > 6:
+            path.unlink()  # as if killed at step 7 of 10, in the second epoch
+    resumed = _trainer("vgg")
+    resumed.fit((x, y), epochs=2, batch_size=8, progress=False, checkpoint_dir=tmp_path, resume=True)
+    assert resumed.step_count == whole.step_count == 10
+    for (key, a), b in zip(whole.model.state_dict().items(), resumed.model.state_dict().values()):
+        assert torch.equal(a, b), key
+
+
+def test_nonfinite_guard_leaves_a_conv_model_unchanged():
+    trainer = _trainer("vgg", on_nonfinite="skip")
+    x, y = _images()
+    trainer.step(x[:8], y[:8])
+    before = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    with torch.no_grad():
+        trainer.model.c2.head_weight.fill_(float("inf"))  # the second layer's gradients turn NaN
+    after_poison = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    trainer.step(x[8:16], y[8:16])
+    assert trainer.skipped_updates == 1
+    for key, value in trainer.model.state_dict().items():
+        assert torch.equal(value, after_poison[key]), key
+    assert not torch.equal(before["c2.head_weight"], after_poison["c2.head_weight"])
+
+
+def test_trainer_input_checks_for_conv_models():
+    trainer = _trainer("vgg")
+    y = torch.zeros(4, dtype=torch.long)
+    state = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"expected \(batch, 1, height, width\)"):
+        trainer.step(torch.randn(4, 144), y)
+    with pytest.raises(ValueError, match="NaN or Inf"):
+        trainer.step(torch.full((4, 1, 12, 12), float("nan")), y)
+    with pytest.raises(ValueError, match="local_loss='predsim'"):
+        td.DADTrainer(SmallVGG(), local_loss="predsim")
+    assert all(torch.equal(v, state[k]) for k, v in trainer.model.state_dict().items())
+    # an MLP still takes image batches, flattened per row
+    mlp = td.DADTrainer(_Mlp())
+    mlp.step(torch.randn(4, 1, 12, 12), y)
+    with pytest.raises(ValueError, match=r"expected \(batch, 144\), or \(batch, \.\.\.\) with 144 values per row"):
+        mlp.step(torch.randn(4, 1, 11, 11), y)
+
+
+class _Mlp(td.DADModel):
+    def __init__(self):
+        super().__init__()
+        self.l1 = td.DADLinear(144, 16, num_classes=CLASSES)
+        self.classifier = torch.nn.Linear(16, CLASSES)
+
+
+def test_readme_conv_block_runs():
+    import re
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.search(r"## Conv nets and arbitrary blocks.*?```python\n(.*?)```", text, re.S).group(1)
+    namespace: dict = {"td": td, "torch": torch, "MyResidualBlock": Residual}  # the reader's block
+    exec(compile(block, "README-conv", "exec"), namespace)
+    trainer = td.DADTrainer(namespace["Net"]())
+    _, loss = trainer.step(torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,)))
+    assert torch.isfinite(loss) and trainer.step_count == 1
