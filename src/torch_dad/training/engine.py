@@ -33,8 +33,7 @@ the fp32 summation order of the atomically added gradients.
 from __future__ import annotations
 
 import gc
-import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, NamedTuple, cast
@@ -53,7 +52,7 @@ from ..optim import LocalOptimizerState, OptimizerConfig
 from ..ridge import GramAccumulator
 from .input_sample import InputReservoir
 from .options import STREAM_PRIORITIES, EngineOptions
-from .step import Batch, GradientReducer, StepOutput
+from .step import Batch, Dropout, GradientReducer, StepOutput
 
 __all__ = ["FusedStep", "make_engine", "unsupported_reason", "uses_local_error_kernel"]
 
@@ -100,13 +99,11 @@ def make_engine(trainer: Any, backend: str, options: EngineOptions | None, loss_
         raise ValueError(f"backend={backend!r} cannot run this model: {reason}; use backend='eager'")
     elif backend == "cuda-graph" and not cuda:
         raise ValueError(f"backend='cuda-graph' needs a CUDA device, got {trainer.device}; use 'fused' or 'eager'")
-    engine = FusedStep(
+    return FusedStep(
         trainer.model, trainer.device, options or EngineOptions(), graphed=backend != "fused",
         classifier_state=trainer.classifier_state, statistics=trainer.classifier_statistics, sample=trainer.classifier_sample,
         loss_total=loss_total,
     )
-    engine.dropout_source = weakref.ref(trainer)  # weak: the trainer owns the engine
-    return engine
 
 
 def _forward(a: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> Tensor:
@@ -164,9 +161,6 @@ class FusedStep:
         self._streams: dict[str, torch.cuda.Stream] = {}
         self._pool: Any = None
         self._tracked: list[Tensor] | None = None
-        #: returns the object whose ``dropout``, ``dropout_seed`` and ``step_count`` the step's
-        #: dropout follows (the trainer), or ``None`` for no dropout
-        self.dropout_source: Callable[[], Any] = lambda: None
         self.dropout = _Dropout(0.0, 0, torch.zeros((), device=device, dtype=torch.int64))
         self._dropout_step_mirror = 0
 
@@ -284,16 +278,19 @@ class FusedStep:
     def run(
         self, batch: Batch, config: OptimizerConfig, *, span: tuple[int, int], with_classifier: bool,
         reducer: GradientReducer | None, count_loss: bool, accumulate_statistics: bool,
+        dropout: Dropout | None = None,
     ) -> StepOutput:
         """Train layers ``span`` (then the classifier if ``with_classifier``) on ``batch``.
 
         The whole model on one process replays a captured graph (``graphed``); a span (pipeline
         stage) or a ``reducer`` (data parallelism) runs uncaptured: large distributed batches
         are bound by GEMMs, not launches. ``count_loss`` adds the loss to ``loss_total``.
+        ``dropout`` (``None``: none) drops each layer's output between layers, with the masks of the
+        trainer's eager loop.
         """
         self.set_lr(batch.lr)
         self.config = config
-        self._sync_dropout()
+        self._sync_dropout(dropout or Dropout(0.0, 0, 0))
         if span[0] == 0 and self.sample is not None:
             if batch.x.is_cuda:
                 self.sample.count_rows(batch.x.shape[0])  # the step adds the rows on the device
@@ -323,19 +320,16 @@ class FusedStep:
         graph.replay()
         return StepOutput(out_logits.clone(), out_loss.clone(), out_features, True)
 
-    def _sync_dropout(self) -> None:
-        """Read the trainer's dropout settings; set the device step counter the masks are drawn
-        from to its ``step_count`` (the step itself adds 1, so this writes only after a resume or
-        an eager step). The counter is a device tensor: a captured graph reads it."""
-        owner = self.dropout_source()
-        p = float(getattr(owner, "dropout", 0.0))
-        seed = int(getattr(owner, "dropout_seed", 0))
-        self.dropout = _Dropout(p, seed, self.dropout.step)
-        if not p or owner is None:
+    def _sync_dropout(self, dropout: Dropout) -> None:
+        """Take the step's dropout; set the device step counter the masks are drawn from to
+        ``dropout.step`` (the step itself adds 1, so this writes only after a resume or an eager
+        step). The counter is a device tensor: a captured graph reads it."""
+        self.dropout = _Dropout(float(dropout.p), int(dropout.seed), self.dropout.step)
+        if not dropout.p:
             return
-        if owner.step_count != self._dropout_step_mirror:
-            self.dropout.step.fill_(owner.step_count)
-        self._dropout_step_mirror = owner.step_count + 1
+        if dropout.step != self._dropout_step_mirror:
+            self.dropout.step.fill_(dropout.step)
+        self._dropout_step_mirror = dropout.step + 1
 
     def _capture(self, key: tuple[Any, ...], batch: Batch, settings: _Settings) -> tuple[Any, ...]:
         if len(self._graphs) >= self.options.max_graphs:

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple, Protocol
 import torch
 from torch import Tensor
 
-__all__ = ["Batch", "GradientReducer", "StepOutput", "progress_bar"]
+__all__ = ["Batch", "Dropout", "GradientReducer", "StepOutput", "progress_bar"]
 
 
 class Batch(NamedTuple):
@@ -24,6 +24,15 @@ class Batch(NamedTuple):
     y: Tensor
     lr: float
     compute_dtype: torch.dtype | None
+
+
+class Dropout(NamedTuple):
+    """The step's dropout: probability ``p``, the Philox key ``seed`` and the trainer's ``step_count``,
+    the counter its masks are drawn for (:func:`torch_dad.ops.dropout.counter_dropout`)."""
+
+    p: float
+    seed: int
+    step: int
 
 
 class StepOutput(NamedTuple):

@@ -32,7 +32,7 @@ from . import checkpoint
 from .checkpoint import CheckpointFolder, FitProgress
 from .input_sample import InputReservoir
 from .options import EngineOptions
-from .step import Batch, GradientReducer, StepOutput, progress_bar
+from .step import Batch, Dropout, GradientReducer, StepOutput, progress_bar
 
 if TYPE_CHECKING:
     from .engine import FusedStep
@@ -438,6 +438,7 @@ class DADTrainer:
                 batch, self.config, span=(start, stop), with_classifier=with_classifier,
                 reducer=self.gradient_reducer, count_loss=is_model_output,
                 accumulate_statistics=self.accumulate_classifier_statistics,
+                dropout=Dropout(self.dropout, self.dropout_seed, self.step_count) if self.dropout else None,
             )
         logits, loss, features = self._eager_layers(batch, start, stop, with_classifier)
         logits, loss = logits.detach().float(), loss.detach().float()
