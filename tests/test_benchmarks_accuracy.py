@@ -1,0 +1,210 @@
+"""``benchmarks/accuracy.py --menu``: the recipe menu, the search, and the like-for-like models and heads."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import torch_dad as td
+from torch_dad import data
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from _accuracy_menu import AXES, DEFAULTS, MENU_PRESETS, menu_main, parse_menu, recipe_name, search  # noqa: E402
+from _common import DADMLP, backprop_mlp  # noqa: E402
+from accuracy import ridge_head  # noqa: E402
+
+
+def test_parse_menu_presets_and_defaults() -> None:
+    full = parse_menu("full")
+    assert full["lr"] == [1e-3, 3e-4, 3e-3]
+    assert full["norm"] == ["none", "layernorm", "batchnorm"]
+    assert full["head"] == ["trained", "ridge"]
+    assert all(parse_menu(name) for name in MENU_PRESETS)
+    # an axis the spec leaves out keeps its default alone
+    menu = parse_menu("lr=3e-3;norm=layernorm,none")
+    assert menu["lr"] == [3e-3] and menu["norm"] == ["layernorm", "none"]
+    assert {k: v for k, v in menu.items() if k not in ("lr", "norm")} == {
+        k: [v] for k, v in DEFAULTS.items() if k not in ("lr", "norm")
+    }
+
+
+@pytest.mark.parametrize(
+    ("spec", "match"),
+    [
+        ("momentum=0.9", "key one of"),
+        ("lr=", "key one of"),
+        ("norm=groupnorm", "choose from"),
+        ("lr=fast", "not a number"),
+        ("lr=0", "out of range"),
+        ("dropout=1.0", "out of range"),
+        ("ls=-0.1", "out of range"),
+        ("lr=1e-3,1e-3", "twice"),
+    ],
+)
+def test_parse_menu_rejects_bad_specs(spec: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        parse_menu(spec)
+
+
+def _fake_evaluate(score: dict[str, Any], calls: list[dict[str, Any]]):
+    """Validation accuracy = sum of per-value bonuses; the ridge head adds ``score['ridge']``."""
+
+    def evaluate(recipes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        calls.extend(recipes)
+        out = []
+        for r in recipes:
+            val = 0.5 + sum(score.get((axis, r[axis]), 0.0) for axis in AXES)
+            out.append({"heads": {"trained": {"val_acc": val}, "ridge": {"val_acc": val + score.get("ridge", 0.0)}}})
+        return out
+
+    return evaluate
+
+
+def test_coordinate_search_sweeps_each_axis_from_the_start() -> None:
+    menu = parse_menu("full")
+    score = {("lr", 3e-3): 0.02, ("norm", "batchnorm"): 0.01, ("dropout", 0.1): -0.01, "ridge": 0.005}
+    calls: list[dict[str, Any]] = []
+    recipe, head = search(menu, "coordinate", _fake_evaluate(score, calls))
+    assert recipe == {**{a: menu[a][0] for a in AXES}, "lr": 3e-3, "norm": "batchnorm"}
+    assert head == "ridge"
+    # every configuration is trained once: 3 lrs, then 2 new values per 3-valued axis and 1 per 2-valued one;
+    # the last lr sweep finds nothing new
+    assert len(calls) == len({str(sorted(c.items())) for c in calls}) == 3 + 2 + 1 + 1 + 1 + 1 + 2
+    assert calls[0] == {a: menu[a][0] for a in AXES}
+
+
+def test_search_keeps_the_start_on_ties_and_skips_failures() -> None:
+    menu = parse_menu("lr=1e-3,3e-3;norm=none,layernorm")
+    calls: list[dict[str, Any]] = []
+    recipe, head = search(menu, "grid", _fake_evaluate({}, calls))
+    assert len(calls) == 4 and recipe == {a: menu[a][0] for a in AXES} and head == "trained"
+
+    def failing(recipes: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{"error": "boom"} for _ in recipes]
+
+    with pytest.raises(RuntimeError, match="every run"):
+        search(menu, "coordinate", failing)
+
+
+def test_recipe_name_lists_what_differs_from_the_plain_recipe() -> None:
+    plain = {a: parse_menu("")[a][0] for a in AXES}
+    assert recipe_name(plain) == "lr 0.001"
+    changed = {**plain, "norm": "layernorm", "ls": 0.1, "dropout": 0.1, "schedule": "cosine", "act": "leaky_relu"}
+    assert recipe_name(changed, "ridge") == "lr 0.001, layernorm, ls 0.1, dropout 0.1, cosine, leaky_relu, ridge head"
+
+
+@pytest.mark.parametrize(
+    ("activation", "normalize"), [("relu", None), ("leaky_relu", "layernorm"), ("relu", "batchnorm"), ("gelu", None)]
+)
+@pytest.mark.parametrize("train", [False, True])
+def test_backprop_mlp_is_the_dad_mlp(activation: str, normalize: str | None, train: bool) -> None:
+    """With DAD's weights copied in, the backprop MLP computes DADMLP's logits (float64; odd widths)."""
+    torch.manual_seed(0)
+    widths = [13, 7, 5]
+    dad = DADMLP(widths, num_classes=3, activation=activation, normalize=normalize).double()
+    bp = backprop_mlp(widths, 3, activation=activation, normalize=normalize, dropout=0.1).double()
+    linears = [m for m in bp if isinstance(m, torch.nn.Linear)]
+    norms = [m for m in bp if isinstance(m, torch.nn.BatchNorm1d)]
+    with torch.no_grad():
+        for i, layer in enumerate(dad.layers):
+            linears[i].weight.copy_(layer.weight)
+            linears[i].bias.copy_(layer.bias)
+            if normalize == "batchnorm":
+                layer.norm_weight.uniform_(0.5, 1.5)
+                layer.norm_bias.uniform_(-0.5, 0.5)
+                layer.running_mean.uniform_(-0.2, 0.2)
+                layer.running_var.uniform_(0.5, 2.0)
+                for name in ("weight", "bias", "running_mean", "running_var"):
+                    getattr(norms[i], name).copy_(getattr(layer, "norm_" + name if "running" not in name else name))
+        linears[-1].weight.copy_(dad.classifier.weight)
+        linears[-1].bias.copy_(dad.classifier.bias)
+    dad.train(train)
+    bp.train(train)
+    if train:  # dropout aside: the training-mode comparison is about batch statistics
+        for m in bp:
+            if isinstance(m, torch.nn.Dropout):
+                m.p = 0.0
+    x = torch.randn(11, 13, dtype=torch.float64)
+    torch.testing.assert_close(bp(x), dad(x), rtol=1e-10, atol=1e-10)
+    torch.testing.assert_close(bp[:-1](x), dad.features(x), rtol=1e-10, atol=1e-10)
+
+
+def test_backprop_mlp_rejects_unknown_options() -> None:
+    with pytest.raises(ValueError, match="activation"):
+        backprop_mlp([4, 3], activation="swish")
+    with pytest.raises(ValueError, match="normalize"):
+        backprop_mlp([4, 3], normalize="groupnorm")
+
+
+def test_ridge_head_is_solve_head() -> None:
+    """The head scored for every system is what DADTrainer.solve_head("auto", loader=train) installs."""
+    torch.manual_seed(0)
+    (x, y), (xte, _) = data.synthetic(num_train=300, num_test=50, num_features=9, num_classes=5)
+    model = DADMLP([9, 6], num_classes=5)
+    trainer = td.DADTrainer(model, lr=1e-2)
+    for xb, yb in data.batches(x, y, 64):
+        trainer.step(xb, yb)
+    head = ridge_head(model.features, 6, 5, x, y)
+    expected = head(xte)
+    trainer.solve_head("auto", loader=[(x[i : i + 100], y[i : i + 100]) for i in range(0, 300, 100)])
+    torch.testing.assert_close(model(xte), expected, rtol=1e-4, atol=1e-4)
+
+
+def _study_args(tmp_path: Path, **overrides: Any) -> argparse.Namespace:
+    args = {
+        "menu": "smoke",
+        "smoke": False,
+        "out": str(tmp_path / "study.json"),
+        "plot_only": False,
+        "merge": None,
+        "systems": ["dad", "backprop"],
+        "cells": ["synthetic-3"],
+        "seeds": [0, 1],
+        "resume": None,
+        "workers": 1,
+        "threads": 1,
+        "device": "cpu",
+        "tf32": False,
+        "search": "coordinate",
+    }
+    return argparse.Namespace(**{**args, **overrides})
+
+
+@pytest.fixture
+def keep_threads():
+    """The study sets torch's thread count for its in-process runs; later tests get theirs back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("keep_threads")
+def test_study_reports_the_selected_recipe_on_every_seed(tmp_path: Path) -> None:
+    out = menu_main(_study_args(tmp_path))
+    records = json.loads(out.read_text())
+    assert not out.with_suffix(".runs.jsonl").exists()  # the log is dropped once the results are written
+    assert all({"device", "torch", "commit", "date"} <= r.keys() for r in records)
+    runs = [r for r in records if r["kind"] == "menu_run"]
+    summaries = [r for r in records if r["kind"] == "menu_summary"]
+    assert [s["system"] for s in summaries] == ["dad", "backprop"]
+    for s in summaries:
+        chosen = [r for r in runs if r["system"] == s["system"] and r["recipe"] == s["recipe"]]
+        assert sorted(r["seed"] for r in chosen) == [0, 1] and s["seeds"] == 2
+        test = [r["heads"][s["head"]]["test_acc"] for r in chosen]
+        assert s["test_acc_mean"] == pytest.approx(sum(test) / 2)
+        # the selection is the best validation accuracy of the search seed over every run and head
+        searched = [r for r in runs if r["system"] == s["system"] and r["seed"] == 0]
+        assert s["val_acc_search_seed"] == max(v["val_acc"] for r in searched for v in r["heads"].values())
+        assert s["searched_runs"] == len(searched)
+    # resuming from the results trains nothing again and selects the same
+    again = json.loads(menu_main(_study_args(tmp_path, out=str(tmp_path / "b.json"), resume=str(out))).read_text())
+    for kind, before in (("menu_summary", summaries), ("menu_run", runs)):
+        assert [r for r in again if r["kind"] == kind] == before
