@@ -127,6 +127,7 @@ def _build(
             local_loss=rule,
             dropout=recipe["dropout"],
             dropout_seed=seed,
+            classifier_label_smoothing=recipe["ls"],
         )
 
         def dad_step(x: torch.Tensor, y: torch.Tensor, lr: float) -> None:

@@ -292,3 +292,43 @@ def test_fused_cpu_step_with_a_reducer_and_a_resume(kw, dropout):
         eager.step(x, y)
         fused.step(x, y)
     _assert_same_model(eager, fused, 5e-5)
+
+
+# --------------------------------------------------------------------------------- the classifier's smoothing
+def test_classifier_label_smoothing_is_backprops_smoothed_output_loss():
+    """One SGD step (lr 1) of the classifier equals autograd of nn.CrossEntropyLoss(label_smoothing=0.1) on
+    its input, in float64; the local layers are unaffected by the option."""
+    torch.manual_seed(10)
+    model = Net(dtype=torch.float64)
+    model.classifier = torch.nn.Linear(17, 7, dtype=torch.float64)
+    plain = copy.deepcopy(model)
+    x, y = torch.randn(37, 23, dtype=torch.float64), torch.randint(0, 7, (37,))
+    features = model.features(x).detach()
+    reference = copy.deepcopy(model.classifier)
+    torch.nn.CrossEntropyLoss(label_smoothing=0.1)(reference(features), y).backward()
+    sgd = {"optimizer": "sgd", "lr": 1.0, "momentum": 0.0, "weight_decay": 0.0}
+    before = model.classifier.weight.detach().clone()
+    td.DADTrainer(model, classifier_label_smoothing=0.1, **sgd).step(x, y)
+    td.DADTrainer(plain, **sgd).step(x, y)
+    assert relative_error(before - model.classifier.weight, reference.weight.grad) < 1e-10
+    assert torch.equal(model.b.weight, plain.b.weight)  # the local layers: their own label_smoothing
+    assert not torch.equal(model.classifier.weight, plain.classifier.weight)
+
+
+@pytest.mark.parametrize("amp", [None, torch.bfloat16])
+def test_fused_cpu_step_matches_eager_with_classifier_label_smoothing(amp):
+    torch.manual_seed(0)
+    ref, new = Net(), Net()
+    new.load_state_dict(ref.state_dict())
+    common = {"amp_dtype": amp, "classifier_label_smoothing": 0.2, "on_nonfinite": "ignore"}
+    eager, fused = td.DADTrainer(ref, backend="eager", **common), td.DADTrainer(new, backend="fused", **common)
+    tol = 1e-5 if amp is None else 3e-2
+    for x, y in _batches(4):
+        want, got = eager.step(x, y), fused.step(x, y)
+        assert abs(float(got[1]) - float(want[1])) <= tol
+    _assert_same_model(eager, fused, 5 * tol)
+
+
+def test_bad_classifier_label_smoothing_names_the_argument():
+    with pytest.raises(ValueError, match="classifier_label_smoothing"):
+        td.DADTrainer(Net(), classifier_label_smoothing=1.0)

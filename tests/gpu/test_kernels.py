@@ -129,7 +129,8 @@ def _check_local_error(shape, activation, dtype, tiles=None, smoothing=0.0):  # 
 
 @pytest.mark.parametrize("dtype", [torch.float32, LOW])
 @pytest.mark.parametrize("one_pass", [False, True])
-def test_local_error_output_head_mode(dtype, one_pass):  # type: ignore[no-untyped-def]
+@pytest.mark.parametrize("smoothing", [0.0, 0.1])
+def test_local_error_output_head_mode(dtype, one_pass, smoothing):  # type: ignore[no-untyped-def]
     from torch_dad.kernels.local_error import Tiles
     from torch_dad.ops.local_error import local_error
 
@@ -138,13 +139,13 @@ def test_local_error_output_head_mode(dtype, one_pass):  # type: ignore[no-untyp
     w = torch.randn(c, n, device=DEVICE, dtype=torch.float64) * 0.1
     b = torch.randn(c, device=DEVICE, dtype=torch.float64) * 0.1
     y = torch.randint(0, c, (m,), device=DEVICE)
-    ref = functional.head_loss_and_gradients(h, w, b, y)
+    ref = functional.head_loss_and_gradients(h, w, b, y, label_smoothing=smoothing)
     if one_pass:
         tiles = Tiles(rows_bm=16, rows_bn=32, rows_warps=4, rows_stages=2, cols_bm=32, cols_bn=32, cols_warps=4,
                       cols_stages=2, cols_programs_per_sm=2, one_pass=True)
-        got = _launch(h.to(dtype), w.float(), b.float(), y, "relu", False, tiles)
+        got = _launch(h.to(dtype), w.float(), b.float(), y, "relu", False, tiles, smoothing)
     else:
-        got = local_error(h.to(dtype), w.float(), b.float(), y, with_dz=False, backend="triton")
+        got = local_error(h.to(dtype), w.float(), b.float(), y, with_dz=False, backend="triton", label_smoothing=smoothing)
     assert got.d_z is None and got.grad_bias is None
     tol = MARGIN[dtype] + (1e-2 if dtype != torch.float32 else 0.0)
     assert relative_error(got.logits, ref.logits) <= tol

@@ -102,7 +102,7 @@ def make_engine(trainer: Any, backend: str, options: EngineOptions | None, loss_
     return FusedStep(
         trainer.model, trainer.device, options or EngineOptions(), graphed=backend != "fused",
         classifier_state=trainer.classifier_state, statistics=trainer.classifier_statistics, sample=trainer.classifier_sample,
-        loss_total=loss_total,
+        loss_total=loss_total, classifier_label_smoothing=trainer.classifier_label_smoothing,
     )
 
 
@@ -144,9 +144,10 @@ class FusedStep:
     def __init__(
         self, model: DADModel, device: torch.device, options: EngineOptions, graphed: bool, *,
         classifier_state: LocalOptimizerState | None, statistics: GramAccumulator | None,
-        sample: InputReservoir | None, loss_total: Tensor,
+        sample: InputReservoir | None, loss_total: Tensor, classifier_label_smoothing: float = 0.0,
     ) -> None:
         self.model, self.device, self.options, self.graphed = model, device, options, graphed
+        self.classifier_label_smoothing = classifier_label_smoothing
         # read once: the module walk behind model.local_layers costs host time every step
         self.layers: list[Any] = model.local_layers
         self.classifier = model.get_classifier()
@@ -625,7 +626,9 @@ class _Run:
         bias = classifier.bias.detach() if classifier.bias is not None else torch.zeros(
             classifier.out_features, device=a.device, dtype=torch.float32
         )
-        err = local_error(a, classifier.weight.detach(), bias, y, with_dz=False)
+        err = local_error(
+            a, classifier.weight.detach(), bias, y, with_dz=False, label_smoothing=engine.classifier_label_smoothing
+        )
         params = [classifier.weight.data] + ([classifier.bias.data] if classifier.bias is not None else [])
         state = engine.classifier_state
         update = _Update(

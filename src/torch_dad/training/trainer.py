@@ -18,6 +18,7 @@ from .._checks import (
     check_bool,
     check_device,
     check_finite,
+    check_fraction,
     check_inputs,
     check_labels,
     check_positive_int,
@@ -174,6 +175,9 @@ class DADTrainer:
             a pure function of ``(dropout_seed, step_count, layer index, element)``: the same in
             every backend, and a resumed trainer continues it from ``step_count``.
         dropout_seed: the Philox key of the dropout masks, an int in ``[0, 2**63)``; in ``state_dict``.
+        classifier_label_smoothing: label smoothing of the classifier's online cross-entropy
+            (``functional.cross_entropy_error``), as ``nn.CrossEntropyLoss(label_smoothing=)`` on a
+            backprop model's output; the layers' local losses take their own ``label_smoothing``.
     """
 
     def __init__(
@@ -198,6 +202,7 @@ class DADTrainer:
         local_loss: str | None = None,
         dropout: float = 0.0,
         dropout_seed: int = 0,
+        classifier_label_smoothing: float = 0.0,
     ) -> None:
         if not isinstance(model, DADModel):
             raise TypeError(
@@ -209,6 +214,7 @@ class DADTrainer:
         check_optimizer(optimizer)
         self.device = _resolve_device(device, model)
         _check_amp(amp_dtype, "amp_dtype", self.device)
+        self.classifier_label_smoothing = check_fraction("classifier_label_smoothing", classifier_label_smoothing)
         _check_options(
             on_nonfinite=on_nonfinite, check_values=check_values, local_loss=local_loss, dropout=dropout,
             dropout_seed=dropout_seed, classifier_sample_size=classifier_sample_size,
@@ -551,7 +557,9 @@ class DADTrainer:
         assert classifier is not None
         dtype = batch.compute_dtype or classifier.weight.dtype
         bias = classifier.bias.to(dtype) if classifier.bias is not None else None
-        result = functional.head_loss_and_gradients(features.to(dtype), classifier.weight.to(dtype), bias, batch.y)
+        result = functional.head_loss_and_gradients(
+            features.to(dtype), classifier.weight.to(dtype), bias, batch.y, label_smoothing=self.classifier_label_smoothing
+        )
         grads = [result.grad_weight.to(classifier.weight.dtype)]
         if result.grad_bias is not None:
             grads.append(result.grad_bias.to(classifier.weight.dtype))
