@@ -21,6 +21,32 @@ TOPOLOGIES: dict[str, tuple[int, list[int], int]] = {
 }
 
 
+#: a training recipe's options, the same for DAD and backprop (see ``recipe_from_spec``)
+Recipe = dict[str, Any]
+RECIPE_DEFAULTS: Recipe = {"act": "relu", "norm": None, "ls": 0.0, "dropout": 0.0}
+
+
+def recipe_from_spec(spec: str) -> Recipe:
+    """``"act=leaky_relu,norm=batchnorm,ls=0.1,dropout=0.1"`` -> a recipe (absent keys keep
+    :data:`RECIPE_DEFAULTS`; ``norm=none`` is no normalisation)."""
+    recipe = dict(RECIPE_DEFAULTS)
+    for item in filter(None, spec.split(",")):
+        key, _, value = item.partition("=")
+        if key not in recipe:
+            raise ValueError(f"recipe key {key!r} must be one of {', '.join(recipe)}")
+        recipe[key] = float(value) if key in ("ls", "dropout") else (None if value == "none" else value)
+    return recipe
+
+
+def recipe_name(recipe: Recipe) -> str:
+    """A short tag such as ``leaky_relu+batchnorm+ls0.1+do0.1`` (``plain`` for the defaults)."""
+    parts = [recipe["act"]] if recipe["act"] != "relu" else []
+    parts += [recipe["norm"]] if recipe["norm"] else []
+    parts += [f"ls{recipe['ls']:g}"] if recipe["ls"] else []
+    parts += [f"do{recipe['dropout']:g}"] if recipe["dropout"] else []
+    return "+".join(parts) or "plain"
+
+
 def flop_ratio(n_in: int, widths: Sequence[int], classes: int) -> float:
     """Backprop/DAD FLOPs per sample: backprop 3 GEMMs per layer minus dL/dx of the first; DAD 2
     per layer plus the local heads' forward, d_logits W_loc and g_W_loc (3 thin GEMMs each)."""
@@ -87,34 +113,44 @@ def make_data(n_in: int, classes: int, batch: int, pool: int, device: torch.devi
 
 
 def dad_system(n_in: int, widths: Sequence[int], classes: int, device: torch.device, backend: str,
-               amp: torch.dtype | None, head: str = "sample"
+               amp: torch.dtype | None, head: str = "sample", recipe: Recipe | None = None,
                ) -> tuple[td.DADTrainer, Callable[[torch.Tensor, torch.Tensor], Any]]:
     """The quickstart MLP (DAD hidden layers + classifier) and its ``DADTrainer.step``.
 
     ``head`` says what ``step`` keeps for ``solve_head()``: ``"sample"`` (the default
     ``classifier_sample_size=4096`` reservoir of input rows), ``"gram"`` (the streamed Gram statistics
     ``H^T H``: a d x d x B GEMM that backprop never does, as large as a layer's GEMM when
-    d = 4096) or ``"none"`` (the training step alone)."""
+    d = 4096) or ``"none"`` (the training step alone). ``recipe`` (activation, normalisation,
+    label smoothing of the local losses and the classifier, dropout) defaults to plain relu."""
     if head not in ("sample", "gram", "none"):
         raise ValueError(f"head={head!r} must be 'sample', 'gram' or 'none'")
-    model = DADMLP([n_in, *widths], num_classes=classes)
+    r = recipe or RECIPE_DEFAULTS
+    model = DADMLP([n_in, *widths], num_classes=classes, activation=r["act"], normalize=r["norm"],
+                   label_smoothing=r["ls"])
     # on_nonfinite='ignore' (the CUDA default) so that CPU smoke runs take the fused step too
     trainer = td.DADTrainer(model, device=device, lr=1e-3, amp_dtype=amp, backend=backend, on_nonfinite="ignore",
                             accumulate_classifier_statistics=head == "gram",
-                            classifier_sample_size=4096 if head == "sample" else 0)
+                            classifier_sample_size=4096 if head == "sample" else 0,
+                            dropout=r["dropout"], classifier_label_smoothing=r["ls"])
     return trainer, trainer.step
 
 
+def _backprop_model(n_in: int, widths: Sequence[int], classes: int, recipe: Recipe | None) -> torch.nn.Module:
+    r = recipe or RECIPE_DEFAULTS
+    return backprop_mlp([n_in, *widths], classes, activation=r["act"], normalize=r["norm"], dropout=r["dropout"])
+
+
 def backprop_eager(n_in: int, widths: Sequence[int], classes: int, device: torch.device,
-                   amp: torch.dtype | None) -> Callable[[torch.Tensor, torch.Tensor], Any]:
+                   amp: torch.dtype | None, recipe: Recipe | None = None) -> Callable[[torch.Tensor, torch.Tensor], Any]:
     """The same MLP trained by backprop, autocast, fused AdamW, op by op."""
-    model = backprop_mlp([n_in, *widths], classes).to(device)
+    model = _backprop_model(n_in, widths, classes, recipe).to(device)
+    smoothing = (recipe or RECIPE_DEFAULTS)["ls"]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=device.type == "cuda")
 
     def step(xb: torch.Tensor, yb: torch.Tensor) -> None:
         opt.zero_grad(set_to_none=True)
         with torch.autocast(device.type, dtype=amp or torch.float32, enabled=amp is not None):
-            loss = F.cross_entropy(model(xb), yb)
+            loss = F.cross_entropy(model(xb), yb, label_smoothing=smoothing)
         loss.backward()
         opt.step()
 
@@ -137,9 +173,12 @@ def capture(body: Callable[[], None], warmup: int = 3) -> Callable[[], None]:
 
 
 def backprop_graphed(n_in: int, widths: Sequence[int], classes: int, device: torch.device,
-                     amp: torch.dtype | None, batch: int) -> Callable[[torch.Tensor, torch.Tensor], Any]:
-    """Tuned backprop: forward, backward and fused AdamW (capturable) in one CUDA graph."""
-    model = backprop_mlp([n_in, *widths], classes).to(device)
+                     amp: torch.dtype | None, batch: int, recipe: Recipe | None = None,
+                     ) -> Callable[[torch.Tensor, torch.Tensor], Any]:
+    """Tuned backprop: forward, backward and fused AdamW (capturable) in one CUDA graph (dropout
+    draws from torch's graph-safe generator)."""
+    model = _backprop_model(n_in, widths, classes, recipe).to(device)
+    smoothing = (recipe or RECIPE_DEFAULTS)["ls"]
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
     static_x = torch.randn(batch, n_in, device=device)
     static_y = torch.randint(0, classes, (batch,), device=device)
@@ -147,7 +186,7 @@ def backprop_graphed(n_in: int, widths: Sequence[int], classes: int, device: tor
     def body() -> None:
         opt.zero_grad(set_to_none=False)
         with torch.autocast("cuda", dtype=amp or torch.float32, enabled=amp is not None):
-            loss = F.cross_entropy(model(static_x), static_y)
+            loss = F.cross_entropy(model(static_x), static_y, label_smoothing=smoothing)
         loss.backward()
         opt.step()
 

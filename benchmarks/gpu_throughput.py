@@ -13,11 +13,17 @@ rotated over 8 batches), bf16 compute, fp32 master weights, AdamW:
 - ``backprop-eager``: the same, op by op;
 - ``wheel-2026.5.24``: the published wheel's compiled ``DADTrainer.step`` (``--wheel PATH``).
 
+``--recipes SPEC ...`` times each training recipe (activation, normalisation, label smoothing, dropout; e.g.
+``act=leaky_relu,norm=batchnorm,ls=0.1,dropout=0.1``) with ``dad``, ``backprop-eager`` and ``backprop-graphed``
+given the same recipe (backprop's label smoothing in its loss, its dropout from torch's graph-safe generator).
+
 Timing: CUDA events around 50 steps, median of 5 repeats, in 3 interleaved rounds (median of rounds),
 each preceded by 20 steps and 0.3 s of warm-up (the graph is
 captured during warm-up). Writes ``results/gpu_throughput.json``. ``--smoke``: CPU, tiny sizes.
 
 Run: python benchmarks/gpu_throughput.py [--wheel .whl/torch_dad-2026.5.24-py3-none-any.whl]
+     python benchmarks/gpu_throughput.py --topologies localloss-3x1024 --batches 128,256 \
+         --recipes "" "act=leaky_relu,norm=batchnorm,dropout=0.1" "norm=batchnorm,ls=0.1" --out FILE
 """
 
 from __future__ import annotations
@@ -30,21 +36,29 @@ import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from _common import environment, write_records
 from _gpu_common import (
     TOPOLOGIES,
+    Recipe,
     backprop_eager,
     backprop_graphed,
     cuda_sync,
     dad_system,
     flop_ratio,
     make_data,
+    recipe_from_spec,
+    recipe_name,
     time_steps,
 )
+
+# the MLP of the local-loss papers' MNIST recipe (3 x 1024), beside the four throughput topologies
+EXTRA_TOPOLOGIES = {"localloss-3x1024": (784, [1024, 1024, 1024], 10)}
 
 
 def run_wheel(wheel: str, jobs: list[tuple[str, int]], timeout: float) -> list[dict]:
@@ -70,82 +84,106 @@ def run_wheel(wheel: str, jobs: list[tuple[str, int]], timeout: float) -> list[d
     return rows
 
 
+def build(system: str, topology: tuple[int, list[int], int], device: torch.device, amp: torch.dtype | None,
+          batch: int, recipe: Recipe | None) -> Callable[[torch.Tensor, torch.Tensor], Any]:
+    """The step function of ``system`` on ``topology`` with ``recipe`` (``None``: plain)."""
+    n_in, widths, classes = topology
+    if system.startswith("dad"):
+        head = {"dad": "sample", "dad-gram-stats": "gram"}.get(system, "none")
+        backend = "auto" if device.type == "cuda" else "fused"
+        return dad_system(n_in, widths, classes, device, backend, amp, head=head, recipe=recipe)[1]
+    if system == "backprop-eager":
+        return backprop_eager(n_in, widths, classes, device, amp, recipe)
+    return backprop_graphed(n_in, widths, classes, device, amp, batch, recipe)
+
+
+def time_systems(systems: list[str], topology: tuple[int, list[int], int], batch: int, device: torch.device,
+                 amp: torch.dtype | None, recipe: Recipe | None, timing: tuple[int, int, int, float, int],
+                 ) -> dict[str, tuple[float, float]]:
+    """``system -> (seconds per step, peak MiB)``: each built and warmed (its peak taken then), then timed in
+    interleaved rounds (median of rounds), each system warmed again first."""
+    steps, repeats, warmup, warmup_s, rounds = timing
+    cuda = device.type == "cuda"
+    x, y = make_data(topology[0], topology[2], batch, 8, device)
+
+    def batch_at(i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        j = i % 8
+        return x[j * batch : (j + 1) * batch], y[j * batch : (j + 1) * batch]
+
+    step_of, peak_of = {}, {}
+    for system in systems:
+        if cuda:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        fn = build(system, topology, device, amp, batch, recipe)
+        step_of[system] = lambda i, fn=fn: fn(*batch_at(i))
+        time_steps(step_of[system], steps, 1, warmup)
+        cuda_sync()
+        peak_of[system] = torch.cuda.max_memory_allocated() / 2**20 if cuda else float("nan")
+    seconds: dict[str, list[float]] = {system: [] for system in systems}
+    for _ in range(rounds):
+        for system in systems:
+            seconds[system].append(time_steps(step_of[system], steps, repeats, warmup, warmup_s))
+    return {system: (statistics.median(seconds[system]), peak_of[system]) for system in systems}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run, seconds")
     parser.add_argument("--wheel", default=None, help="path to torch_dad-2026.5.24-py3-none-any.whl")
     parser.add_argument("--wheel-timeout", type=float, default=240.0)
     parser.add_argument("--batches", default="1024,4096")
+    parser.add_argument("--topologies", nargs="+", default=None, help="default: the four of docs/benchmarks.md")
+    parser.add_argument("--recipes", nargs="+", default=None, help='recipe specs, e.g. "" "norm=batchnorm,ls=0.1"')
     parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
     env = environment()
+    known = {**TOPOLOGIES, **EXTRA_TOPOLOGIES}
+    recipes = [recipe_from_spec(spec) for spec in args.recipes] if args.recipes is not None else [None]
     if args.smoke:
         topologies = {"smoke": (64, [48, 32], 10)}
-        batches = [32]
-        amp = None
-        steps, repeats, warmup, warmup_s, rounds = 3, 2, 2, 0.0, 1
+        batches, amp, timing = [32], None, (3, 2, 2, 0.0, 1)
+        recipes = recipes if args.recipes is not None else [None, recipe_from_spec("act=leaky_relu,norm=batchnorm,ls=0.1,dropout=0.1")]
     else:
-        topologies = TOPOLOGIES
-        batches = [int(b) for b in args.batches.split(",")]
-        amp = torch.bfloat16
-        steps, repeats, warmup, warmup_s, rounds = 50, 5, 20, 0.3, 3
+        topologies = {name: known[name] for name in (args.topologies or TOPOLOGIES)}
+        batches, amp, timing = [int(b) for b in args.batches.split(",")], torch.bfloat16, (50, 5, 20, 0.3, 3)
     records = []
-    for name, (n_in, widths, classes) in topologies.items():
+    for name, topology in topologies.items():
         for batch in batches:
-            pool = 8
-            x, y = make_data(n_in, classes, batch, pool, device)
-
-            def batch_at(i: int, pool: int = pool, batch: int = batch, x: torch.Tensor = x, y: torch.Tensor = y) -> tuple[torch.Tensor, torch.Tensor]:
-                j = i % pool
-                return x[j * batch : (j + 1) * batch], y[j * batch : (j + 1) * batch]
-
-            systems = ["dad", "dad-gram-stats", "dad-no-head-stats", "backprop-eager"] + (["backprop-graphed"] if cuda else [])
-            steps_of, peak_of = {}, {}
-            for system in systems:  # build, capture and warm each; its peak memory is taken here
-                if cuda:
-                    torch.cuda.empty_cache()
-                    torch.cuda.reset_peak_memory_stats()
-                if system.startswith("dad"):
-                    _, fn = dad_system(n_in, widths, classes, device, "auto" if cuda else "fused", amp,
-                                       head={"dad": "sample", "dad-gram-stats": "gram"}.get(system, "none"))
-                elif system == "backprop-eager":
-                    fn = backprop_eager(n_in, widths, classes, device, amp)
-                else:
-                    fn = backprop_graphed(n_in, widths, classes, device, amp, batch)
-                steps_of[system] = lambda i, fn=fn: fn(*batch_at(i))
-                time_steps(steps_of[system], steps, 1, warmup)
-                cuda_sync()
-                peak_of[system] = torch.cuda.max_memory_allocated() / 2**20 if cuda else float("nan")
-            # interleaved rounds, each system warmed again first: clock and cache state hit all alike
-            seconds: dict[str, list[float]] = {system: [] for system in systems}
-            for _ in range(rounds):
-                for system in systems:
-                    seconds[system].append(time_steps(steps_of[system], steps, repeats, warmup, warmup_s))
-            for system in systems:
-                sec = statistics.median(seconds[system])
-                records.append({
-                    "topology": name, "batch": batch, "system": system, "img_per_s": batch / sec,
-                    "peak_mib": peak_of[system], "flop_ratio": flop_ratio(n_in, widths, classes), **env,
-                })
-                print(json.dumps(records[-1]), flush=True)
-            del steps_of
+            for recipe in recipes:
+                plain = recipe is None
+                systems = (["dad", "dad-gram-stats", "dad-no-head-stats"] if plain else ["dad"]) + ["backprop-eager"]
+                systems += ["backprop-graphed"] if cuda else []
+                for system, (sec, peak) in time_systems(systems, topology, batch, device, amp, recipe, timing).items():
+                    records.append({
+                        "topology": name, "batch": batch, "system": system, "img_per_s": batch / sec, "peak_mib": peak,
+                        "flop_ratio": flop_ratio(*topology), **({} if plain else {"recipe": recipe_name(recipe), **recipe}),
+                        **env,
+                    })
+                    print(json.dumps(records[-1]), flush=True)
     if args.wheel and cuda:
         jobs = [(name, b) for name in topologies for b in batches]
         for row in run_wheel(args.wheel, jobs, args.wheel_timeout):
-            n_in, widths, classes = topologies[row["topology"]]
-            records.append({**row, "system": "wheel-2026.5.24", "flop_ratio": flop_ratio(n_in, widths, classes), **env})
+            records.append({**row, "system": "wheel-2026.5.24", "flop_ratio": flop_ratio(*topologies[row["topology"]]), **env})
             print(json.dumps(records[-1]), flush=True)
-    path = write_records("gpu_throughput", records, args.smoke)
+    path = write_records("gpu_throughput" if args.recipes is None else "gpu_throughput_recipes", records, args.smoke)
     if args.out:
         Path(args.out).write_text(json.dumps(records, indent=2) + "\n")
     print(f"\n{env['device']}  torch {env['torch']}  -> {path}")
-    table = {(r["topology"], r["batch"], r["system"]): r["img_per_s"] for r in records}
-    print(f"{'topology':18} {'B':>5} {'system':18} {'img/s':>12} {'x bp-graphed':>12}")
-    for (topo, b, system), ips in table.items():
-        ref = table.get((topo, b, "backprop-graphed"))
-        print(f"{topo:18} {b:>5} {system:18} {ips:>12,.0f} {ips / ref if ref else float('nan'):>12.2f}")
+    print_table(records)
+
+
+def print_table(records: list[dict[str, Any]]) -> None:
+    """img/s of every row and its ratio to graphed backprop with the same topology, batch and recipe."""
+    key = lambda r: (r["topology"], r["batch"], r.get("recipe", "plain"))  # noqa: E731
+    graphed = {key(r): r["img_per_s"] for r in records if r["system"] == "backprop-graphed"}
+    print(f"{'topology':18} {'B':>5} {'recipe':28} {'system':18} {'img/s':>12} {'x bp-graphed':>12}")
+    for r in records:
+        ref = graphed.get(key(r))
+        ratio = r["img_per_s"] / ref if ref else float("nan")
+        print(f"{r['topology']:18} {r['batch']:>5} {key(r)[2]:28} {r['system']:18} {r['img_per_s']:>12,.0f} {ratio:>12.2f}")
 
 
 if __name__ == "__main__":
