@@ -4,6 +4,8 @@ solve_head, state_dict and checkpoints."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -22,10 +24,20 @@ def _conv_layer(dtype=torch.float64, **kwargs):
     return td.DADConv2d(3, 7, 3, **options)
 
 
+def _batchnorm_layer(**kwargs):
+    """A float64 conv layer with batch norm, its affine terms away from the 1 / 0 initialisation."""
+    layer = _conv_layer(normalize="batchnorm", **kwargs)
+    with torch.no_grad():
+        layer.norm_weight.uniform_(0.5, 1.5)
+        layer.norm_bias.normal_()
+    return layer
+
+
 def _oracle(layer, x, y):
     """The float64 reference on the layer's own tensors."""
     wide = [t.detach().double() for t in (layer.weight, layer.head_weight, layer.head_bias)]
     bias = layer.bias.detach().double() if layer.bias is not None else None
+    norm = [t.detach().double() if t is not None else None for t in (layer.norm_weight, layer.norm_bias)]
     ref = functional.conv_local_loss_and_gradients(
         x.double(),
         wide[0],
@@ -39,10 +51,15 @@ def _oracle(layer, x, y):
         grid=layer.local_head_grid,
         pool=layer.pool,
         label_smoothing=layer.label_smoothing,
+        normalize=layer.normalize,
+        norm_weight=norm[0],
+        norm_bias=norm[1],
     )
     grads = (
         [ref.grad_weight] + ([ref.grad_bias] if bias is not None else []) + [ref.grad_head_weight, ref.grad_head_bias]
     )
+    if layer.normalize == "batchnorm":
+        grads += [ref.grad_norm_weight, ref.grad_norm_bias]
     return ref, grads
 
 
@@ -51,10 +68,11 @@ def _autograd(layer, x, y):
     params = [t.detach().double().requires_grad_() for t in layer.trained_tensors()]
     weight, *rest = params
     bias = rest.pop(0) if layer.bias is not None else None
-    head_weight, head_bias = rest
-    h = functional.activation_forward(
-        torch.nn.functional.conv2d(x, weight, bias, layer.stride, layer.padding), layer.activation
-    )
+    head_weight, head_bias, *norm = rest
+    z = torch.nn.functional.conv2d(x, weight, bias, layer.stride, layer.padding)
+    if norm:
+        z = torch.nn.functional.batch_norm(z, None, None, *norm, training=True, eps=1e-5)
+    h = functional.activation_forward(z, layer.activation)
     if layer.pool == "max":
         h = torch.nn.functional.max_pool2d(h, 2)
     elif layer.pool == "avg":
@@ -126,6 +144,104 @@ def test_conv_bad_arguments_and_inputs():
         layer.set_local_loss("predsim")
 
 
+# -------------------------------------------------------------------------------- batch norm
+def _step(layer, x, y):
+    """One local step: the gradients, then the update (which folds in the batch statistics)."""
+    _, grads = layer.local_gradients(x, y)
+    return layer.apply_local_update(grads, td.OptimizerConfig(lr=1e-2))
+
+
+@pytest.mark.parametrize("pool", [None, "max", "avg"])
+@pytest.mark.parametrize("activation", functional.ACTIVATIONS)
+def test_conv_batchnorm_gradients_match_oracle_and_autograd(pool, activation):
+    # odd shapes as above; the 5 x 5 x 5 values per channel of the training batch make the statistics
+    layer = _batchnorm_layer(pool=pool, activation=activation)
+    x, y = torch.randn(5, 3, 9, 9, dtype=torch.float64), torch.randint(0, CLASSES, (5,))
+    result, grads = layer.local_gradients(x, y)
+    ref, want = _oracle(layer, x, y)
+    assert len(grads) == len(layer.trained_tensors()) == len(want) == 6
+    for i, (got, expected, auto) in enumerate(zip(grads, want, _autograd(layer, x, y))):
+        assert got.shape == expected.shape
+        if i == 1:  # the conv bias: the mean subtraction cancels it, and the layer returns exactly 0
+            assert float(auto.abs().max()) <= 1e-12 and float(expected.abs().max()) <= 1e-12
+            assert not bool(got.any())
+            continue
+        assert relative_error(expected, auto) <= 1e-12
+        assert relative_error(got, expected) <= TOLERANCE[torch.float64]
+    assert abs(float(result.loss) - float(ref.loss)) <= 1e-12
+    assert relative_error(result.output, ref.output) <= 1e-12
+    assert relative_error(result.logits, ref.logits) <= 1e-12
+    assert torch.allclose(layer(x), ref.output)  # training-mode forward: the batch's statistics
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_batchnorm_gradients_in_low_precision(dtype):
+    torch.manual_seed(0)
+    layer = _batchnorm_layer(pool="avg").float()
+    x, y = torch.randn(6, 3, 9, 9), torch.randint(0, CLASSES, (6,))
+    _, grads = layer.local_gradients(x, y, compute_dtype=dtype)
+    assert all(g.dtype == torch.float32 for g in grads)
+    for i, (got, expected) in enumerate(zip(grads, _oracle(layer, x, y)[1])):
+        if i != 1:  # the bias gradient is 0 (above)
+            assert relative_error(got, expected) <= TOLERANCE[dtype], i
+
+
+def test_conv_running_statistics_follow_batchnorm2d_and_serve_eval():
+    torch.manual_seed(0)
+    layer = _batchnorm_layer(pool="max")
+    reference = torch.nn.BatchNorm2d(7, dtype=torch.float64)
+    for _ in range(3):
+        x, y = torch.randn(5, 3, 9, 9, dtype=torch.float64), torch.randint(0, CLASSES, (5,))
+        reference(torch.nn.functional.conv2d(x, layer.weight, layer.bias, 2, 1))  # the weights the step reads
+        assert _step(layer, x, y)
+    assert relative_error(layer.running_mean, reference.running_mean) <= 1e-12
+    assert relative_error(layer.running_var, reference.running_var) <= 1e-12
+    x = torch.randn(4, 3, 9, 9, dtype=torch.float64)
+    z = torch.nn.functional.conv2d(x, layer.weight, layer.bias, 2, 1)
+    with torch.no_grad():
+        reference.weight.copy_(layer.norm_weight)
+        reference.bias.copy_(layer.norm_bias)
+        want_eval = torch.nn.functional.max_pool2d(torch.relu(reference.eval()(z)), 2)
+        want_train = torch.nn.functional.max_pool2d(torch.relu(reference.train()(z)), 2)
+    with torch.no_grad():
+        assert relative_error(layer.eval()(x), want_eval) <= 1e-12
+        assert relative_error(layer.train()(x), want_train) <= 1e-12
+    state = layer.state_dict()
+    assert {"running_mean", "running_var", "norm_weight", "norm_bias"} <= set(state)
+    copy_ = _conv_layer(normalize="batchnorm", pool="max")
+    copy_.load_state_dict(state)
+    assert torch.equal(copy_.running_var, layer.running_var) and torch.equal(copy_.eval()(x), layer.eval()(x))
+
+
+def test_conv_running_statistics_wait_for_the_update_and_skip_with_it():
+    layer = _batchnorm_layer()
+    x, y = torch.randn(5, 3, 9, 9, dtype=torch.float64), torch.randint(0, CLASSES, (5,))
+    layer.local_gradients(x, y)
+    layer(x)  # a plain training-mode forward neither updates nor replaces the pending statistics
+    assert not bool(layer.running_mean.any()) and bool((layer.running_var == 1).all())
+    _, grads = layer.local_gradients(x, y)
+    grads[-1][0] = float("nan")  # as a NaN in the layer's error would reach it
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    assert not layer.apply_local_update(grads, td.OptimizerConfig(), on_nonfinite="skip")
+    assert all(torch.equal(v, layer.state_dict()[k]) for k, v in before.items())
+    assert _step(layer, x, y)
+    assert bool(layer.running_mean.any()) and not bool((layer.running_var == 1).all())
+
+
+def test_conv_batchnorm_refuses_a_single_row_and_bad_names():
+    layer = _batchnorm_layer()
+    before = {k: v.clone() for k, v in layer.state_dict().items()}
+    with pytest.raises(ValueError, match=r"at least 2 rows per training batch, got 1; use larger batches"):
+        _step(layer, torch.randn(1, 3, 9, 9, dtype=torch.float64), torch.tensor([1]))
+    with pytest.raises(ValueError, match="at least 2 rows"):
+        layer(torch.randn(1, 3, 9, 9, dtype=torch.float64))
+    assert all(torch.equal(v, layer.state_dict()[k]) for k, v in before.items())
+    assert layer.eval()(torch.randn(1, 3, 9, 9, dtype=torch.float64)).shape == (1, 7, 5, 5)  # eval: running ones
+    with pytest.raises(ValueError, match=r"normalize='layernorm' is not supported; choose one of 'batchnorm'"):
+        td.DADConv2d(3, 4, 3, normalize="layernorm")
+    assert "normalize='batchnorm'" in repr(layer)
+
+
 # ------------------------------------------------------------------------------------ blocks
 class Residual(torch.nn.Module):
     def __init__(self, channels):
@@ -178,12 +294,14 @@ def test_block_transformer_layer_and_bad_arguments():
 
 # ------------------------------------------------------------------------------------ models
 class SmallVGG(td.DADModel):
-    """conv(pool) - conv(pool) - dense - classifier on 1 x 12 x 12 images."""
+    """conv(pool) - conv(pool) - dense - classifier on 1 x 12 x 12 images, the convolutions batch-normalised
+    with ``normalize="batchnorm"``."""
 
-    def __init__(self, classifier=True):
+    def __init__(self, classifier=True, normalize=None):
         super().__init__()
-        self.c1 = td.DADConv2d(1, 6, 3, padding=1, num_classes=CLASSES, pool="max")
-        self.c2 = td.DADConv2d(6, 8, 3, padding=1, num_classes=CLASSES, pool="avg", activation="tanh")
+        options = {"padding": 1, "num_classes": CLASSES, "normalize": normalize}
+        self.c1 = td.DADConv2d(1, 6, 3, pool="max", **options)
+        self.c2 = td.DADConv2d(6, 8, 3, pool="avg", activation="tanh", **options)
         self.fc = td.DADLinear(8 * 3 * 3, 16, num_classes=CLASSES)
         if classifier:
             self.classifier = torch.nn.Linear(16, CLASSES)
@@ -199,7 +317,7 @@ class ResNetLike(td.DADModel):
         self.classifier = torch.nn.Linear(6 * 6 * 6, CLASSES)
 
 
-MODELS = {"vgg": SmallVGG, "resnet": ResNetLike}
+MODELS = {"vgg": SmallVGG, "vgg-bn": functools.partial(SmallVGG, normalize="batchnorm"), "resnet": ResNetLike}
 
 
 def _images(n=40, seed=0):
@@ -271,6 +389,8 @@ def test_fused_engine_equals_eager(name, amp, tol, reducer):
             assert torch.equal(a, b), key
         # the dense layer's and the classifier's fused kernels round differently
         assert relative_error(b, a) <= 5 * tol, key
+    if name == "vgg-bn":  # the running statistics advanced with each update, in both
+        assert bool(fused.model.c2.running_mean.any()) and bool(eager.model.c2.running_mean.any())
 
 
 @pytest.mark.parametrize("name", sorted(MODELS))
@@ -307,8 +427,9 @@ def test_fit_checkpoint_resume_is_bitwise(tmp_path):
         assert torch.equal(a, b), key
 
 
-def test_nonfinite_guard_leaves_a_conv_model_unchanged():
-    trainer = _trainer("vgg", on_nonfinite="skip")
+@pytest.mark.parametrize("name", ["vgg", "vgg-bn"])  # with batch norm: running statistics unchanged too
+def test_nonfinite_guard_leaves_a_conv_model_unchanged(name):
+    trainer = _trainer(name, on_nonfinite="skip")
     x, y = _images()
     trainer.step(x[:8], y[:8])
     before = {k: v.clone() for k, v in trainer.model.state_dict().items()}

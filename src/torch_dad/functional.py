@@ -427,37 +427,52 @@ def layer_norm_backward(grad: Tensor, normed: Tensor, inv_std: Tensor) -> Tensor
     return _normalization_backward(grad, normed, inv_std, 1)
 
 
-def _normalization_backward(grad: Tensor, normed: Tensor, inv_std: Tensor, dim: int) -> Tensor:
+def _normalization_backward(grad: Tensor, normed: Tensor, inv_std: Tensor, dim: int | tuple[int, ...]) -> Tensor:
     """``dL/dz`` of ``z_hat = (z - mean) * inv_std`` with mean and variance taken over ``dim``."""
     return inv_std * (grad - grad.mean(dim, keepdim=True) - normed * (grad * normed).mean(dim, keepdim=True))
 
 
+def _batch_axes(z: Tensor) -> tuple[int, ...]:
+    """The axes batch norm reduces over: every axis of ``z`` (B, C, ...) but the channel axis 1."""
+    return (0, *range(2, z.dim()))
+
+
+def _per_channel(t: Tensor, z: Tensor) -> Tensor:
+    """``t`` (one value per channel) viewed as (C, 1, ..., 1), to broadcast over ``z`` (B, C, ...)."""
+    return t.reshape(-1, *(1,) * (z.dim() - 2))
+
+
 def batch_norm_statistics(z: Tensor) -> tuple[Tensor, Tensor]:
-    """Per-feature batch ``mean`` and biased ``var`` of ``z`` (B, N), each (1, N): what training normalises by."""
-    mean = z.mean(0, keepdim=True)
-    return mean, (z - mean).pow(2).mean(0, keepdim=True)
+    """Per-channel batch ``mean`` and biased ``var`` of ``z`` (B, C, ...) over the batch and the spatial
+    axes (every axis but 1), each shaped (1, C, 1, ..., 1): what training normalises by."""
+    axes = _batch_axes(z)
+    mean = z.mean(axes, keepdim=True)
+    return mean, (z - mean).pow(2).mean(axes, keepdim=True)
 
 
 def batch_norm_forward(
     z: Tensor, weight: Tensor | None, bias: Tensor | None, mean: Tensor, var: Tensor, eps: float = BATCH_NORM_EPS
 ) -> tuple[Tensor, Tensor, Tensor]:
     """``(out, z_hat, inv_std)``: ``z_hat = (z - mean) * inv_std``, ``inv_std = 1/sqrt(var + eps)``,
-    ``out = z_hat * weight + bias`` (``None``: 1 and 0), as ``nn.BatchNorm1d``. Training passes the
-    batch's :func:`batch_norm_statistics`, inference the running ones."""
-    inv_std = (var + eps).rsqrt()
-    normed = (z - mean) * inv_std
-    out = normed if weight is None else normed * weight
-    return (out if bias is None else out + bias), normed, inv_std
+    ``out = z_hat * weight + bias`` (``None``: 1 and 0), per channel (axis 1 of ``z`` (B, C, ...)), as
+    ``nn.BatchNorm1d``/``nn.BatchNorm2d``. Training passes the batch's :func:`batch_norm_statistics`,
+    inference the running ones (any shape holding one value per channel)."""
+    inv_std = (_per_channel(var, z) + eps).rsqrt()
+    normed = (z - _per_channel(mean, z)) * inv_std
+    out = normed if weight is None else normed * _per_channel(weight, z)
+    return (out if bias is None else out + _per_channel(bias, z)), normed, inv_std
 
 
 def batch_norm_backward(
     grad: Tensor, normed: Tensor, inv_std: Tensor, weight: Tensor | None
 ) -> tuple[Tensor, Tensor, Tensor]:
-    """``(dL/dz, dL/dweight, dL/dbias)`` of a training-mode :func:`batch_norm_forward` from ``g = dL/dout``:
-    ``dL/dweight = sum_b g z_hat``, ``dL/dbias = sum_b g`` and, with ``g_hat = g * weight``,
-    ``dL/dz = inv_std * (g_hat - mean_b(g_hat) - z_hat * mean_b(g_hat * z_hat))`` per feature."""
-    g_hat = grad if weight is None else grad * weight
-    return _normalization_backward(g_hat, normed, inv_std, 0), (grad * normed).sum(0), grad.sum(0)
+    """``(dL/dz, dL/dweight, dL/dbias)`` of a training-mode :func:`batch_norm_forward` from ``g = dL/dout``,
+    with ``sum_b``/``mean_b`` over the batch and spatial axes: ``dL/dweight = sum_b g z_hat``,
+    ``dL/dbias = sum_b g`` and, with ``g_hat = g * weight``,
+    ``dL/dz = inv_std * (g_hat - mean_b(g_hat) - z_hat * mean_b(g_hat * z_hat))`` per channel."""
+    axes = _batch_axes(grad)
+    g_hat = grad if weight is None else grad * _per_channel(weight, grad)
+    return _normalization_backward(g_hat, normed, inv_std, axes), (grad * normed).sum(axes), grad.sum(axes)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -471,6 +486,9 @@ def batch_norm_backward(
 #     g_W_loc  = d_logits.T @ P(o)       g_b_loc = d_logits.sum(0)
 #     d_z      = pool^T(P^T(d_logits @ W_loc)) * act'(z)
 #     g_W      = sum over rows and positions of d_z x (the input patch)      g_b = d_z summed
+#
+# With batch norm (normalize="batchnorm"), h = act(BN(z)) with per-channel statistics over the batch
+# and the positions, as nn.BatchNorm2d, and d_z passes through batch_norm_backward first.
 # ---------------------------------------------------------------------------------------------
 
 #: DADConv2d(pool=...): a 2 x 2, stride 2 pooling of the output (floor mode, as nn.MaxPool2d(2))
@@ -543,6 +561,8 @@ class ConvLocalGradients:
     grad_bias: Tensor | None
     grad_head_weight: Tensor
     grad_head_bias: Tensor
+    grad_norm_weight: Tensor | None = None
+    grad_norm_bias: Tensor | None = None
 
 
 def conv_local_loss_and_gradients(
@@ -559,12 +579,21 @@ def conv_local_loss_and_gradients(
     grid: int = 4,
     pool: str | None = None,
     label_smoothing: float = 0.0,
+    normalize: str | None = None,
+    norm_weight: Tensor | None = None,
+    norm_bias: Tensor | None = None,
 ) -> ConvLocalGradients:
     """Local loss of a DAD convolution and its closed-form gradients (see the table above), written
     with unfold and matrix products only. ``inputs`` (N, C_in, H, W), ``weight`` (C_out, C_in, k, k),
-    ``head_weight`` (C, C_out * grid * grid)."""
+    ``head_weight`` (C, C_out * grid * grid). ``normalize="batchnorm"`` computes ``h = act(BN(z))``
+    with the batch's per-channel statistics and the affine ``norm_weight``, ``norm_bias`` (``None``: 1
+    and 0), whose gradients come back as ``grad_norm_weight``, ``grad_norm_bias``."""
     z, patches = conv2d_reference(inputs, weight, bias, stride, padding)
-    h = activation_forward(z, activation)
+    z_act, norm = z, None
+    if normalize == "batchnorm":
+        z_act, normed, inv_std = batch_norm_forward(z, norm_weight, norm_bias, *batch_norm_statistics(z))
+        norm = (normed, inv_std)
+    h = activation_forward(z_act, activation)
     out, share = pool2x2_reference(h, pool) if pool is not None else (h, None)
     rows = _grid_pool_matrix(out.shape[2], grid, h.dtype, h.device)
     cols = _grid_pool_matrix(out.shape[3], grid, h.dtype, h.device)
@@ -574,7 +603,11 @@ def conv_local_loss_and_gradients(
     d_pooled = (d_logits @ head_weight).reshape(out.shape[0], out.shape[1], grid, grid)
     d_out = rows.T @ d_pooled @ cols
     d_h = _unpool2x2(d_out, share) if share is not None else d_out
-    d_z = (d_h * activation_derivative(z, h, activation)).flatten(2)  # (N, C_out, positions)
+    d_z = d_h * activation_derivative(z_act, h, activation)
+    grad_norm_weight = grad_norm_bias = None
+    if norm is not None:
+        d_z, grad_norm_weight, grad_norm_bias = batch_norm_backward(d_z, *norm, norm_weight)
+    d_z = d_z.flatten(2)  # (N, C_out, positions)
     grad_weight = torch.einsum("nop,nkp->ok", d_z, patches).reshape(weight.shape)
     return ConvLocalGradients(
         loss=loss,
@@ -586,4 +619,6 @@ def conv_local_loss_and_gradients(
         grad_bias=d_z.sum((0, 2)) if bias is not None else None,
         grad_head_weight=d_logits.T @ pooled,
         grad_head_bias=d_logits.sum(0),
+        grad_norm_weight=grad_norm_weight,
+        grad_norm_bias=grad_norm_bias,
     )

@@ -25,20 +25,23 @@ class _Residual(torch.nn.Module):
 
 
 class ConvNet(td.DADModel):
-    """conv (max pool) - residual block - conv (avg pool, gelu) - dense - classifier on 3 x 16 x 16."""
+    """conv (max pool) - residual block - conv (avg pool, gelu) - dense - classifier on 3 x 16 x 16, the
+    convolutions batch-normalised with ``normalize="batchnorm"``."""
 
-    def __init__(self) -> None:
+    def __init__(self, normalize: str | None = None) -> None:
         super().__init__()
-        self.c1 = td.DADConv2d(3, 16, 3, padding=1, num_classes=CLASSES, pool="max")
+        self.c1 = td.DADConv2d(3, 16, 3, padding=1, num_classes=CLASSES, pool="max", normalize=normalize)
         self.block = td.DADBlock(_Residual(16), num_classes=CLASSES, head_features=16)
-        self.c2 = td.DADConv2d(16, 24, 3, padding=1, num_classes=CLASSES, pool="avg", activation="gelu")
+        self.c2 = td.DADConv2d(
+            16, 24, 3, padding=1, num_classes=CLASSES, pool="avg", activation="gelu", normalize=normalize
+        )
         self.fc = td.DADLinear(24 * 4 * 4, 32, num_classes=CLASSES)
         self.classifier = torch.nn.Linear(32, CLASSES)
 
 
-def _pair(backend: str, amp: torch.dtype | None) -> tuple[td.DADTrainer, td.DADTrainer]:
+def _pair(backend: str, amp: torch.dtype | None, normalize: str | None = None) -> tuple[td.DADTrainer, td.DADTrainer]:
     torch.manual_seed(3)
-    ref, new = ConvNet(), ConvNet()
+    ref, new = ConvNet(normalize), ConvNet(normalize)
     new.load_state_dict(ref.state_dict())
     fused = td.DADTrainer(new, device=DEVICE, amp_dtype=amp, backend=backend, on_nonfinite="ignore")
     assert fused.uses_engine
@@ -51,8 +54,9 @@ AMPS = [None] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("amp", AMPS)
-def test_conv_and_block_model_matches_eager(backend: str, amp: torch.dtype | None) -> None:
-    eager, fused = _pair(backend, amp)
+@pytest.mark.parametrize("normalize", [None, "batchnorm"])
+def test_conv_and_block_model_matches_eager(backend: str, amp: torch.dtype | None, normalize: str | None) -> None:
+    eager, fused = _pair(backend, amp, normalize)
     tol = 1e-4 if amp is None else 3e-2
     generator = torch.Generator().manual_seed(0)
     for i in range(5):
@@ -66,7 +70,9 @@ def test_conv_and_block_model_matches_eager(backend: str, amp: torch.dtype | Non
     if backend == "cuda-graph":
         assert fused.engine is not None and fused.engine.num_graphs >= 1
     for (key, a), b in zip(eager.model.state_dict().items(), fused.model.state_dict().values()):
-        assert relative_error(b, a) <= 10 * tol, key
+        assert relative_error(b, a) <= 10 * tol, key  # with the batch norms' running statistics
+    if normalize is not None:
+        assert bool(fused.model.c2.running_mean.any())
     assert relative_error(torch.tensor(fused.running_loss), torch.tensor(eager.running_loss)) <= tol
 
 

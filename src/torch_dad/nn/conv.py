@@ -11,13 +11,14 @@ from torch import Tensor, nn
 from .. import functional
 from .._checks import check_choice, check_fraction, check_num_classes, check_positive_int
 from ..optim import LocalOptimizerState
-from ._local import LocalLayer, activation_backward
+from ._batchnorm import BatchNormLayer
+from ._local import activation_backward
 from .linear import LocalStepResult
 
 __all__ = ["DADConv2d"]
 
 
-class DADConv2d(LocalLayer):
+class DADConv2d(BatchNormLayer):
     """A convolution ``o = pool(act(conv2d(x, weight, bias, stride, padding)))`` trained by a local head.
 
     The local head reads the output ``o`` (what the next layer reads) through an adaptive
@@ -32,6 +33,13 @@ class DADConv2d(LocalLayer):
     (``None``, ``"max"`` or ``"avg"``) is a 2 x 2, stride-2 pooling after the activation
     (``nn.MaxPool2d(2)`` / ``nn.AvgPool2d(2)``). Only the ``"ce"`` local rule is implemented. The
     local head and the optimizer moments are buffers, as for :class:`~torch_dad.DADLinear`.
+
+    ``normalize="batchnorm"`` makes the layer ``pool(act(BN(conv2d(x, weight, bias))))`` as
+    ``nn.BatchNorm2d`` (statistics over the batch and the positions, per channel): batch statistics
+    in training, the ``running_mean``/``running_var`` buffers in eval mode, the affine
+    ``norm_weight``/``norm_bias`` trained by the local loss, running statistics advanced by each
+    applied local update only, as :class:`~torch_dad.DADLinear` does. The convolution's bias then has
+    gradient 0 (the mean subtraction cancels it); a training batch needs at least 2 rows.
     """
 
     head_weight: Tensor
@@ -39,7 +47,6 @@ class DADConv2d(LocalLayer):
     optim_state: LocalOptimizerState
     #: the only local rule implemented for convolutions
     local_loss = "ce"
-    normalize = None
 
     def __init__(
         self,
@@ -57,6 +64,7 @@ class DADConv2d(LocalLayer):
         pool: str | None = None,
         local_head_grid: int = 4,
         label_smoothing: float = 0.0,
+        normalize: str | None = None,
     ) -> None:
         super().__init__()
         self.in_channels = check_positive_int("in_channels", in_channels)
@@ -73,28 +81,35 @@ class DADConv2d(LocalLayer):
         self.pool = pool
         self.local_head_grid = check_positive_int("local_head_grid", local_head_grid)
         self.label_smoothing = check_fraction("label_smoothing", label_smoothing)
+        if normalize is not None:
+            check_choice("normalize", normalize, ("batchnorm",), " (or None for no normalisation)")
+        self.normalize = normalize
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
         self.weight = nn.Parameter(torch.empty(out_channels, in_channels, kernel_size, kernel_size, **kw))
         self.bias = nn.Parameter(torch.empty(out_channels, **kw)) if bias else None
         head_features = out_channels * self.local_head_grid**2
         self.register_buffer("head_weight", torch.empty(num_classes, head_features, **kw))
         self.register_buffer("head_bias", torch.empty(num_classes, **kw))
+        self._init_batch_norm(normalize == "batchnorm", out_channels)
         self.reset_parameters()
         self.optim_state = self._new_optim_state()
 
     def reset_parameters(self) -> None:
-        """``nn.Conv2d``'s initialisation, and ``nn.Linear``'s for the local head."""
+        """``nn.Conv2d``'s initialisation, ``nn.Linear``'s for the local head and ``nn.BatchNorm2d``'s
+        for the batch norm (if any)."""
         nn.init.kaiming_uniform_(self.weight, a=math.sqrt(5))
         if self.bias is not None:
             bound = 1.0 / math.sqrt(self.weight[0].numel())
             nn.init.uniform_(self.bias, -bound, bound)
         self._reset_local()
+        self._reset_batch_norm()
 
     def extra_repr(self) -> str:
         return (
             f"{self.in_channels}, {self.out_channels}, kernel_size={self.kernel_size}, stride={self.stride}, "
             f"padding={self.padding}, num_classes={self.num_classes}, bias={self.bias is not None}, "
             f"activation={self.activation!r}, pool={self.pool!r}, local_head_grid={self.local_head_grid}"
+            + (f", normalize={self.normalize!r}" if self.normalize else "")
         )
 
     def set_local_loss(self, local_loss: str) -> None:
@@ -136,9 +151,13 @@ class DADConv2d(LocalLayer):
         return d_out
 
     def forward(self, inputs: Tensor) -> Tensor:
-        """``pool(act(conv2d(inputs, weight, bias)))``."""
-        h = functional.activation_forward(self._conv(inputs, self.weight, self.bias), self.activation)
-        return self._pool(h)[0]
+        """``pool(act(conv2d(inputs, weight, bias)))``, batch-normalised before the activation if
+        ``normalize`` (by the batch's statistics in training mode, the running ones in eval mode; the
+        running statistics change only with a local update)."""
+        z = self._conv(inputs, self.weight, self.bias)
+        if self.normalize == "batchnorm":
+            z = self._batch_norm(z, training=self.training)[0]
+        return self._pool(functional.activation_forward(z, self.activation))[0]
 
     def local_head(self, hidden: Tensor) -> Tensor:
         """Local logits ``adaptive_avg_pool2d(hidden, grid).flatten(1) @ head_weight.T + head_bias``."""
@@ -158,41 +177,62 @@ class DADConv2d(LocalLayer):
         The math of :func:`torch_dad.functional.conv_local_loss_and_gradients`; the adjoints are
         torch's backward kernels (adaptive average pool, max/avg pool, convolution weight and bias
         gradient: ``aten.convolution_backward``, cuDNN/oneDNN), not autograd over a graph. Gradients
-        come in the order of :meth:`trained_tensors` (``weight, [bias,] head_weight, head_bias``), in
-        the master dtype. No host syncs, no data-dependent shapes: the fused engine captures it.
-        ``workspace`` is accepted for the trainer's protocol and unused.
+        come in the order of :meth:`trained_tensors` (``weight, [bias,] head_weight, head_bias,
+        [norm_weight, norm_bias]``), in the master dtype. Under ``normalize="batchnorm"`` the batch
+        statistics are kept for the update to fold into the running ones. No host syncs, no
+        data-dependent shapes: the fused engine captures it. ``workspace`` is accepted for the
+        trainer's protocol and unused.
         """
         dtype = compute_dtype or self.weight.dtype
         a = inputs.to(dtype)
         weight = self.weight.to(dtype)
         z = self._conv(a, weight, self.bias.to(dtype) if self.bias is not None else None)
+        norm = None
+        if self.normalize == "batchnorm":
+            z, normed, inv_std = self._batch_norm(z, training=True, keep=True)
+            norm = (normed, inv_std)
         h = z.relu() if self.activation == "relu" else functional.activation_forward(z, self.activation)
         out, indices = self._pool(h)
-        grid = self.local_head_grid
-        pooled = nn.functional.adaptive_avg_pool2d(out, grid)
-        head_w = self.head_weight.to(dtype)
-        logits = torch.addmm(self.head_bias.to(dtype), pooled.flatten(1), head_w.T)
+        result, d_out, head_grads = self._head_error(out, target)
+        d_z = activation_backward(self._unpool(d_out, h, indices), h, z, self.activation, inplace=True)
+        norm_grads: list[Tensor] = []
+        if norm is not None:
+            d_z, norm_grads = self._batch_norm_backward(d_z, norm)
+        grads = self._conv_gradients(d_z, a, weight) + head_grads + norm_grads
+        master = self.weight.dtype
+        return result, [g if g.dtype == master else g.to(master) for g in grads]
+
+    def _head_error(self, out: Tensor, target: Tensor) -> tuple[LocalStepResult, Tensor, list[Tensor]]:
+        """The local head on ``out``: ``(result, d_out, [g_head_weight, g_head_bias])``."""
+        pooled = nn.functional.adaptive_avg_pool2d(out, self.local_head_grid)
+        head_w = self.head_weight.to(out.dtype)
+        logits = torch.addmm(self.head_bias.to(out.dtype), pooled.flatten(1), head_w.T)
         loss, d_logits = functional.cross_entropy_error(
             logits, target, label_smoothing=self.label_smoothing, ignore_index=None
         )
         d_pooled = (d_logits @ head_w).reshape(pooled.shape)
         d_out = torch.ops.aten._adaptive_avg_pool2d_backward(d_pooled, out)
-        d_z = activation_backward(self._unpool(d_out, h, indices), h, z, self.activation, inplace=True)
+        return LocalStepResult(out, loss, logits), d_out, [d_logits.T @ pooled.flatten(1), d_logits.sum(0)]
+
+    def _conv_gradients(self, d_z: Tensor, a: Tensor, weight: Tensor) -> list[Tensor]:
+        """``[g_weight, [g_bias]]`` from ``d_z`` (``aten.convolution_backward``). Under batch norm the
+        bias gradient is 0 (the mean subtraction cancels the bias): computed, it is rounding noise
+        that AdamW would scale up to lr-sized steps."""
         has_bias = self.bias is not None
+        bias_grad = has_bias and self.normalize != "batchnorm"
         _, grad_w, grad_b = torch.ops.aten.convolution_backward(
             d_z,
             a,
             weight,
-            [self.out_channels] if has_bias else None,
+            [self.out_channels] if bias_grad else None,
             [self.stride] * 2,
             [self.padding] * 2,
             [1, 1],
             False,
             [0, 0],
             1,
-            [False, True, has_bias],
+            [False, True, bias_grad],
         )
-        grads = [grad_w] + ([grad_b] if has_bias else []) + [d_logits.T @ pooled.flatten(1), d_logits.sum(0)]
-        master = self.weight.dtype
-        grads = [g if g.dtype == master else g.to(master) for g in grads]
-        return LocalStepResult(out, loss, logits), grads
+        if not has_bias:
+            return [grad_w]
+        return [grad_w, grad_b if bias_grad else torch.zeros_like(grad_w[:, 0, 0, 0])]

@@ -11,6 +11,7 @@ from torch import Tensor, nn
 from .. import functional
 from .._checks import check_fraction, check_int, check_num_classes, check_positive_int
 from ..optim import LocalOptimizerState, OptimizerConfig
+from ._batchnorm import BatchNormLayer
 from ._local import LocalLayer, activation_backward
 
 __all__ = ["DADLinear", "DADModel", "LocalStepResult"]
@@ -29,7 +30,7 @@ class LocalStepResult:
         self.skipped = False
 
 
-class DADLinear(LocalLayer):
+class DADLinear(BatchNormLayer):
     """A dense layer ``h = act(x @ weight.T + bias)`` trained by its own local head.
 
     ``forward`` is the plain layer. :meth:`local_step` runs the layer on a batch, computes
@@ -58,11 +59,7 @@ class DADLinear(LocalLayer):
     head_bias: Tensor
     target_projection: Tensor
     optim_state: LocalOptimizerState
-    # normalize="batchnorm" only (None otherwise)
-    norm_weight: nn.Parameter | None
-    norm_bias: nn.Parameter | None
-    running_mean: Tensor | None
-    running_var: Tensor | None
+    _small_batch_fix = "normalize='layernorm'"
 
     def __init__(
         self,
@@ -95,7 +92,7 @@ class DADLinear(LocalLayer):
         self.normalize = normalize
         self.projection_seed = projection_seed
         self._init_linear(in_features, out_features, bias, device, dtype)
-        self._init_batch_norm(normalize == "batchnorm")
+        self._init_batch_norm(normalize == "batchnorm", out_features)
         self.local_loss = ""
         self.set_local_loss(local_loss)
 
@@ -117,41 +114,10 @@ class DADLinear(LocalLayer):
             self._reset_local()
         self.optim_state = self._new_optim_state()
 
-    def _init_batch_norm(self, enabled: bool) -> None:
-        """The affine ``norm_weight``/``norm_bias`` parameters and the running-statistics buffers of
-        ``normalize="batchnorm"`` (uninitialised), or ``None`` for each."""
-        kw: dict[str, Any] = {"device": self.weight.device, "dtype": self.weight.dtype}
-        out = self.out_features
-        self.norm_weight = nn.Parameter(torch.empty(out, **kw)) if enabled else None
-        self.norm_bias = nn.Parameter(torch.empty(out, **kw)) if enabled else None
-        self.register_buffer("running_mean", torch.empty(out, **kw) if enabled else None)
-        self.register_buffer("running_var", torch.empty(out, **kw) if enabled else None)
-        # (batch mean, biased batch variance, rows) of the last local step, folded into the
-        # running statistics when its update is applied
-        self._batch_statistics: tuple[Tensor, Tensor, int] | None = None
-
     def reset_parameters(self) -> None:
         """``nn.Linear``'s initialisation, and ``nn.BatchNorm1d``'s for the batch norm (if any)."""
         super().reset_parameters()
-        if self.norm_weight is not None and self.norm_bias is not None:
-            with torch.no_grad():
-                self.norm_weight.fill_(1.0)
-                self.norm_bias.zero_()
-            self.reset_running_statistics()
-
-    @torch.no_grad()
-    def reset_running_statistics(self) -> None:
-        """``running_mean = 0``, ``running_var = 1`` (``normalize="batchnorm"``; else nothing)."""
-        if self.running_mean is not None and self.running_var is not None:
-            self.running_mean.zero_()
-            self.running_var.fill_(1.0)
-        self._batch_statistics = None
-
-    def trained_tensors(self) -> list[Tensor]:
-        """``weight, [bias,] [head_weight, head_bias,] [norm_weight, norm_bias]``: the order of every
-        local gradient list."""
-        norm = [t for t in (self.norm_weight, self.norm_bias) if t is not None]
-        return super().trained_tensors() + norm
+        self._reset_batch_norm()
 
     @torch.no_grad()
     def _reset_local(self) -> None:
@@ -181,50 +147,6 @@ class DADLinear(LocalLayer):
         elif self.normalize == "batchnorm":
             z = self._batch_norm(z, training=self.training)[0]
         return functional.activation_forward(z, self.activation)
-
-    def _batch_norm(self, z: Tensor, training: bool, keep: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-        """:func:`~torch_dad.functional.batch_norm_forward` of ``z`` with the batch's statistics
-        (``training``; ``keep`` them for :meth:`update_running_statistics`) or the running ones."""
-        assert self.running_mean is not None and self.running_var is not None
-        if training:
-            if z.shape[0] < 2:
-                raise ValueError(
-                    f"normalize='batchnorm' needs at least 2 rows per training batch, got {z.shape[0]} "
-                    "(as torch.nn.BatchNorm1d); use larger batches or normalize='layernorm'"
-                )
-            mean, var = functional.batch_norm_statistics(z)
-            if keep:
-                self._batch_statistics = (mean, var, z.shape[0])
-        else:
-            mean, var = self.running_mean.to(z.dtype), self.running_var.to(z.dtype)
-        weight = self.norm_weight.to(z.dtype) if self.norm_weight is not None else None
-        bias = self.norm_bias.to(z.dtype) if self.norm_bias is not None else None
-        return functional.batch_norm_forward(z, weight, bias, mean, var)
-
-    @torch.no_grad()
-    def update_running_statistics(self) -> None:
-        """Fold the last local step's batch statistics into ``running_mean``/``running_var`` as
-        ``nn.BatchNorm1d`` does (momentum 0.1, the variance unbiased by ``B / (B - 1)``); nothing
-        if no local step is pending. :meth:`apply_local_update` calls it; no host sync."""
-        pending, self._batch_statistics = self._batch_statistics, None
-        if pending is None or self.running_mean is None or self.running_var is None:
-            return
-        mean, var, rows = pending
-        momentum = functional.BATCH_NORM_MOMENTUM
-        self.running_mean.lerp_(mean.reshape(-1).to(self.running_mean.dtype), momentum)
-        unbiased = var.reshape(-1).to(self.running_var.dtype) * (rows / (rows - 1))
-        self.running_var.lerp_(unbiased, momentum)
-
-    @torch.no_grad()
-    def apply_local_update(
-        self, grads: list[Tensor], config: OptimizerConfig, lr: float | Tensor | None = None, **options: Any
-    ) -> bool:
-        """:meth:`LocalLayer.apply_local_update` (``options``: ``on_nonfinite``, ``loss``), then, if it
-        applied, :meth:`update_running_statistics`."""
-        applied = super().apply_local_update(grads, config, lr, **options)
-        if applied:
-            self.update_running_statistics()
-        return applied
 
     def local_head(self, hidden: Tensor) -> Tensor:
         """Local logits ``hidden @ head_weight.T + head_bias``.
@@ -275,8 +197,7 @@ class DADLinear(LocalLayer):
         if norm is not None and self.normalize == "layernorm":
             d_z = functional.layer_norm_backward(d_z, *norm)
         elif norm is not None:
-            norm_weight = self.norm_weight.to(dtype) if self.norm_weight is not None else None
-            d_z, *norm_grads = functional.batch_norm_backward(d_z, *norm, norm_weight)
+            d_z, norm_grads = self._batch_norm_backward(d_z, norm)
         g_w = _buffer(workspace, "g_w", self.weight, dtype=dtype, device=a.device)
         grads = [torch.mm(d_z.T, a, out=g_w)]
         if self.bias is not None:

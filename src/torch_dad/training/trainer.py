@@ -115,6 +115,16 @@ def _check_options(
         raise ValueError(f"classifier_sample_size={classifier_sample_size!r} must be an int >= 0 (0 disables the sample)")
 
 
+def _set_local_loss(layers: list[Any], local_loss: str) -> None:
+    """Give every layer the rule ``local_loss``; checked for all before any layer changes (only
+    ``DADLinear`` has rules other than ``"ce"``)."""
+    for layer in layers:
+        if local_loss != "ce" and not isinstance(layer, DADLinear):
+            raise ValueError(f"local_loss={local_loss!r}: {type(layer).__name__} implements 'ce' only")
+    for layer in layers:
+        layer.set_local_loss(local_loss)
+
+
 class DADTrainer:
     """Trains a :class:`~torch_dad.DADModel` layer by layer from local targets.
 
@@ -230,14 +240,9 @@ class DADTrainer:
         self._first_layer = layers[0]
         self._has_classifier = model.get_classifier() is not None
         if local_loss is not None:
-            for layer in layers:  # checked before any layer changes: only DADLinear has other rules
-                if local_loss != "ce" and not isinstance(layer, DADLinear):
-                    raise ValueError(f"local_loss={local_loss!r}: {type(layer).__name__} implements 'ce' only")
-            for layer in layers:
-                layer.set_local_loss(local_loss)
+            _set_local_loss(layers, local_loss)
         self.model = model.to(self.device)
-        self.dropout = float(dropout)
-        self.dropout_seed = dropout_seed
+        self.dropout, self.dropout_seed = float(dropout), dropout_seed
         self.amp_dtype = amp_dtype
         self.check_values = (self.device.type == "cpu") if check_values == "auto" else bool(check_values)
         if accumulate_classifier_statistics == "auto":
