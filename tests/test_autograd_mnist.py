@@ -2,7 +2,7 @@
 ``DADAutogradLinear``, on real MNIST (10k-image subset, 1 epoch, CPU)."""
 
 import importlib.util
-import re
+import sys
 from pathlib import Path
 
 import pytest
@@ -72,37 +72,14 @@ def test_drop_in_loop_on_real_mnist(one_thread):
 
 
 # --- the README's drop-in block, run as written, against the same model trained by backprop
-README = Path(__file__).resolve().parents[1] / "README.md"
-CONVERT_LINE = "td.to_dad(model, num_classes=10)"
-
-
-def readme_drop_in_block() -> str:
-    text = README.read_text()
-    return re.search(r"## The autograd drop-in.*?```python\n(.*?)```", text, re.S).group(1)
-
-
-def readme_accuracy(train_size: int, convert: bool = True) -> float:
-    """Test accuracy of the README drop-in block after 1 epoch on ``train_size`` MNIST images
-    (batch 64, seed 0); ``convert=False`` drops the ``to_dad`` line: the model trains by backprop."""
-    (xtr, ytr), (xte, yte) = data.mnist()
-    subset = torch.randperm(xtr.shape[0], generator=torch.Generator().manual_seed(0))[:train_size]
-    block = readme_drop_in_block()
-    assert CONVERT_LINE in block
-    if not convert:
-        block = block.replace(CONVERT_LINE, "model")
-    torch.manual_seed(0)
-    namespace: dict = {"loader": data.batches(xtr[subset], ytr[subset], 64, seed=0)}
-    exec(compile(block, "README-drop-in", "exec"), namespace)
-    model = namespace["model"].eval()
-    n_dad = sum(isinstance(m, DADAutogradLinear) for m in model.modules())
-    assert n_dad == (3 if convert else 0)
-    with torch.no_grad():
-        return (model(xte).argmax(1) == yte).float().mean().item()
+# (benchmarks/dropin_mnist.py runs it; the full-data and other-seed figures are in results/dropin_mnist.json)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+from dropin_mnist import readme_accuracy  # noqa: E402
 
 
 def test_readme_drop_in_block_against_backprop(one_thread):
     dad = readme_accuracy(10_000)
-    backprop = readme_accuracy(10_000, convert=False)
+    backprop = readme_accuracy(10_000, variant="backprop")
     print(f"README drop-in, 1 epoch on 10k MNIST images: DAD {dad:.4f}, backprop {backprop:.4f}")
     assert backprop >= 0.9
     # measured 0.9276 vs 0.9171; on all 60k images 0.9744 vs 0.9639 (see the README)
