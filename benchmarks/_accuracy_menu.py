@@ -25,7 +25,7 @@ from accuracy import BATCH, WEIGHT_DECAY, _accuracy, _schedule, ridge_head, time
 
 # the search starts from the first value of each axis: the spec lists the plain recipe first
 MENU_PRESETS = {
-    "full": "lr=1e-3,3e-4,3e-3;norm=none,layernorm,batchnorm;ls=0,0.1;dropout=0,0.1;schedule=constant,cosine;"
+    "full": "lr=1e-3,3e-4,3e-3,1e-4;norm=none,layernorm,batchnorm;ls=0,0.1;dropout=0,0.1;schedule=constant,cosine;"
     "act=relu,leaky_relu;head=trained,ridge",
     "smoke": "lr=3e-3,1e-2;norm=none,layernorm;head=trained,ridge",
 }

@@ -11,6 +11,7 @@ import torch
 import torch_dad as td
 from torch_dad import functional
 from torch_dad.ops.dropout import counter_dropout, philox4x32
+from torch_dad.ops.normalization import normalization_backward, normalization_forward
 
 from .conftest import relative_error
 
@@ -82,6 +83,48 @@ def test_batchnorm_fast_path_matches_float64_oracle(dtype, act):
     for mine, ref in pairs:
         assert mine.dtype == torch.float32
         assert relative_error(mine, ref) < 10 * TOL[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 5), (37, 23), (129, 517)])
+@pytest.mark.parametrize("kind", ["batchnorm", "layernorm"])
+def test_fused_step_normalization_matches_float64_oracle(kind, shape, dtype):
+    """The fused step's one-kernel normalisation (fp32 masters, ``dtype`` activations) against the
+    float64 formulas of ``functional``, forward, backward and the running statistics."""
+    torch.manual_seed(7)
+    z = torch.randn(*shape, dtype=torch.float64) * 3 + 1
+    grad = torch.randn(*shape, dtype=torch.float64)
+    channels = shape[1]
+    affine = (torch.rand(channels, dtype=torch.float64) + 0.5, torch.randn(channels, dtype=torch.float64))
+    stats = (torch.zeros(channels), torch.ones(channels))
+    if kind == "batchnorm":
+        out, saved = normalization_forward(kind, z.to(dtype), *(t.float() for t in affine), *stats)
+        want, normed, inv_std = functional.batch_norm_forward(z, *affine, *functional.batch_norm_statistics(z))
+        d_z, affine_grads = normalization_backward(grad.to(dtype), saved, affine[0].float())
+        want_d_z, *want_affine = functional.batch_norm_backward(grad, normed, inv_std, affine[0])
+        reference = torch.nn.BatchNorm1d(channels, dtype=torch.float64).train()
+        reference(z)
+        assert relative_error(stats[0], reference.running_mean) < 10 * TOL[dtype]
+        assert relative_error(stats[1], reference.running_var) < 10 * TOL[dtype]
+    else:
+        out, saved = normalization_forward(kind, z.to(dtype))
+        want, inv_std = functional.layer_norm_forward(z)
+        d_z, affine_grads = normalization_backward(grad.to(dtype), saved)
+        want_d_z, want_affine = functional.layer_norm_backward(grad, want, inv_std), []
+    assert out.dtype == d_z.dtype == dtype
+    assert relative_error(out, want) < 10 * TOL[dtype]
+    assert relative_error(d_z, want_d_z) < 10 * TOL[dtype]
+    assert len(affine_grads) == len(want_affine)
+    for mine, ref in zip(affine_grads, want_affine):
+        assert mine.dtype == torch.float32 and relative_error(mine, ref) < 10 * TOL[dtype]
+
+
+def test_fused_step_normalization_names_a_bad_kind_or_argument():
+    z = torch.randn(4, 3)
+    with pytest.raises(ValueError, match="normalize='groupnorm'"):
+        normalization_forward("groupnorm", z)
+    with pytest.raises(ValueError, match="layernorm' has no affine"):
+        normalization_forward("layernorm", z, torch.ones(3))
 
 
 def test_running_statistics_follow_batchnorm1d_and_serve_eval():

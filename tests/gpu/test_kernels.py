@@ -14,6 +14,7 @@ import torch
 from tests.conftest import relative_error
 from tests.gpu.conftest import DEVICE, requires_kernels
 from torch_dad import functional
+from torch_dad.ops.local_error import FUSED_ACTIVATIONS
 from torch_dad.optim import adamw_
 from torch_dad.ridge import GramAccumulator
 
@@ -29,7 +30,7 @@ def _reference(a, w, b, hw, hb, y, act, smoothing=0.0):  # type: ignore[no-untyp
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, LOW])
-@pytest.mark.parametrize("activation", ["relu", "tanh", "identity"])
+@pytest.mark.parametrize("activation", list(FUSED_ACTIVATIONS))
 @pytest.mark.parametrize("shape", SHAPES)
 def test_local_error_matches_functional(shape, activation, dtype):  # type: ignore[no-untyped-def]
     if DEVICE == "cpu" and shape[0] * shape[1] > 100_000:

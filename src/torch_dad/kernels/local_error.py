@@ -55,12 +55,15 @@ def softmax_error(acc, b_ptr, y_ptr, rows, rmask, cls, cmask, inv_count, smoothi
 
 @triton.jit
 def times_derivative(dz, h, ACT: tl.constexpr):
-    """``dz * act'`` read off the output ``h``: relu ``h > 0``, tanh ``1 - h^2``, identity 1."""
+    """``dz * act'`` read off the output ``h``: relu ``h > 0``, tanh ``1 - h^2``, identity 1,
+    leaky relu 1 where ``h > 0`` else its slope (0.01, ``functional.LEAKY_RELU_SLOPE``)."""
     hf = h.to(tl.float32)
     if ACT == 0:
         dz = tl.where(hf > 0, dz, 0.0)
     elif ACT == 1:
         dz = dz * (1.0 - hf * hf)
+    elif ACT == 3:
+        dz = tl.where(hf > 0, dz, dz * 0.01)
     return dz
 
 
@@ -215,7 +218,7 @@ def one_pass_kernel(
 
 
 #: the activation codes of :func:`times_derivative` (the ``ACT`` constexpr)
-ACT_CODE = {"relu": 0, "tanh": 1, "identity": 2}
+ACT_CODE = {"relu": 0, "tanh": 1, "identity": 2, "leaky_relu": 3}
 # Memory order of the kernels' atomic adds. Nothing reads the sums before the launch ends (the
 # split row kernel's partial logits are fenced by its acq_rel arrival counter), so relaxed is
 # enough, and faster than Triton's default acq_rel, per call alone in a CUDA graph on an H200:

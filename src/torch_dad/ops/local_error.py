@@ -9,7 +9,8 @@ as :func:`torch_dad.functional.local_loss_and_gradients` does after its forward:
     g_W_loc  = d_logits.T @ h                         g_b_loc = d_logits.sum(0)
     d_z      = (d_logits @ W_loc) * act'(h)           g_b     = d_z.sum(0)
 
-``act'`` is read off ``h`` (relu: ``h > 0``; tanh: ``1 - h^2``; identity: 1), so the forward
+``act'`` is read off ``h`` (relu: ``h > 0``; tanh: ``1 - h^2``; identity: 1; leaky relu: 1 where
+``h > 0``, else its slope), so the forward
 need not keep ``z``. With ``with_dz=False`` the layer is an output head (the classifier):
 ``d_z`` and ``g_b`` are skipped and ``g_W_loc, g_b_loc`` are its weight and bias gradients.
 
@@ -33,7 +34,7 @@ from ..kernels import use_triton
 __all__ = ["FUSED_ACTIVATIONS", "MAX_TRITON_CLASSES", "LocalError", "local_error"]
 
 #: activations whose derivative can be read off the output ``h``
-FUSED_ACTIVATIONS: tuple[str, ...] = ("relu", "tanh", "identity")
+FUSED_ACTIVATIONS: tuple[str, ...] = ("relu", "tanh", "identity", "leaky_relu")
 #: the most classes the Triton path takes: its column kernel keeps a (classes, BN) fp32
 #: accumulator, which stops fitting past 256
 MAX_TRITON_CLASSES = 256

@@ -35,19 +35,21 @@ from __future__ import annotations
 import gc
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor
 
+from ..functional import LEAKY_RELU_SLOPE
 from ..kernels import triton_available
 from ..nn._local import LocalLayer
 from ..nn.linear import DADLinear, DADModel
 from ..ops.adamw import adamw_with_shadow_
 from ..ops.dropout import counter_dropout
 from ..ops.gram import gram_update_, mm_fp32
-from ..ops.local_error import FUSED_ACTIVATIONS, local_error
+from ..ops.local_error import FUSED_ACTIVATIONS, LocalError, local_error
+from ..ops.normalization import NormalizationSaved, normalization_backward, normalization_forward
 from ..optim import LocalOptimizerState, OptimizerConfig
 from ..ridge import GramAccumulator
 from .input_sample import InputReservoir
@@ -75,12 +77,10 @@ def unsupported_reason(model: DADModel, config: OptimizerConfig, dropout: float 
 
 def uses_local_error_kernel(layer: LocalLayer) -> bool:
     """Whether the fused step computes ``layer``'s local error with :func:`local_error`: a
-    :class:`~torch_dad.DADLinear` with relu, tanh or identity, the ``"ce"`` rule with or without
-    label smoothing, no normalisation; other layers run their own ``local_gradients`` in the step."""
-    return (
-        isinstance(layer, DADLinear) and layer.activation in FUSED_ACTIVATIONS and layer.local_loss == "ce"
-        and layer.normalize is None
-    )
+    :class:`~torch_dad.DADLinear` with relu, leaky relu, tanh or identity, the ``"ce"`` rule with
+    or without label smoothing, any normalisation (one ATen kernel each way,
+    :mod:`torch_dad.ops.normalization`); other layers run their own ``local_gradients`` in the step."""
+    return isinstance(layer, DADLinear) and layer.activation in FUSED_ACTIVATIONS and layer.local_loss == "ce"
 
 
 def make_engine(trainer: Any, backend: str, options: EngineOptions | None, loss_total: Tensor) -> FusedStep | None:
@@ -106,16 +106,28 @@ def make_engine(trainer: Any, backend: str, options: EngineOptions | None, loss_
     )
 
 
-def _forward(a: Tensor, weight: Tensor, bias: Tensor | None, activation: str) -> Tensor:
-    """``act(a @ weight.T + bias)``; ReLU rides in the cuBLASLt epilogue (one launch)."""
-    if bias is not None and activation == "relu":
-        return torch._addmm_activation(bias, a, weight.T)
+def _forward(
+    layer: DADLinear, a: Tensor, weight: Tensor, bias: Tensor | None
+) -> tuple[Tensor, NormalizationSaved | None]:
+    """``(act(norm(a @ weight.T + bias)), what the normalisation's backward reads)``; without a
+    normalisation, ReLU rides in the cuBLASLt epilogue (one launch)."""
+    activation = layer.activation
+    if bias is not None and activation == "relu" and layer.normalize is None:
+        return torch._addmm_activation(bias, a, weight.T), None
     z = torch.addmm(bias, a, weight.T) if bias is not None else a @ weight.T
+    saved = None
+    if layer.normalize is not None:
+        # batch norm's running statistics move here, on the main stream, as the eager update does
+        z, saved = normalization_forward(
+            layer.normalize, z, layer.norm_weight, layer.norm_bias, layer.running_mean, layer.running_var
+        )
     if activation == "relu":
-        return z.relu_()
+        return z.relu_(), saved
+    if activation == "leaky_relu":
+        return torch.nn.functional.leaky_relu_(z, LEAKY_RELU_SLOPE), saved
     if activation == "tanh":
-        return z.tanh_()
-    return z
+        return z.tanh_(), saved
+    return z, saved
 
 
 def _tensor(value: object) -> Tensor:
@@ -470,25 +482,23 @@ class _Run:
         if not uses_local_error_kernel(layer):
             return self._rule_layer(layer, a, w, b)
         assert w is not None
-        h = _forward(a, w, b, layer.activation)
-        head_w, head_b = _tensor(layer.head_weight), _tensor(layer.head_bias)
-        smoothing = layer.label_smoothing
+        h, saved = _forward(layer, a, w, b)
         if self.error_stream is not None and self.main is not None:
             self.error_stream.wait_stream(self.main)
-            self.keep.append(h)
+            self.keep += [h, *(saved or ())[1:]]
             with torch.cuda.stream(self.error_stream):
-                err = local_error(h, head_w, head_b, self.batch.y, layer.activation, label_smoothing=smoothing)
+                err, norm_grads = self._local_error(layer, h, saved)
         else:
-            err = local_error(h, head_w, head_b, self.batch.y, layer.activation, label_smoothing=smoothing)
+            err, norm_grads = self._local_error(layer, h, saved)
         assert err.d_z is not None and err.grad_bias is not None
         side = self.engine.stream("gemm") if self.overlap and self.main is not None else None
         if side is not None and self.main is not None:
             side.wait_stream(self.main)
             if self.error_stream is not None:
                 side.wait_stream(self.error_stream)
-            self.keep += [a, err.d_z, err.grad_bias]
+            self.keep += [a, err.d_z, err.grad_bias, *norm_grads]
         with torch.cuda.stream(side) if side is not None else nullcontext():
-            self._update_layer(layer, a, err, w, b)
+            self._update_layer(layer, a, err, w, b, norm_grads)
         # err's B x width temporaries go before the next forward allocates: at 16 x 4096,
         # B=16384 that keeps the peak at ~3.5 such tensors instead of ~4.5
         return h, err.logits, err.loss
@@ -533,9 +543,27 @@ class _Run:
                     self._collect_small(update)
         return result.output, result.logits.float(), result.loss.float()
 
-    def _update_layer(self, layer: DADLinear, a: Tensor, err: Any, w: Tensor, b: Tensor | None) -> None:
+    def _local_error(
+        self, layer: DADLinear, h: Tensor, saved: NormalizationSaved | None
+    ) -> tuple[LocalError, list[Tensor]]:
+        """``(error, batch-norm affine gradients)``: the local-error kernel on ``h``, then, under a
+        normalisation, ``d_z`` and the bias gradient taken back through it (the kernel's ``d_z`` is
+        the gradient of the normalised pre-activation)."""
+        head_w, head_b = _tensor(layer.head_weight), _tensor(layer.head_bias)
+        err = local_error(h, head_w, head_b, self.batch.y, layer.activation, label_smoothing=layer.label_smoothing)
+        if saved is None:
+            return err, []
+        assert err.d_z is not None and err.grad_bias is not None
+        d_z, norm_grads = normalization_backward(err.d_z, saved, layer.norm_weight)
+        # under batch norm the bias gradient is 0: the mean subtraction cancels the bias (as eager)
+        grad_bias = err.grad_bias.zero_() if saved.kind == "batchnorm" else d_z.sum(0, dtype=torch.float32)
+        return replace(err, d_z=d_z, grad_bias=grad_bias), norm_grads
+
+    def _update_layer(
+        self, layer: DADLinear, a: Tensor, err: Any, w: Tensor, b: Tensor | None, norm_grads: list[Tensor]
+    ) -> None:
         """The layer's weight gradient and AdamW (whole, in row blocks, or after an all-reduce),
-        then its local head's AdamW."""
+        then one AdamW for its local head and its batch norm's affine."""
         engine, reducer = self.engine, self.settings.reducer
         params = layer.trained_tensors()
         moments = layer.optim_state.moments("exp_avg"), layer.optim_state.moments("exp_avg_sq")
@@ -551,14 +579,16 @@ class _Run:
             self._launch_update(update)
         if self.overlap and grad_w is not None:
             self.keep.append(grad_w)
-        head_grads = [err.grad_head_weight, err.grad_head_bias]
-        local_head = _Update(params[nb:], head_grads, moments[0][nb:], moments[1][nb:], [None, None], step)
-        if reducer is None:
+        head_grads = [err.grad_head_weight, err.grad_head_bias, *norm_grads]
+        for j in range(0, len(head_grads), 2):  # the local head, then the batch norm's affine
+            pair = slice(nb + j, nb + j + 2)
+            update = _Update(params[pair], head_grads[j : j + 2], moments[0][pair], moments[1][pair], [None, None], step)
+            if reducer is not None:
+                self._collect_small(update)
+                continue
             if self.overlap:
-                self.keep += head_grads
-            engine.adamw(local_head)
-        else:
-            self._collect_small(local_head)
+                self.keep += update.grads
+            engine.adamw(update)
 
     def _launch_update(self, update: _Update) -> None:
         """AdamW now (on the background stream under priorities), or after the all-reduce it
