@@ -327,7 +327,8 @@ def launch_local_error(
     CP = max(16, next_pow2(C))
     t = tiles or default_tiles(M, N, CP, h.element_size())
     dev = h.device
-    ieee = h.dtype == torch.float32
+    # fp32 products in IEEE fp32 unless torch's own fp32 matmuls may use TF32
+    ieee = h.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
     # one flat fp32 block for every accumulator: the row kernel zeroes it in the same launch
     flat = torch.empty(C * N + N + C + 1, device=dev, dtype=torch.float32)
     gw = flat[: C * N].view(C, N)

@@ -8,6 +8,7 @@ import torch
 from torch import Tensor, nn
 
 from .. import functional
+from ..ops.normalization import NormalizationSaved, batch_statistics, normalization_backward, normalization_forward
 from ..optim import OptimizerConfig
 from ._local import LocalLayer
 
@@ -64,31 +65,32 @@ class BatchNormLayer(LocalLayer):
         norm = [t for t in (self.norm_weight, self.norm_bias) if t is not None]
         return super().trained_tensors() + norm
 
-    def _batch_norm(self, z: Tensor, training: bool, keep: bool = False) -> tuple[Tensor, Tensor, Tensor]:
-        """:func:`~torch_dad.functional.batch_norm_forward` of ``z`` with the batch's statistics
-        (``training``; ``keep`` them for :meth:`update_running_statistics`) or the running ones."""
+    def _batch_norm(
+        self, z: Tensor, training: bool, keep: bool = False
+    ) -> tuple[Tensor, NormalizationSaved | None]:
+        """``(out, saved)``: ``z`` normalised by the batch's statistics (``training``, one kernel:
+        :func:`~torch_dad.ops.normalization.normalization_forward`; ``keep`` the statistics for
+        :meth:`update_running_statistics`) or by the running ones (``saved`` is ``None``)."""
         assert self.running_mean is not None and self.running_var is not None
-        if training:
-            if z.shape[0] < 2:
-                raise ValueError(
-                    f"normalize='batchnorm' needs at least 2 rows per training batch, got {z.shape[0]}; "
-                    f"use larger batches or {self._small_batch_fix}"
-                )
-            mean, var = functional.batch_norm_statistics(z)
-            if keep:
-                self._batch_statistics = (mean, var, z.numel() // z.shape[1])
-        else:
+        if not training:
+            weight = self.norm_weight.to(z.dtype) if self.norm_weight is not None else None
+            bias = self.norm_bias.to(z.dtype) if self.norm_bias is not None else None
             mean, var = self.running_mean.to(z.dtype), self.running_var.to(z.dtype)
-        weight = self.norm_weight.to(z.dtype) if self.norm_weight is not None else None
-        bias = self.norm_bias.to(z.dtype) if self.norm_bias is not None else None
-        return functional.batch_norm_forward(z, weight, bias, mean, var)
+            return functional.batch_norm_forward(z, weight, bias, mean, var)[0], None
+        if z.shape[0] < 2:
+            raise ValueError(
+                f"normalize='batchnorm' needs at least 2 rows per training batch, got {z.shape[0]}; "
+                f"use larger batches or {self._small_batch_fix}"
+            )
+        out, saved = normalization_forward("batchnorm", z, self.norm_weight, self.norm_bias)
+        if keep:
+            self._batch_statistics = (*batch_statistics(saved), z.numel() // z.shape[1])
+        return out, saved
 
-    def _batch_norm_backward(self, d_out: Tensor, norm: tuple[Tensor, Tensor]) -> tuple[Tensor, list[Tensor]]:
-        """``(d_z, [g_norm_weight, g_norm_bias])`` from ``d_out`` and the ``(z_hat, inv_std)`` of
-        :meth:`_batch_norm` (:func:`~torch_dad.functional.batch_norm_backward`)."""
-        weight = self.norm_weight.to(d_out.dtype) if self.norm_weight is not None else None
-        d_z, grad_weight, grad_bias = functional.batch_norm_backward(d_out, *norm, weight)
-        return d_z, [grad_weight, grad_bias]
+    def _batch_norm_backward(self, d_out: Tensor, saved: NormalizationSaved) -> tuple[Tensor, list[Tensor]]:
+        """``(d_z, [g_norm_weight, g_norm_bias])`` from ``d_out`` and :meth:`_batch_norm`'s ``saved``
+        (:func:`~torch_dad.ops.normalization.normalization_backward`)."""
+        return normalization_backward(d_out, saved, self.norm_weight)
 
     @torch.no_grad()
     def update_running_statistics(self) -> None:

@@ -189,8 +189,7 @@ class DADConv2d(BatchNormLayer):
         z = self._conv(a, weight, self.bias.to(dtype) if self.bias is not None else None)
         norm = None
         if self.normalize == "batchnorm":
-            z, normed, inv_std = self._batch_norm(z, training=True, keep=True)
-            norm = (normed, inv_std)
+            z, norm = self._batch_norm(z, training=True, keep=True)
         h = z.relu() if self.activation == "relu" else functional.activation_forward(z, self.activation)
         out, indices = self._pool(h)
         result, d_out, head_grads = self._head_error(out, target)

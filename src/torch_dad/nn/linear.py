@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from .. import functional
 from .._checks import check_fraction, check_int, check_num_classes, check_positive_int
+from ..ops.normalization import NormalizationSaved, normalization_backward, normalization_forward
 from ..optim import LocalOptimizerState, OptimizerConfig
 from ._batchnorm import BatchNormLayer
 from ._local import LocalLayer, activation_backward
@@ -194,10 +195,8 @@ class DADLinear(BatchNormLayer):
             result, d_h, head_grads = self._head_error(h, target, _buffer(workspace, "d_z", h))
         d_z = activation_backward(d_h, h, z, self.activation, inplace=True)
         norm_grads: list[Tensor] = []
-        if norm is not None and self.normalize == "layernorm":
-            d_z = functional.layer_norm_backward(d_z, *norm)
-        elif norm is not None:
-            d_z, norm_grads = self._batch_norm_backward(d_z, norm)
+        if norm is not None:
+            d_z, norm_grads = normalization_backward(d_z, norm, self.norm_weight)
         g_w = _buffer(workspace, "g_w", self.weight, dtype=dtype, device=a.device)
         grads = [torch.mm(d_z.T, a, out=g_w)]
         if self.bias is not None:
@@ -210,9 +209,9 @@ class DADLinear(BatchNormLayer):
 
     def _forward_for_step(
         self, a: Tensor, workspace: Workspace | None
-    ) -> tuple[Tensor, Tensor, tuple[Tensor, Tensor] | None]:
-        """``(z, h, norm)``: the pre-activation (normalised if ``normalize``), the output and the
-        normalisation's ``(z_hat, inv_std)`` (or ``None``). For relu without it, ``z`` *is* ``h``."""
+    ) -> tuple[Tensor, Tensor, NormalizationSaved | None]:
+        """``(z, h, norm)``: the pre-activation (normalised if ``normalize``), the output and what the
+        normalisation's backward reads (or ``None``). For relu, ``z`` *is* ``h``."""
         w = self.weight.to(a.dtype)
         z_buf = _buffer(workspace, "z", a, cols=self.out_features)
         if self.bias is not None:
@@ -221,14 +220,12 @@ class DADLinear(BatchNormLayer):
             z = torch.mm(a, w.T, out=z_buf)
         norm = None
         if self.normalize == "layernorm":
-            z, inv_std = functional.layer_norm_forward(z)
-            norm = (z, inv_std)
+            z, norm = normalization_forward("layernorm", z)
         elif self.normalize == "batchnorm":
-            z, normed, inv_std = self._batch_norm(z, training=True, keep=True)
-            norm = (normed, inv_std)
+            z, norm = self._batch_norm(z, training=True, keep=True)
         if self.activation == "relu":
-            # z is not needed again (relu' is read off h) unless the normalisation's backward needs it
-            return z, (z.relu_() if norm is None else z.relu()), norm
+            # z is not needed again: relu' is read off h, the normalisation's backward reads its input
+            return z, z.relu_(), norm
         return z, functional.activation_forward(z, self.activation), norm
 
     def _head_error(

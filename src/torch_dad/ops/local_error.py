@@ -83,7 +83,9 @@ def local_error(
 ) -> LocalError:
     """The local error of a DAD layer from its output ``h`` (see the module docstring).
 
-    ``h`` is in the compute dtype (bf16/fp16/fp32); ``head_weight``/``head_bias`` are the fp32
+    ``h`` is in the compute dtype (bf16/fp16/fp32; fp32 products are IEEE fp32 on the Triton path,
+    or TF32 when ``torch.backends.cuda.matmul.allow_tf32`` lets torch's own fp32 matmuls use it);
+    ``head_weight``/``head_bias`` are the fp32
     masters (cast to ``h.dtype`` for the products, as the eager path does); ``target`` holds
     class ids in ``[0, C)``. ``d_z`` comes back in ``h.dtype``, everything else in float32.
     """

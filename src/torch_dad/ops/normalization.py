@@ -7,10 +7,11 @@ each way, with fp32 statistics for bf16/fp16 inputs, instead of the ~10 elementw
 launches of the oracle's formulas. On an H200 those launches were most of a 3 x 1024 MLP step with
 batch norm (``benchmarks/gpu_throughput.py --recipes``).
 
-Batch norm folds the batch's statistics into the running ones as it normalises (momentum
-:data:`~torch_dad.functional.BATCH_NORM_MOMENTUM`, the variance unbiased by ``n / (n - 1)``), as
-``nn.BatchNorm1d`` does in training mode: the fused step applies every update it computes, so the
-eager step's "fold only with an applied update" is the same thing there.
+The eager step (``DADLinear``/``DADConv2d.local_gradients``) and the fused step run these same
+kernels. Given ``running_mean``/``running_var``, batch norm folds the batch's statistics into them
+as it normalises (momentum :data:`~torch_dad.functional.BATCH_NORM_MOMENTUM`, the variance unbiased
+by ``n / (n - 1)``), as ``nn.BatchNorm1d`` does in training mode: the fused step applies every update
+it computes. The eager step passes none and folds :func:`batch_statistics` only with an applied update.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from torch import Tensor
 
 from ..functional import BATCH_NORM_EPS, BATCH_NORM_MOMENTUM, LAYER_NORM_EPS, NORMALIZATIONS
 
-__all__ = ["NormalizationSaved", "normalization_backward", "normalization_forward"]
+__all__ = ["NormalizationSaved", "batch_statistics", "normalization_backward", "normalization_forward"]
 
 
 class NormalizationSaved(NamedTuple):
@@ -35,6 +36,14 @@ class NormalizationSaved(NamedTuple):
     inv_std: Tensor
 
 
+def _like(t: Tensor | None, z: Tensor) -> Tensor | None:
+    """``t`` as the batch-norm kernels take it beside ``z``: as it is for fp32 with bf16/fp16 ``z``
+    (their mixed mode, fp32 statistics) or ``z``'s dtype, else cast to ``z``'s dtype."""
+    if t is None or t.dtype == z.dtype or (t.dtype == torch.float32 and z.dtype in (torch.bfloat16, torch.float16)):
+        return t
+    return t.to(z.dtype)
+
+
 def normalization_forward(
     kind: str,
     z: Tensor,
@@ -43,7 +52,7 @@ def normalization_forward(
     running_mean: Tensor | None = None,
     running_var: Tensor | None = None,
 ) -> tuple[Tensor, NormalizationSaved]:
-    """``(out, saved)`` for ``z`` (B, C).
+    """``(out, saved)`` for ``z`` (B, C), or (B, C, H, W) for batch norm (statistics per channel).
 
     ``"batchnorm"``: ``out = (z - mean_b) * inv_std * weight + bias`` with the batch's mean and biased
     variance per column, ``inv_std = 1/sqrt(var + eps)``; ``running_mean``/``running_var`` (if given)
@@ -52,6 +61,7 @@ def normalization_forward(
     ``out`` has ``z``'s dtype; ``weight``, ``bias`` and the running statistics may be fp32 masters.
     """
     if kind == "batchnorm":
+        weight, bias, running_mean, running_var = (_like(t, z) for t in (weight, bias, running_mean, running_var))
         out, mean, inv_std = torch.native_batch_norm(
             z, weight, bias, running_mean, running_var, True, BATCH_NORM_MOMENTUM, BATCH_NORM_EPS
         )
@@ -76,7 +86,7 @@ def normalization_backward(
     """
     if saved.kind == "batchnorm":
         d_z, grad_weight, grad_bias = torch.ops.aten.native_batch_norm_backward(
-            d_out, saved.z, weight, None, None, saved.mean, saved.inv_std, True, BATCH_NORM_EPS,
+            d_out, saved.z, _like(weight, saved.z), None, None, saved.mean, saved.inv_std, True, BATCH_NORM_EPS,
             [True, weight is not None, weight is not None],
         )
         return d_z, [g for g in (grad_weight, grad_bias) if g is not None]
@@ -84,3 +94,9 @@ def normalization_backward(
         d_out, saved.z, [saved.z.shape[1]], saved.mean, saved.inv_std, None, None, [True, False, False]
     )[0]
     return d_z, []
+
+
+def batch_statistics(saved: NormalizationSaved) -> tuple[Tensor, Tensor]:
+    """The batch's per-channel ``(mean, biased variance)`` that a batch norm normalised by (fp32, (C,)):
+    ``var = 1 / inv_std**2 - eps``."""
+    return saved.mean, saved.inv_std.pow(-2) - BATCH_NORM_EPS
