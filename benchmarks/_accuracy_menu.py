@@ -410,6 +410,27 @@ def prepare_cells(names: list[str], args: Any, folder: Path) -> list[dict[str, A
 
 
 # ------------------------------------------------------------------------------------------ report
+def best_of_studies(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Records of several studies (``--merge``, or one study resumed with a larger menu) as one: each
+    run once (same cell, topology, system, recipe and seed), and per (cell, system) the selection with
+    the best validation accuracy on the search seed. A coordinate search's result depends on its path,
+    so a search over a larger menu can settle lower than one over a part of it; every recipe either
+    search trained belongs to the larger menu, and the best of them is the best of that menu found."""
+    runs: dict[tuple[Any, ...], dict[str, Any]] = {}
+    best: dict[tuple[str, str], dict[str, Any]] = {}
+    other = []
+    for r in records:
+        if r.get("kind") == "menu_run":
+            runs.setdefault(_run_key(r), r)
+        elif r.get("kind") == "menu_summary":
+            key = (r["cell"], r["system"])
+            if key not in best or r["val_acc_search_seed"] > best[key]["val_acc_search_seed"]:
+                best[key] = r
+        else:
+            other.append(r)
+    return [*other, *runs.values(), *best.values()]
+
+
 def tables(records: list[dict[str, Any]]) -> str:
     """A markdown table per cell: system, selected recipe, val and test accuracy, DAD - backprop."""
     summaries = [r for r in records if r.get("kind") == "menu_summary"]
@@ -519,7 +540,7 @@ def menu_main(args: Any) -> Path:
     smoke = args.smoke
     out = Path(args.out) if args.out else RESULTS / ("accuracy_menu.smoke.json" if smoke else "accuracy_menu.json")
     if args.plot_only or args.merge:
-        records = [r for path in args.merge or [out] for r in load_records(Path(path))]
+        records = best_of_studies([r for path in args.merge or [out] for r in load_records(Path(path))])
         if args.merge:
             out.write_text(json.dumps(records, indent=1) + "\n")
         print(tables(records))

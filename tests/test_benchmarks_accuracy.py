@@ -17,14 +17,23 @@ from torch_dad import data
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from _accuracy_menu import AXES, DEFAULTS, MENU_PRESETS, menu_main, parse_menu, recipe_name, search  # noqa: E402
+from _accuracy_menu import (  # noqa: E402
+    AXES,
+    DEFAULTS,
+    MENU_PRESETS,
+    best_of_studies,
+    menu_main,
+    parse_menu,
+    recipe_name,
+    search,
+)
 from _common import DADMLP, backprop_mlp  # noqa: E402
 from accuracy import ridge_head  # noqa: E402
 
 
 def test_parse_menu_presets_and_defaults() -> None:
     full = parse_menu("full")
-    assert full["lr"] == [1e-3, 3e-4, 3e-3]
+    assert full["lr"] == [1e-3, 3e-4, 3e-3, 1e-4]
     assert full["norm"] == ["none", "layernorm", "batchnorm"]
     assert full["head"] == ["trained", "ridge"]
     assert all(parse_menu(name) for name in MENU_PRESETS)
@@ -75,9 +84,9 @@ def test_coordinate_search_sweeps_each_axis_from_the_start() -> None:
     recipe, head = search(menu, "coordinate", _fake_evaluate(score, calls))
     assert recipe == {**{a: menu[a][0] for a in AXES}, "lr": 3e-3, "norm": "batchnorm"}
     assert head == "ridge"
-    # every configuration is trained once: 3 lrs, then 2 new values per 3-valued axis and 1 per 2-valued one;
-    # the last lr sweep finds nothing new
-    assert len(calls) == len({str(sorted(c.items())) for c in calls}) == 3 + 2 + 1 + 1 + 1 + 1 + 2
+    # every configuration is trained once: 4 lrs, then 2 new values per 3-valued axis and 1 per 2-valued one,
+    # then the other 3 lrs with the selected batchnorm
+    assert len(calls) == len({str(sorted(c.items())) for c in calls}) == 4 + 2 + 1 + 1 + 1 + 1 + 3
     assert calls[0] == {a: menu[a][0] for a in AXES}
 
 
@@ -208,3 +217,22 @@ def test_study_reports_the_selected_recipe_on_every_seed(tmp_path: Path) -> None
     again = json.loads(menu_main(_study_args(tmp_path, out=str(tmp_path / "b.json"), resume=str(out))).read_text())
     for kind, before in (("menu_summary", summaries), ("menu_run", runs)):
         assert [r for r in again if r["kind"] == kind] == before
+
+
+def test_best_of_studies_keeps_each_run_once_and_the_better_selection() -> None:
+    def run(lr: float, seed: int) -> dict[str, Any]:
+        return {"kind": "menu_run", "cell": "c", "topology": "t", "system": "dad", "recipe": {"lr": lr}, "seed": seed}
+
+    def summary(lr: float, val: float) -> dict[str, Any]:
+        return {"kind": "menu_summary", "cell": "c", "system": "dad", "recipe": {"lr": lr}, "val_acc_search_seed": val}
+
+    first = [{"kind": "menu_study"}, run(1e-3, 0), run(1e-3, 1), summary(1e-3, 0.91)]
+    # resumed over a larger menu: it reuses a run, trains others and settles lower on its path
+    second = [{"kind": "menu_study"}, run(1e-3, 0), run(1e-4, 0), run(1e-4, 1), summary(1e-4, 0.90)]
+    merged = best_of_studies(first + second)
+    assert sum(r["kind"] == "menu_study" for r in merged) == 2
+    assert sorted((r["recipe"]["lr"], r["seed"]) for r in merged if r["kind"] == "menu_run") == [
+        (1e-4, 0), (1e-4, 1), (1e-3, 0), (1e-3, 1)
+    ]
+    assert [r["recipe"]["lr"] for r in merged if r["kind"] == "menu_summary"] == [1e-3]
+    assert [r["recipe"]["lr"] for r in best_of_studies(first + [summary(1e-4, 0.92)]) if r["kind"] == "menu_summary"] == [1e-4]

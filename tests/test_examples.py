@@ -1,0 +1,81 @@
+"""The conv and transformer-block examples run end to end in ``--smoke`` mode on CPU, and their
+``--save`` checkpoints restore to the same test metrics."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+import torch_dad as td
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _load(name: str) -> ModuleType:
+    """Import ``examples/<name>.py`` (the folder is not a package)."""
+    spec = importlib.util.spec_from_file_location(f"torch_dad_example_{name}", EXAMPLES / f"{name}.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(autouse=True)
+def _one_thread() -> Iterator[None]:
+    # the timings the examples quote were taken with one thread; keep the tests as light
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def _run_smoke(
+    module: ModuleType, script: str, save: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> dict[str, float]:
+    """``main()`` as the command line ``python <script> --smoke --device cpu --save <save>`` runs it."""
+    monkeypatch.setattr(sys, "argv", [script, "--smoke", "--device", "cpu", "--save", str(save)])
+    results = module.main()
+    printed = capsys.readouterr().out
+    assert "test accuracy: trained classifier" in printed and "after solve_head()" in printed, printed
+    assert save.is_file()
+    return results
+
+
+def test_conv_mnist_smoke_and_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    example = _load("conv_mnist")
+    path = tmp_path / "conv.safetensors"
+    results = _run_smoke(example, "conv_mnist.py", path, monkeypatch, capsys)
+    assert results["accuracy"] > 0.5, results  # the synthetic classes are well separated; chance is 0.1
+    _, test = example.load_images(smoke=True, train_size=384)
+    trained = _metrics_after_loading(example.make_trainer("cpu"), path, test)
+    assert (trained["accuracy"], trained["loss"]) == (results["accuracy"], results["loss"])
+
+
+def test_transformer_blocks_smoke_and_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    example = _load("transformer_blocks")
+    path = tmp_path / "blocks.safetensors"
+    results = _run_smoke(example, "transformer_blocks.py", path, monkeypatch, capsys)
+    assert results["accuracy"] > 0.5, results
+    _, test = example.load_sequences(smoke=True, train_size=384)
+    trained = _metrics_after_loading(example.make_trainer("cpu"), path, test)
+    assert (trained["accuracy"], trained["loss"]) == (results["accuracy"], results["loss"])
+
+
+def _metrics_after_loading(trainer: td.DADTrainer, path: Path, test: tuple[torch.Tensor, torch.Tensor]) -> dict[str, float]:
+    """``evaluate(test)`` of a freshly built trainer after ``load_checkpoint(path)``, checked against
+    the same trainer before loading so that a no-op load cannot pass."""
+    before = trainer.evaluate(test)
+    trainer.load_checkpoint(path)
+    after = trainer.evaluate(test)
+    assert after["loss"] != before["loss"]
+    return after
