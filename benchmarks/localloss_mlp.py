@@ -112,8 +112,11 @@ def epoch_lr(epoch: int, marks: list[int]) -> float:
 class Backprop:
     """The MLP trained end to end: Adam (fused and capturable on CUDA), the step one CUDA graph there."""
 
-    def __init__(self, widths: list[int], act: str, dropout: float, device: torch.device) -> None:
+    def __init__(
+        self, widths: list[int], act: str, dropout: float, device: torch.device, amp: torch.dtype | None = None
+    ) -> None:
         self.model = backprop_mlp(widths, CLASSES, activation=act, normalize="batchnorm", dropout=dropout).to(device)
+        self.amp = amp
         cuda = device.type == "cuda"
         # a tensor lr so that the captured Adam reads the schedule's value at every replay
         lr: float | torch.Tensor = torch.tensor(LR, device=device) if cuda else LR
@@ -124,7 +127,10 @@ class Backprop:
 
     def _body(self) -> None:
         self.opt.zero_grad(set_to_none=False)
-        F.cross_entropy(self.model(self.x), self.y).backward()
+        # no autocast weight cache: a CUDA graph must recast the weights Adam updated at every replay
+        with torch.autocast(self.x.device.type, self.amp or torch.float32, enabled=self.amp is not None, cache_enabled=False):
+            loss = F.cross_entropy(self.model(self.x), self.y)
+        loss.backward()
         self.opt.step()
 
     def _capture(self) -> Callable[[], None]:
@@ -191,7 +197,8 @@ def train(
 
 
 def run_dad(
-    widths: list[int], act: str, dropout: float, data: Data, recipe: dict[str, Any], epochs: int, seed: int
+    widths: list[int], act: str, dropout: float, data: Data, recipe: dict[str, Any], epochs: int, seed: int,
+    amp: torch.dtype | None = None,
 ) -> dict[str, Any]:
     """DAD: ``DADTrainer`` with Adam (``adamw``, weight decay 0); the trained classifier per epoch, then the
     last local head and ``solve_head(loader=train)`` on the final features."""
@@ -207,6 +214,7 @@ def run_dad(
         optimizer="adamw",
         dropout=dropout,
         dropout_seed=seed,
+        amp_dtype=amp,
         classifier_sample_size=0,
         accumulate_classifier_statistics=False,
     )
@@ -235,11 +243,12 @@ def run_dad(
 
 
 def run_backprop(
-    widths: list[int], act: str, dropout: float, data: Data, recipe: dict[str, Any], epochs: int, seed: int
+    widths: list[int], act: str, dropout: float, data: Data, recipe: dict[str, Any], epochs: int, seed: int,
+    amp: torch.dtype | None = None,
 ) -> dict[str, Any]:
     """Backprop: the same MLP, Adam, CUDA-graphed on CUDA; test accuracy per epoch."""
     torch.manual_seed(seed)
-    system = Backprop(widths, act, dropout, data[0].device)
+    system = Backprop(widths, act, dropout, data[0].device, amp)
     test = ((data[2] - recipe["mean"]) / recipe["std"], data[3])
 
     def step(x: torch.Tensor, y: torch.Tensor, lr: float) -> None:
@@ -275,6 +284,8 @@ def main() -> None:
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--tf32", action="store_true", help="TF32 products for fp32 matmuls, every system")
+    parser.add_argument("--amp", choices=("bf16",), default=None,
+                        help="bf16 autocast (backprop) / amp_dtype (DAD) over fp32 master weights, every system")
     parser.add_argument("--out", default=None, help="results JSON (default results/localloss_mlp.json)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
@@ -296,7 +307,8 @@ def main() -> None:
     records = []
     for seed in args.seeds:
         for system in args.systems:
-            record = runners[system](widths, args.activation, dropout, data, recipe, epochs, seed)
+            amp = torch.bfloat16 if args.amp == "bf16" else None
+            record = runners[system](widths, args.activation, dropout, data, recipe, epochs, seed, amp)
             records.append(
                 {
                     "dataset": "synthetic" if args.smoke else args.dataset,
@@ -307,6 +319,7 @@ def main() -> None:
                     "dropout": dropout,
                     "batch": BATCH,
                     "tf32": args.tf32,
+                    "amp": args.amp,
                     "lr": LR,
                     "milestones": milestones(recipe, epochs),
                     "published": None if args.smoke else PUBLISHED[args.dataset],
