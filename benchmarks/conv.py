@@ -13,9 +13,12 @@ local-loss code (their batch norm and dropout are left out); ``--width-scale`` d
 * ``backprop`` / ``backprop+cosine``: the same net as ``nn.Conv2d`` etc., trained end to end.
 
 ``--grids 1 2 4`` runs ``dad`` once per local-head grid (the comparison behind the default 4).
-``--memory`` (CUDA only) measures one training step of the full-width net at batch 256 and 1024:
-median time of 20 steps and peak memory (``torch.cuda.max_memory_allocated``) for DAD
-(``backend="auto"``: the CUDA graph) and for backprop.
+``--memory`` (CUDA) measures one training step, bf16 compute over fp32 weights: the full-width net at
+batch 256 and 1024, and a stack of 8 / 16 / 32 residual blocks (``DADBlock`` around two 3 x 3
+convolutions of 64 channels, batch 256). Time: median of 20 steps, DAD on its CUDA graph
+(``backend="auto"``) against backprop with forward, backward and fused AdamW in one CUDA graph. Memory
+above static: ``max_memory_allocated`` during one step minus ``memory_allocated`` before it, both
+systems op by op (``backend="fused"``; a graph replay does not call the allocator).
 
     python benchmarks/conv.py --smoke                                # seconds, CPU, synthetic data
     python benchmarks/conv.py --grids 1 2 4 --width-scale 16 --train-limit 20000 --threads 1
@@ -26,6 +29,8 @@ median time of 20 steps and peak memory (``torch.cuda.max_memory_allocated``) fo
 from __future__ import annotations
 
 import argparse
+import functools
+import gc
 import math
 import time
 from typing import Any
@@ -33,7 +38,8 @@ from typing import Any
 import torch
 
 import torch_dad as td
-from _common import environment, median_time, write_records
+from _common import cuda_step_memory, environment, median_time, write_records
+from _gpu_common import capture
 
 VGG8B: tuple[int | str, ...] = (128, 256, "M", 256, 512, "M", 512, "M", 512, "M")
 DENSE = 1024
@@ -167,55 +173,130 @@ def run_backprop(system: str, seed: int, args: argparse.Namespace, train: Any, t
     return {"accuracy": correct / xt.shape[0], "train_loss": float(loss.detach()), "train_s": seconds}
 
 
+class Residual(torch.nn.Module):
+    """``relu(x + conv(relu(conv(x))))``, two 3 x 3 convolutions of ``channels``: one block of the stack."""
+
+    def __init__(self, channels: int) -> None:
+        super().__init__()
+        self.a = torch.nn.Conv2d(channels, channels, 3, padding=1)
+        self.b = torch.nn.Conv2d(channels, channels, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.relu(x + self.b(torch.relu(self.a(x))))
+
+
+class DADResidualStack(td.DADModel):
+    """A ``DADConv2d`` stem (1 -> ``channels``, 2 x 2 max pool), ``depth`` residual blocks each trained by
+    its own local head (``DADBlock``), and a linear classifier on the flattened output."""
+
+    def __init__(self, depth: int, channels: int, size: int, classes: int) -> None:
+        super().__init__()
+        self.stem = td.DADConv2d(1, channels, 3, padding=1, num_classes=classes, pool="max")
+        self.blocks = torch.nn.ModuleList(
+            td.DADBlock(Residual(channels), num_classes=classes, head_features=channels) for _ in range(depth)
+        )
+        self.classifier = torch.nn.Linear(channels * (size // 2) ** 2, classes)
+
+
+def backprop_residual_stack(depth: int, channels: int, size: int, classes: int) -> torch.nn.Sequential:
+    """The same stack as :class:`DADResidualStack` for end-to-end backprop."""
+    stem = [torch.nn.Conv2d(1, channels, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2)]
+    blocks = [Residual(channels) for _ in range(depth)]
+    head = [torch.nn.Flatten(), torch.nn.Linear(channels * (size // 2) ** 2, classes)]
+    return torch.nn.Sequential(*stem, *blocks, *head)
+
+
+MEMORY_BATCHES = (256, 1024)  # the VGG-style net
+STACK_DEPTHS, STACK_CHANNELS, STACK_BATCH = (8, 16, 32), 64, 256
+
+
 def memory_mode(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Time per step and peak memory of the full-width net, DAD and backprop, batch 256 and 1024."""
-    if not torch.cuda.is_available():
-        print("--memory measures CUDA memory; no GPU here, skipped")
-        return []
+    """Step time (both systems CUDA-graphed, bf16 compute over fp32 weights) and memory above static (both
+    op by op: a graph replay does not call the allocator) of the full-width VGG-style net at batch 256
+    and 1024, and of the residual stack at depths 8, 16 and 32 (64 channels, 14 x 14, batch 256)."""
+    cuda = torch.cuda.is_available() and not args.smoke
+    device = torch.device("cuda" if cuda else "cpu")
+    amp = torch.bfloat16 if cuda else None
+    scale, batches = (1, MEMORY_BATCHES) if cuda else (32, (8,))
+    depths, channels, stack_batch = (STACK_DEPTHS, STACK_CHANNELS, STACK_BATCH) if cuda else ((1, 2), 4, 8)
+    jobs: list[tuple[str, int, int, Any, Any]] = [
+        ("vgg8b", 0, b, lambda: DADVGG(1, 28, scale, 10, 4, 0.0), lambda: backprop_vgg(1, 28, scale, 10))
+        for b in batches
+    ]
+    jobs += [
+        ("residual", d, stack_batch, lambda d=d: DADResidualStack(d, channels, 28, 10),
+         lambda d=d: backprop_residual_stack(d, channels, 28, 10))
+        for d in depths
+    ]
     records = []
-    for batch in (256, 1024):
-        x = torch.randn(batch, 1, 28, 28, device="cuda")
-        y = torch.randint(0, 10, (batch,), device="cuda")
-        records.append(_measure("dad", batch, _dad_step(x, y)))
-        records.append(_measure("backprop", batch, _backprop_step(x, y)))
+    for net, depth, batch, dad_model, backprop_model in jobs:
+        x = torch.randn(batch, 1, 28, 28, device=device)
+        y = torch.randint(0, 10, (batch,), device=device)
+        common = {"net": net, "depth": depth, "batch": batch, "amp": "bf16" if amp else None}
+        for system, measure in (("dad", _dad_step), ("backprop", _backprop_step)):
+            model = dad_model if system == "dad" else backprop_model
+            record = {"system": system, **common, **measure(model, x, y, amp)}
+            print(record, flush=True)
+            records.append(record)
     return records
 
 
-def _dad_step(x: torch.Tensor, y: torch.Tensor) -> Any:
-    torch.manual_seed(0)
-    trainer = td.DADTrainer(DADVGG(1, 28, 1, 10, 4, 0.0), "cuda", lr=1e-3)
-    return lambda: trainer.step(x, y)
+def _dad_step(build: Any, x: torch.Tensor, y: torch.Tensor, amp: torch.dtype | None) -> dict[str, Any]:
+    """The DAD step's time (``backend="auto"``: the CUDA graph) and its memory above static
+    (``backend="fused"``); on CPU one fused step each, no numbers."""
+    out: dict[str, Any] = {}
+    for backend in ("auto", "fused"):
+        torch.manual_seed(0)
+        trainer = td.DADTrainer(build(), x.device, lr=1e-3, amp_dtype=amp, backend=backend, on_nonfinite="ignore")
+        step = functools.partial(trainer.step, x, y)
+        if backend == "auto":
+            out["backend"] = "cuda-graph" if trainer.uses_engine and x.is_cuda else "eager"
+            out.update(_time(step, x.device))
+        else:
+            out.update(_memory(step, x.device))
+        del trainer, step
+    return out
 
 
-def _backprop_step(x: torch.Tensor, y: torch.Tensor) -> Any:
+def _backprop_step(build: Any, x: torch.Tensor, y: torch.Tensor, amp: torch.dtype | None) -> dict[str, Any]:
+    """Tuned backprop: forward, backward and fused AdamW in one CUDA graph (timed); the same step
+    op by op for memory above static."""
     torch.manual_seed(0)
-    model = backprop_vgg(1, 28, 1, 10).cuda()
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True)
+    model = build().to(x.device)
+    cuda = x.is_cuda
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=cuda, capturable=cuda)
 
     def step() -> None:
-        loss = torch.nn.functional.cross_entropy(model(x), y)
-        optimizer.zero_grad(set_to_none=True)
+        # no autocast weight cache: a graph replay must recast the weights AdamW updated
+        with torch.autocast(x.device.type, amp or torch.float32, enabled=amp is not None, cache_enabled=False):
+            loss = torch.nn.functional.cross_entropy(model(x), y)
         loss.backward()
         optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
 
-    return step
+    out = _memory(step, x.device)
+    out.update(_time(capture(step) if cuda else step, x.device))
+    out["backend"] = "cuda-graph" if cuda else "eager"
+    return out
 
 
-def _measure(system: str, batch: int, step: Any) -> dict[str, Any]:
+def _time(step: Any, device: torch.device) -> dict[str, Any]:
+    if device.type != "cuda":
+        step()
+        return {}
     seconds = median_time(step, warmup=5, repeats=20, sync=torch.cuda.synchronize)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    step()
-    torch.cuda.synchronize()
-    record = {
-        "system": system,
-        "batch": batch,
-        "step_ms": seconds * 1e3,
-        "img_per_s": batch / seconds,
-        "peak_memory_mb": torch.cuda.max_memory_allocated() / 2**20,
-    }
-    print(record)
-    return record
+    return {"step_ms": seconds * 1e3}
+
+
+def _memory(step: Any, device: torch.device) -> dict[str, Any]:
+    for _ in range(2):  # materialise the optimizer state
+        step()
+    if device.type != "cuda":
+        return {}
+    gc.collect()
+    torch.cuda.empty_cache()
+    static, peak = cuda_step_memory(step)
+    return {"static_mib": static / 2**20, "peak_mib": peak / 2**20, "above_static_mib": (peak - static) / 2**20}
 
 
 def main() -> None:

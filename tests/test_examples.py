@@ -47,26 +47,15 @@ def _run_smoke(
     return results
 
 
-def test_conv_mnist_smoke_and_checkpoint(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("name, load_data", [("conv_mnist", "load_images"), ("transformer_blocks", "load_sequences")])
+def test_example_smoke_and_checkpoint(
+    name: str, load_data: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    example = _load("conv_mnist")
-    path = tmp_path / "conv.safetensors"
-    results = _run_smoke(example, "conv_mnist.py", path, monkeypatch, capsys)
+    example = _load(name)
+    path = tmp_path / f"{name}.safetensors"
+    results = _run_smoke(example, f"{name}.py", path, monkeypatch, capsys)
     assert results["accuracy"] > 0.5, results  # the synthetic classes are well separated; chance is 0.1
-    _, test = example.load_images(smoke=True, train_size=384)
-    trained = _metrics_after_loading(example.make_trainer("cpu"), path, test)
-    assert (trained["accuracy"], trained["loss"]) == (results["accuracy"], results["loss"])
-
-
-def test_transformer_blocks_smoke_and_checkpoint(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
-    example = _load("transformer_blocks")
-    path = tmp_path / "blocks.safetensors"
-    results = _run_smoke(example, "transformer_blocks.py", path, monkeypatch, capsys)
-    assert results["accuracy"] > 0.5, results
-    _, test = example.load_sequences(smoke=True, train_size=384)
+    _, test = getattr(example, load_data)(smoke=True, train_size=384)
     trained = _metrics_after_loading(example.make_trainer("cpu"), path, test)
     assert (trained["accuracy"], trained["loss"]) == (results["accuracy"], results["loss"])
 
