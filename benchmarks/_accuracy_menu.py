@@ -47,15 +47,22 @@ CHOICES = {
 }
 # system -> DAD local rule (None: backprop)
 SYSTEMS: dict[str, str | None] = {"dad": "ce", "dad-predsim": "predsim", "dad-drtp": "drtp", "backprop": None}
-# cell -> (dataset, epochs)
+# cell -> (dataset, epochs); the MLP of accuracy.TOPOLOGIES for the dataset, or the conv net in VGG_CELLS
 CELLS = {
     "mnist-3": ("mnist", 3),
     "mnist-20": ("mnist", 20),
     "fmnist-3": ("fmnist", 3),
     "fmnist-20": ("fmnist", 20),
     "20ng-10": ("20ng", 10),
+    "mnist-vgg-3": ("mnist", 3),
+    "fmnist-vgg-10": ("fmnist", 10),
     "synthetic-3": ("synthetic", 3),
+    "synthetic-vgg-1": ("synthetic28", 1),
 }
+# conv cells -> the width divisor of conv.py's vgg8b-style net (topology "vgg8b/<divisor>"), on 1 x 28 x 28 images
+VGG_CELLS = {"mnist-vgg-3": 4, "fmnist-vgg-10": 4, "synthetic-vgg-1": 32}
+# what a conv cell's menu leaves out: DADConv2d normalises by batch norm only
+VGG_EXCLUDED = {"norm": ("layernorm",)}
 VAL_FRACTION = 0.1
 VAL_SPLIT_SEED = 12345  # one fixed split for every system and seed
 
@@ -107,18 +114,37 @@ def recipe_name(recipe: dict[str, Any], head: str | None = None) -> str:
 
 
 # ------------------------------------------------------------------------------------------ one run
-def _build(
-    system: str, recipe: dict[str, Any], widths: Sequence[int], num_classes: int, seed: int, device: torch.device
-) -> tuple[torch.nn.Module, Callable[[torch.Tensor], torch.Tensor], Callable[..., None]]:
-    """``(model, features, step(x, y, lr))`` for one system and recipe; ``features`` feeds the ridge head."""
-    import torch_dad as td
+def _models(
+    topology: str, recipe: dict[str, Any], widths: Sequence[int], num_classes: int, dad: bool
+) -> torch.nn.Module:
+    """The DAD model or its backprop twin for ``topology``: an MLP of ``widths``, or ``"vgg8b/<k>"``,
+    conv.py's VGG-style net with every width divided by ``k``."""
     from _common import DADMLP, backprop_mlp
 
     normalize = None if recipe["norm"] == "none" else recipe["norm"]
+    if topology.startswith("vgg8b/"):
+        from conv import DADVGG, backprop_vgg
+
+        scale = int(topology.split("/")[1])
+        if dad:
+            return DADVGG(1, 28, scale, num_classes, 4, recipe["ls"], recipe["act"], normalize)
+        return backprop_vgg(1, 28, scale, num_classes, recipe["act"], normalize, recipe["dropout"])
+    if dad:
+        return DADMLP(widths, num_classes, recipe["act"], normalize=normalize, label_smoothing=recipe["ls"])
+    return backprop_mlp(widths, num_classes, activation=recipe["act"], normalize=normalize, dropout=recipe["dropout"])
+
+
+def _build(
+    system: str, recipe: dict[str, Any], job: dict[str, Any], device: torch.device
+) -> tuple[torch.nn.Module, Callable[[torch.Tensor], torch.Tensor], Callable[..., None]]:
+    """``(model, features, step(x, y, lr))`` for one system and recipe; ``features`` feeds the ridge head."""
+    import torch_dad as td
+
+    seed, num_classes = job["seed"], job["num_classes"]
     torch.manual_seed(seed)
     rule = SYSTEMS[system]
     if rule is not None:
-        dad = DADMLP(widths, num_classes, recipe["act"], normalize=normalize, label_smoothing=recipe["ls"])
+        dad = _models(job["topology"], recipe, job["widths"], num_classes, dad=True)
         trainer = td.DADTrainer(
             dad,
             device=device,
@@ -134,9 +160,7 @@ def _build(
             trainer.step(x, y, lr=lr)
 
         return dad, dad.features, dad_step
-    model = backprop_mlp(
-        widths, num_classes, activation=recipe["act"], normalize=normalize, dropout=recipe["dropout"]
-    ).to(device)
+    model = _models(job["topology"], recipe, job["widths"], num_classes, dad=False).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=recipe["lr"], weight_decay=WEIGHT_DECAY, fused=device.type == "cuda")
 
     def step(x: torch.Tensor, y: torch.Tensor, lr: float) -> None:
@@ -158,7 +182,7 @@ def train_recipe(job: dict[str, Any], data: dict[str, torch.Tensor], device: tor
     """
     recipe, widths, num_classes = job["recipe"], job["widths"], job["num_classes"]
     xtr, ytr = data["xtr"], data["ytr"]
-    model, features, step = _build(job["system"], recipe, widths, num_classes, job["seed"], device)
+    model, features, step = _build(job["system"], recipe, job, device)
     steps_per_epoch = math.ceil(xtr.shape[0] / BATCH)
     schedule = _schedule({"cosine": recipe["schedule"] == "cosine"}, recipe["lr"], steps_per_epoch * job["epochs"])
     count = itertools.count()
@@ -367,31 +391,56 @@ def study_one(
 
 
 # ------------------------------------------------------------------------------------------ data
+def _cache_split(dataset: str, images: bool, args: Any, folder: Path) -> tuple[Path, int, int, int, int] | None:
+    """Split ``dataset`` into train / val / test (rows (N, 1, 28, 28) if ``images``), save it in ``folder``;
+    ``(file, classes, n_train, n_val, n_test)``, or ``None`` if the dataset is not installed."""
+    from accuracy import load_dataset
+
+    try:
+        xtr, ytr, xte, yte = load_dataset(dataset, args)
+    except (FileNotFoundError, ModuleNotFoundError):
+        return None
+    if images:
+        xtr, xte = xtr.reshape(-1, 1, 28, 28), xte.reshape(-1, 1, 28, 28)
+    order = torch.randperm(xtr.shape[0], generator=torch.Generator().manual_seed(VAL_SPLIT_SEED))
+    n_val = round(VAL_FRACTION * xtr.shape[0])
+    val, train = order[:n_val], order[n_val:]
+    tensors = {"xtr": xtr[train], "ytr": ytr[train], "xval": xtr[val], "yval": ytr[val], "xte": xte, "yte": yte}
+    path = folder / f"{dataset}{'_images' if images else ''}.pt"
+    torch.save(tensors, path)
+    return path, int(ytr.max()) + 1, len(train), n_val, xte.shape[0]
+
+
+def cell_menu(menu: dict[str, list[Any]], cell: str) -> dict[str, list[Any]]:
+    """``menu`` as a cell searches it: a conv cell leaves out what its layers lack (:data:`VGG_EXCLUDED`),
+    for every system alike."""
+    if cell not in VGG_CELLS:
+        return menu
+    return {axis: [v for v in values if v not in VGG_EXCLUDED.get(axis, ())] for axis, values in menu.items()}
+
+
 def prepare_cells(names: list[str], args: Any, folder: Path) -> list[dict[str, Any]]:
     """Each cell's dataset split into train / val (a fixed 10% of the training set) / test, cached in
     ``folder`` for the workers. A dataset that is not installed is skipped with a message."""
-    from accuracy import TOPOLOGIES, load_dataset
+    import conv
+    from accuracy import TOPOLOGIES
 
-    cells, caches = [], {}
+    cells: list[dict[str, Any]] = []
+    caches: dict[tuple[str, bool], tuple[Path, int, int, int, int] | None] = {}
     for name in names:
         dataset, epochs = CELLS[name]
         topology, widths = TOPOLOGIES.get(dataset, ("smoke", [24, 32, 16]))
-        if dataset not in caches:
-            try:
-                xtr, ytr, xte, yte = load_dataset(dataset, args)
-            except (FileNotFoundError, ModuleNotFoundError) as err:
-                print(f"{name}: skipped ({err})", flush=True)
-                caches[dataset] = None
-                continue
-            order = torch.randperm(xtr.shape[0], generator=torch.Generator().manual_seed(VAL_SPLIT_SEED))
-            n_val = round(VAL_FRACTION * xtr.shape[0])
-            val, train = order[:n_val], order[n_val:]
-            tensors = {"xtr": xtr[train], "ytr": ytr[train], "xval": xtr[val], "yval": ytr[val], "xte": xte, "yte": yte}
-            caches[dataset] = (folder / f"{dataset}.pt", int(ytr.max()) + 1, len(train), n_val, xte.shape[0])
-            torch.save(tensors, caches[dataset][0])
-        if caches[dataset] is None:
+        images = name in VGG_CELLS
+        if images:
+            topology, widths = f"vgg8b/{VGG_CELLS[name]}", [784, conv.DENSE // VGG_CELLS[name]]
+        key = (dataset, images)
+        if key not in caches:
+            caches[key] = _cache_split(dataset, images, args, folder)
+            if caches[key] is None:
+                print(f"{name}: skipped ({dataset} is not installed)", flush=True)
+        if caches[key] is None:
             continue
-        cache, num_classes, n_train, n_val, n_test = caches[dataset]
+        cache, num_classes, n_train, n_val, n_test = caches[key]
         cells.append(
             {
                 "name": name,
@@ -513,11 +562,12 @@ def _study(
     def one(pair: tuple[dict[str, Any], str]) -> dict[str, Any]:
         cell, system = pair
         try:
-            return study_one(cell, system, menu, args, runner)
+            return study_one(cell, system, cell_menu(menu, cell["name"]), args, runner)
         except RuntimeError as err:
             return {"kind": "menu_summary_failed", "cell": cell["name"], "system": system, "error": str(err)}
 
-    pairs = [(cell, system) for cell in cells for system in systems]
+    # DADConv2d trains by the local cross-entropy only: a conv cell has no predsim / drtp system
+    pairs = [(c, s) for c in cells for s in systems if c["name"] not in VGG_CELLS or SYSTEMS[s] in (None, "ce")]
     try:
         if args.workers > 1:
             with ThreadPoolExecutor(len(pairs)) as threads:
@@ -547,7 +597,7 @@ def menu_main(args: Any) -> Path:
         print("\n".join(str(p) for p in plot(records, out)))
         return out
     systems = args.systems or (["dad", "backprop"] if smoke else list(SYSTEMS))
-    names = args.cells or (["synthetic-3"] if smoke else [c for c in CELLS if not c.startswith("synthetic")])
+    names = args.cells or (["synthetic-3", "synthetic-vgg-1"] if smoke else [c for c in CELLS if not c.startswith("synthetic")])
     started = time.perf_counter()
     if args.workers == 1:  # runs in this process: the environment record names their thread count
         torch.set_num_threads(max(1, args.threads))

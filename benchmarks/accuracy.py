@@ -85,6 +85,8 @@ def load_dataset(name: str, args: argparse.Namespace) -> tuple[torch.Tensor, ...
         (xtr, ytr), (xte, yte) = data.twenty_newsgroups(args.ng_root, features=TOPOLOGIES["20ng"][1][0])
     elif name == "synthetic":
         (xtr, ytr), (xte, yte) = data.synthetic(num_train=4096, num_test=1024, num_features=24, num_classes=10)
+    elif name == "synthetic28":  # 28 x 28 "images" for the conv cells' smoke run
+        (xtr, ytr), (xte, yte) = data.synthetic(num_train=512, num_test=256, num_features=784, num_classes=10)
     else:
         raise ValueError(f"unknown dataset {name!r}")
     return xtr, ytr, xte, yte
@@ -468,7 +470,8 @@ def main() -> None:
                         "'lr=1e-3,3e-3;norm=none,layernorm;ls=0,0.1;dropout=0,0.1;schedule=constant,cosine;"
                         "act=relu,leaky_relu;head=trained,ridge' (first value of each axis = search start)")
     parser.add_argument("--cells", nargs="+", default=None,
-                        help="--menu cells: mnist-3 mnist-20 fmnist-3 fmnist-20 20ng-10 (default: all of them; "
+                        help="--menu cells: mnist-3 mnist-20 fmnist-3 fmnist-20 20ng-10 mnist-vgg-3 fmnist-vgg-10 "
+                        "(default: all of them; "
                         "those whose dataset is not installed are skipped)")
     parser.add_argument("--merge", nargs="+", default=None,
                         help="--menu: combine these results JSONs into --out, then print the tables and plot")

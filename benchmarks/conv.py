@@ -65,39 +65,56 @@ def _spatial(size: int, convs: list[tuple[int, bool]]) -> int:
 
 
 class DADVGG(td.DADModel):
-    def __init__(self, channels: int, size: int, scale: int, classes: int, grid: int, smoothing: float) -> None:
+    """The VGG-style net of DAD layers: each convolution and the dense layer trained by its own local head
+    (``activation`` and ``normalize`` in every layer, label smoothing ``smoothing`` in every local loss)."""
+
+    def __init__(
+        self, channels: int, size: int, scale: int, classes: int, grid: int, smoothing: float,
+        activation: str = "relu", normalize: str | None = None,
+    ) -> None:
         super().__init__()
         convs, c_in = layout(scale), channels
         self.convs = torch.nn.ModuleList()
         for c_out, pooled in convs:
             self.convs.append(
                 td.DADConv2d(
-                    c_in,
-                    c_out,
-                    3,
-                    padding=1,
-                    num_classes=classes,
-                    pool="max" if pooled else None,
-                    local_head_grid=grid,
-                    label_smoothing=smoothing,
+                    c_in, c_out, 3, padding=1, num_classes=classes, activation=activation,
+                    pool="max" if pooled else None, local_head_grid=grid, label_smoothing=smoothing,
+                    normalize=normalize,
                 )
             )
             c_in = c_out
         flat = c_in * _spatial(size, convs) ** 2
-        self.dense = td.DADLinear(flat, DENSE // scale, num_classes=classes, label_smoothing=smoothing)
+        self.dense = td.DADLinear(
+            flat, DENSE // scale, num_classes=classes, activation=activation, label_smoothing=smoothing,
+            normalize=normalize,
+        )
         self.classifier = torch.nn.Linear(DENSE // scale, classes)
 
 
-def backprop_vgg(channels: int, size: int, scale: int, classes: int) -> torch.nn.Sequential:
-    """The same net as :class:`DADVGG` for end-to-end backprop."""
+_ACTIVATIONS = {"relu": torch.nn.ReLU, "leaky_relu": torch.nn.LeakyReLU}  # LeakyReLU: slope 0.01, as DAD's
+
+
+def backprop_vgg(
+    channels: int, size: int, scale: int, classes: int, activation: str = "relu", normalize: str | None = None,
+    dropout: float = 0.0,
+) -> torch.nn.Sequential:
+    """The same net as :class:`DADVGG` for end-to-end backprop: ``conv -> [BatchNorm2d] -> act -> [max pool]``
+    blocks, then ``Linear -> [BatchNorm1d] -> act``, each followed by ``Dropout(dropout)`` if ``dropout`` (where
+    ``DADTrainer(dropout=)`` drops each layer's output), then the classifier."""
+    if normalize not in (None, "batchnorm"):
+        raise ValueError(f"normalize={normalize!r}: the conv net takes None or 'batchnorm'")
     convs, c_in, mods = layout(scale), channels, []
+    drop = [torch.nn.Dropout(dropout)] if dropout else []
     for c_out, pooled in convs:
-        mods += [torch.nn.Conv2d(c_in, c_out, 3, padding=1), torch.nn.ReLU()]
-        if pooled:
-            mods.append(torch.nn.MaxPool2d(2))
+        mods += [torch.nn.Conv2d(c_in, c_out, 3, padding=1)]
+        mods += [torch.nn.BatchNorm2d(c_out)] if normalize else []
+        mods += [_ACTIVATIONS[activation]()] + ([torch.nn.MaxPool2d(2)] if pooled else []) + drop
         c_in = c_out
     flat = c_in * _spatial(size, convs) ** 2
-    mods += [torch.nn.Flatten(), torch.nn.Linear(flat, DENSE // scale), torch.nn.ReLU()]
+    mods += [torch.nn.Flatten(), torch.nn.Linear(flat, DENSE // scale)]
+    mods += [torch.nn.BatchNorm1d(DENSE // scale)] if normalize else []
+    mods += [_ACTIVATIONS[activation]()] + drop
     return torch.nn.Sequential(*mods, torch.nn.Linear(DENSE // scale, classes))
 
 

@@ -22,6 +22,7 @@ from _accuracy_menu import (  # noqa: E402
     DEFAULTS,
     MENU_PRESETS,
     best_of_studies,
+    cell_menu,
     menu_main,
     parse_menu,
     recipe_name,
@@ -236,3 +237,24 @@ def test_best_of_studies_keeps_each_run_once_and_the_better_selection() -> None:
     ]
     assert [r["recipe"]["lr"] for r in merged if r["kind"] == "menu_summary"] == [1e-3]
     assert [r["recipe"]["lr"] for r in best_of_studies(first + [summary(1e-4, 0.92)]) if r["kind"] == "menu_summary"] == [1e-4]
+
+
+@pytest.mark.parametrize("normalize", [None, "batchnorm"])
+def test_conv_cells_train_the_same_net_and_search_what_its_layers_have(normalize: str | None) -> None:
+    from conv import DADVGG, backprop_vgg
+
+    # the DAD net and its backprop twin have the same trained tensors outside the local heads (buffers)
+    dad, backprop = DADVGG(1, 28, 32, 10, 4, 0.1, "leaky_relu", normalize), backprop_vgg(1, 28, 32, 10, "leaky_relu", normalize, 0.1)
+    assert sorted(p.shape for p in dad.parameters()) == sorted(p.shape for p in backprop.parameters())
+    assert dad(torch.randn(3, 1, 28, 28)).shape == backprop(torch.randn(3, 1, 28, 28)).shape == (3, 10)
+    full = parse_menu("full")
+    assert cell_menu(full, "fmnist-vgg-10")["norm"] == ["none", "batchnorm"]
+    assert cell_menu(full, "fmnist-vgg-10")["lr"] == full["lr"] and cell_menu(full, "fmnist-3") == full
+
+
+@pytest.mark.usefixtures("keep_threads")
+def test_conv_cell_study_runs_both_systems(tmp_path: Path) -> None:
+    records = json.loads(menu_main(_study_args(tmp_path, cells=["synthetic-vgg-1"])).read_text())
+    summaries = [r for r in records if r["kind"] == "menu_summary"]
+    assert [(s["system"], s["topology"]) for s in summaries] == [("dad", "vgg8b/32"), ("backprop", "vgg8b/32")]
+    assert all("error" not in r for r in records if r["kind"] == "menu_run")
