@@ -18,7 +18,9 @@ bf16 compute. Systems per shape, each without and with ``dL/dhidden`` (``+dh``, 
 ``peak_mib`` = ``torch.cuda.max_memory_allocated`` during one step after warm-up (static weights, moments and data
 included); ``step_ms`` = median of CUDA-event timed steps after warm-up (p20/p80 too). ``loss_30``: every system
 starts from the same weights and trains ``--loss-steps`` steps over the same 4 cycled batches; the loss of the last
-step. Writes ``results/lm_head.json`` (or ``--out``).
+step. ``--profile`` adds ``kernels_ms``: each system's CUDA kernel time per step by category (GEMMs, cross-entropy,
+AdamW, casts and copies, reductions and fills, other; ``torch.profiler``). Writes ``results/lm_head.json`` (or
+``--out``).
 
     python benchmarks/lm_head.py                 # H200, both shapes
     python benchmarks/lm_head.py --smoke         # CPU, seconds, tiny shapes (CI): the CUDA-only peers are skipped
@@ -229,14 +231,48 @@ def systems_for(data: Data, dtype: torch.dtype, device: torch.device, sweep: dic
     return systems
 
 
+# kernel-name fragments -> category of --profile (first match wins; the rest is "other")
+KERNEL_CATEGORIES = (
+    ("gemm", ("gemm", "cutlass", "xmma", "nvjet", "sm90_", "sm80_")),
+    ("cross_entropy", ("ce_rows", "cross_entropy", "log_softmax", "softmax", "nll_loss")),
+    ("adamw", ("adamw", "adam")),
+    ("cast_copy", ("copy", "convert", "to_copy", "cast")),
+    ("reduce_fill", ("reduce", "fill", "zero")),
+)
+
+
+def kernel_profile(step: Step, steps: int = 3) -> dict[str, float]:
+    """CUDA kernel time per step by category (``KERNEL_CATEGORIES``), in ms, over ``steps`` steps
+    under ``torch.profiler``; ``kernels_total`` is their sum (the step's busy time, launch gaps excluded)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    totals: dict[str, float] = {}
+    for event in prof.key_averages():
+        us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
+        if us <= 0:
+            continue
+        name = event.key.lower()
+        category = next((c for c, parts in KERNEL_CATEGORIES if any(p in name for p in parts)), "other")
+        totals[category] = totals.get(category, 0.0) + us / 1e3 / steps
+    totals["kernels_total"] = sum(totals.values())
+    return {k: round(v, 3) for k, v in totals.items()}
+
+
 def run_system(name: str, build: Callable[[], Any], data: Data, device: torch.device, warmup: int, repeats: int,
-               loss_steps: int) -> dict[str, Any]:
-    """Time one system, then retrain a fresh copy from the shared weights for the loss-agreement column."""
+               loss_steps: int, profile: bool = False) -> dict[str, Any]:
+    """Time one system, then retrain a fresh copy from the shared weights for the loss-agreement column
+    (with ``profile``, also its kernel time by category on CUDA)."""
     if device.type == "cuda":
         torch.cuda.empty_cache()
     try:
         step, head = build()
         stats = measure(step, device, warmup, repeats)
+        if profile and device.type == "cuda":
+            stats["kernels_ms"] = kernel_profile(step)
         backend = None if head is None else head.last_backend
         del step, head
         fresh, _ = build()
@@ -255,6 +291,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--loss-steps", type=int, default=30)
     parser.add_argument("--sweep", action="store_true", help="also every backend and chunk size (first shape)")
+    parser.add_argument("--profile", action="store_true", help="CUDA kernel time per step by category, per system")
     parser.add_argument("--chunks", type=int, nargs="*", default=[128, 256, 512, 1024])
     parser.add_argument("--triton-chunks", type=int, nargs="*", default=[512, 1024, 2048])
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default results/lm_head.json)")
@@ -273,7 +310,8 @@ def main() -> None:
     for index, (shape, (vocab, hidden, tokens)) in enumerate(shapes.items()):
         data = Data(vocab, hidden, tokens, dtype, device)
         systems = systems_for(data, dtype, device, sweep if index == 0 else {})
-        rows = [run_system(name, build, data, device, warmup, repeats, args.loss_steps) for name, build in systems]
+        rows = [run_system(name, build, data, device, warmup, repeats, args.loss_steps, args.profile)
+                for name, build in systems]
         rows += [{"system": f"floor{tag}", **floor(data, dtype, dh, warmup, repeats)} for dh, tag in ((False, ""), (True, "+dh"))]
         for row in rows:
             row.update(shape=shape, tokens=tokens, vocab=vocab, hidden=hidden, dtype=str(dtype).removeprefix("torch."), **env)
