@@ -152,7 +152,9 @@ def test_sft_trainer_trains_dad_head_and_evaluates_with_logits(tmp_path):
         seen["logits"] = pred.predictions.shape
         return {"seen": 1.0}
 
-    trainer = _sft(model, tmp_path, dad_head={"lr": 2e-2, "untie_embeddings": True}, compute_metrics=compute_metrics)
+    # backprop_gradients=False: the head alone trains, so the untied embeddings must stay as they were
+    dad_head = {"lr": 2e-2, "untie_embeddings": True, "backprop_gradients": False}
+    trainer = _sft(model, tmp_path, dad_head=dad_head, compute_metrics=compute_metrics)
     head = trainer.dad_head
     w0 = head.weight.detach().clone()
     trainer.train()
@@ -180,6 +182,21 @@ def test_sft_trainer_lora_adapters_learn_through_backprop_gradients(tmp_path):
     assert lora and all(not torch.equal(params[n], v) for n, v in lora.items())
     assert all(torch.equal(params[n], v) for n, v in base.items())
     assert not torch.equal(head.weight, w0)
+
+
+@pytest.mark.parametrize("frozen", [False, True])
+def test_sft_trainer_full_fine_tune_trains_the_trunk_by_default(tmp_path, frozen):
+    model = tiny_llama(tied=False)
+    if frozen:  # a frozen backbone: only the head trains, and no dL/dhidden is computed
+        for name, p in model.named_parameters():
+            p.requires_grad_(name.startswith("lm_head"))
+    trunk = {n: p.detach().clone() for n, p in model.named_parameters() if not n.startswith("lm_head")}
+    trainer = _sft(model, tmp_path, steps=2, dad_head={"lr": 1e-2})
+    assert trainer.dad_head.backprop_gradients is not frozen
+    trainer.train()
+    params = dict(trainer.model.named_parameters())
+    changed = [n for n, v in trunk.items() if not torch.equal(params[n], v)]
+    assert (changed == []) if frozen else len(changed) == len(trunk)
 
 
 def test_unsloth_patch_refuses_plain_model_and_works_on_the_generic_path():

@@ -23,7 +23,7 @@ from torch import Tensor, nn
 
 from ..nn.lm_head import DADLMHead
 
-__all__ = ["replace_lm_head", "patch_forward", "unwrap_model"]  # + DADCausalLMOutput (lazy)
+__all__ = ["replace_lm_head", "patch_forward", "trunk_trains", "unwrap_model"]  # + DADCausalLMOutput (lazy)
 
 _PATCH_FLAG = "_torch_dad_lm_head_forward"
 # logit transforms the fused step does not apply; a model using one would train a different loss
@@ -87,6 +87,16 @@ def _untie_config(model: Any) -> None:
         model.all_tied_weights_keys = {
             k: v for k, v in model.all_tied_weights_keys.items() if not k.endswith("lm_head.weight")
         }
+
+
+def trunk_trains(model: nn.Module) -> bool:
+    """Whether a parameter of ``model`` outside its output embedding (``lm_head``, tied weights included)
+    requires grad: a full fine-tune or PEFT adapters, which need ``dL/dhidden`` from a DAD head."""
+    base: Any = unwrap_model(model)
+    get_out = getattr(base, "get_output_embeddings", None)
+    head = get_out() if callable(get_out) else None
+    head_ids = {id(p) for p in head.parameters()} if isinstance(head, nn.Module) else set()
+    return any(p.requires_grad for p in model.parameters() if id(p) not in head_ids)
 
 
 def replace_lm_head(model: nn.Module, *, untie_embeddings: bool = False, **head_kwargs: Any) -> DADLMHead:

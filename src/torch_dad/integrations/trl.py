@@ -19,7 +19,7 @@ from typing import Any
 from torch import nn
 
 from ..nn.lm_head import DADLMHead
-from .causal_lm import replace_lm_head, unwrap_model
+from .causal_lm import replace_lm_head, trunk_trains, unwrap_model
 
 __all__ = ["patch_trainer"]  # + DADSFTTrainer (lazy: it subclasses trl.SFTTrainer)
 
@@ -28,15 +28,18 @@ def patch_trainer(trainer: Any, **head_kwargs: Any) -> DADLMHead:
     """Give ``trainer.model`` (an ``SFTTrainer``'s, PEFT or not) a DAD LM head; returns the head.
 
     ``head_kwargs`` go to :func:`~torch_dad.integrations.causal_lm.replace_lm_head` (``untie_embeddings``,
-    ``lr``, ``update``, ``backprop_gradients`` ...). With a PEFT model ``backprop_gradients`` defaults
-    to ``True`` so the adapters keep learning from the true ``dL/dhidden``.
+    ``lr``, ``update``, ``backprop_gradients`` ...). ``backprop_gradients`` defaults to whether anything
+    below the head trains (a parameter outside ``lm_head`` requires grad: a full fine-tune, or PEFT
+    adapters), so those parameters keep learning from the true ``dL/dhidden``; with a frozen backbone
+    only the head trains.
     """
     model = getattr(trainer, "model", None)
     if not isinstance(model, nn.Module):
         raise TypeError(f"trainer must have a .model (an SFTTrainer), got {type(trainer).__name__}")
     base = unwrap_model(model)
-    if base is not model:
-        head_kwargs.setdefault("backprop_gradients", True)
+    if "backprop_gradients" not in head_kwargs:
+        # without dL/dhidden a trainable trunk would get no gradient at all, silently
+        head_kwargs["backprop_gradients"] = trunk_trains(model)
     head = replace_lm_head(base, **head_kwargs)
     if head.update == "inplace":
         # the head updates itself in backward; it must require grad to get a backward at all,

