@@ -47,6 +47,7 @@ def _oracle(layer, x, y):
         y,
         stride=layer.stride,
         padding=layer.padding,
+        groups=layer.groups,
         activation=layer.activation,
         grid=layer.local_head_grid,
         pool=layer.pool,
@@ -69,7 +70,7 @@ def _autograd(layer, x, y):
     weight, *rest = params
     bias = rest.pop(0) if layer.bias is not None else None
     head_weight, head_bias, *norm = rest
-    z = torch.nn.functional.conv2d(x, weight, bias, layer.stride, layer.padding)
+    z = torch.nn.functional.conv2d(x, weight, bias, layer.stride, layer.padding, 1, layer.groups)
     if norm:
         z = torch.nn.functional.batch_norm(z, None, None, *norm, training=True, eps=1e-5)
     h = functional.activation_forward(z, layer.activation)
@@ -135,6 +136,10 @@ def test_conv_bad_arguments_and_inputs():
         td.DADConv2d(3, 4, 0)
     with pytest.raises(ValueError, match="activation='swish'"):
         td.DADConv2d(3, 4, 3, activation="swish")
+    with pytest.raises(ValueError, match="groups=2 must divide in_channels=3"):
+        td.DADConv2d(3, 4, 3, groups=2)
+    with pytest.raises(ValueError, match="groups=0"):
+        td.DADConv2d(3, 4, 3, groups=0)
     layer = td.DADConv2d(3, 4, 3)
     with pytest.raises(ValueError, match=r"expected \(batch, 3, height, width\)"):
         layer.check_input(torch.randn(2, 1, 9, 9))
@@ -142,6 +147,29 @@ def test_conv_bad_arguments_and_inputs():
         layer.check_input(torch.zeros(2, 3, 9, 9, dtype=torch.long))
     with pytest.raises(ValueError, match="'ce' local rule only"):
         layer.set_local_loss("predsim")
+
+
+@pytest.mark.parametrize("in_channels, out_channels, groups", [(6, 9, 3), (4, 4, 4), (4, 8, 2)])
+@pytest.mark.parametrize("normalize", [None, "batchnorm"])
+def test_grouped_conv_gradients_match_oracle_and_autograd(in_channels, out_channels, groups, normalize):
+    # grouped and depthwise convolutions, stride 2, padding 1, on odd 9 x 9 inputs
+    torch.manual_seed(2)
+    layer = td.DADConv2d(
+        in_channels, out_channels, 3, stride=2, padding=1, num_classes=CLASSES, groups=groups, pool="max",
+        normalize=normalize, dtype=torch.float64,
+    )
+    assert layer.weight.shape == (out_channels, in_channels // groups, 3, 3)
+    x, y = torch.randn(5, in_channels, 9, 9, dtype=torch.float64), torch.randint(0, CLASSES, (5,))
+    result, grads = layer.local_gradients(x, y)
+    ref, want = _oracle(layer, x, y)
+    for i, (got, expected, auto) in enumerate(zip(grads, want, _autograd(layer, x, y))):
+        if normalize and i == 1:  # the bias cancels under batch norm (see above)
+            assert not bool(got.any())
+            continue
+        assert relative_error(expected, auto) <= 1e-12
+        assert relative_error(got, expected) <= TOLERANCE[torch.float64]
+    assert relative_error(result.output, ref.output) <= 1e-12
+    assert torch.allclose(layer(x), ref.output)
 
 
 # -------------------------------------------------------------------------------- batch norm

@@ -496,15 +496,18 @@ POOLS: tuple[str, ...] = ("max", "avg")
 
 
 def conv2d_reference(
-    inputs: Tensor, weight: Tensor, bias: Tensor | None, stride: int, padding: int
+    inputs: Tensor, weight: Tensor, bias: Tensor | None, stride: int, padding: int, groups: int = 1
 ) -> tuple[Tensor, Tensor]:
-    """``(z, patches)``: ``z = conv2d(inputs, weight, bias)`` as one matrix product over the unfolded
-    input, ``z[n, o, p] = sum_k weight[o, k] patches[n, k, p] + bias[o]`` (``patches`` (N, C_in*k*k, P))."""
+    """``(z, patches)``: ``z = conv2d(inputs, weight, bias, groups=groups)`` as matrix products over the
+    unfolded input, one per group ``g`` of channels: ``z[n, g, o, p] = sum_k weight[g, o, k] patches[n, g, k, p]
+    + bias[g, o]`` (``patches`` (N, groups, C_in/groups * k*k, P): unfold's channel-major rows, by group)."""
     out_channels, _, kh, kw = weight.shape
     patches = torch.nn.functional.unfold(inputs, (kh, kw), padding=padding, stride=stride)
+    patches = patches.reshape(inputs.shape[0], groups, -1, patches.shape[-1])
     height = (inputs.shape[2] + 2 * padding - kh) // stride + 1
     width = (inputs.shape[3] + 2 * padding - kw) // stride + 1
-    z = weight.reshape(out_channels, -1) @ patches
+    z = torch.einsum("gok,ngkp->ngop", weight.reshape(groups, out_channels // groups, -1), patches)
+    z = z.reshape(inputs.shape[0], out_channels, -1)
     if bias is not None:
         z = z + bias[:, None]
     return z.reshape(inputs.shape[0], out_channels, height, width), patches
@@ -575,6 +578,7 @@ def conv_local_loss_and_gradients(
     *,
     stride: int = 1,
     padding: int = 0,
+    groups: int = 1,
     activation: str = "relu",
     grid: int = 4,
     pool: str | None = None,
@@ -584,11 +588,11 @@ def conv_local_loss_and_gradients(
     norm_bias: Tensor | None = None,
 ) -> ConvLocalGradients:
     """Local loss of a DAD convolution and its closed-form gradients (see the table above), written
-    with unfold and matrix products only. ``inputs`` (N, C_in, H, W), ``weight`` (C_out, C_in, k, k),
+    with unfold and matrix products only. ``inputs`` (N, C_in, H, W), ``weight`` (C_out, C_in / groups, k, k),
     ``head_weight`` (C, C_out * grid * grid). ``normalize="batchnorm"`` computes ``h = act(BN(z))``
     with the batch's per-channel statistics and the affine ``norm_weight``, ``norm_bias`` (``None``: 1
     and 0), whose gradients come back as ``grad_norm_weight``, ``grad_norm_bias``."""
-    z, patches = conv2d_reference(inputs, weight, bias, stride, padding)
+    z, patches = conv2d_reference(inputs, weight, bias, stride, padding, groups)
     z_act, norm = z, None
     if normalize == "batchnorm":
         z_act, normed, inv_std = batch_norm_forward(z, norm_weight, norm_bias, *batch_norm_statistics(z))
@@ -608,7 +612,8 @@ def conv_local_loss_and_gradients(
     if norm is not None:
         d_z, grad_norm_weight, grad_norm_bias = batch_norm_backward(d_z, *norm, norm_weight)
     d_z = d_z.flatten(2)  # (N, C_out, positions)
-    grad_weight = torch.einsum("nop,nkp->ok", d_z, patches).reshape(weight.shape)
+    d_z_groups = d_z.reshape(d_z.shape[0], groups, -1, d_z.shape[-1])
+    grad_weight = torch.einsum("ngop,ngkp->gok", d_z_groups, patches).reshape(weight.shape)
     return ConvLocalGradients(
         loss=loss,
         pre_activation=z,

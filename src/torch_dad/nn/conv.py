@@ -19,7 +19,7 @@ __all__ = ["DADConv2d"]
 
 
 class DADConv2d(BatchNormLayer):
-    """A convolution ``o = pool(act(conv2d(x, weight, bias, stride, padding)))`` trained by a local head.
+    """A convolution ``o = pool(act(conv2d(x, weight, bias, stride, padding, groups=groups)))`` trained by a local head.
 
     The local head reads the output ``o`` (what the next layer reads) through an adaptive
     average pool to ``local_head_grid x local_head_grid``, flattened:
@@ -65,10 +65,16 @@ class DADConv2d(BatchNormLayer):
         local_head_grid: int = 4,
         label_smoothing: float = 0.0,
         normalize: str | None = None,
+        groups: int = 1,
     ) -> None:
         super().__init__()
         self.in_channels = check_positive_int("in_channels", in_channels)
         self.out_channels = check_positive_int("out_channels", out_channels)
+        self.groups = check_positive_int("groups", groups)
+        if in_channels % groups or out_channels % groups:
+            raise ValueError(
+                f"groups={groups} must divide in_channels={in_channels} and out_channels={out_channels}, as in nn.Conv2d"
+            )
         self.kernel_size = check_positive_int("kernel_size", kernel_size)
         self.stride = check_positive_int("stride", stride)
         if isinstance(padding, bool) or not isinstance(padding, int) or padding < 0:
@@ -85,7 +91,7 @@ class DADConv2d(BatchNormLayer):
             check_choice("normalize", normalize, ("batchnorm",), " (or None for no normalisation)")
         self.normalize = normalize
         kw: dict[str, Any] = {"device": device, "dtype": dtype}
-        self.weight = nn.Parameter(torch.empty(out_channels, in_channels, kernel_size, kernel_size, **kw))
+        self.weight = nn.Parameter(torch.empty(out_channels, in_channels // groups, kernel_size, kernel_size, **kw))
         self.bias = nn.Parameter(torch.empty(out_channels, **kw)) if bias else None
         head_features = out_channels * self.local_head_grid**2
         self.register_buffer("head_weight", torch.empty(num_classes, head_features, **kw))
@@ -110,6 +116,7 @@ class DADConv2d(BatchNormLayer):
             f"padding={self.padding}, num_classes={self.num_classes}, bias={self.bias is not None}, "
             f"activation={self.activation!r}, pool={self.pool!r}, local_head_grid={self.local_head_grid}"
             + (f", normalize={self.normalize!r}" if self.normalize else "")
+            + (f", groups={self.groups}" if self.groups != 1 else "")
         )
 
     def set_local_loss(self, local_loss: str) -> None:
@@ -128,7 +135,7 @@ class DADConv2d(BatchNormLayer):
             )
 
     def _conv(self, a: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        return nn.functional.conv2d(a, weight, bias, self.stride, self.padding)
+        return nn.functional.conv2d(a, weight, bias, self.stride, self.padding, 1, self.groups)
 
     def _pool(self, h: Tensor) -> tuple[Tensor, Tensor | None]:
         """``(o, indices)``: the 2 x 2 pool of ``h`` (``h`` itself without ``pool``); ``indices``
@@ -229,7 +236,7 @@ class DADConv2d(BatchNormLayer):
             [1, 1],
             False,
             [0, 0],
-            1,
+            self.groups,
             [False, True, bias_grad],
         )
         if not has_bias:
