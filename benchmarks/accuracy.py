@@ -56,6 +56,8 @@ SEEDS = (0, 1, 2)
 WEIGHT_DECAY = 0.01  # DADTrainer's and torch.optim.AdamW's default: the shared recipe
 BATCH = 256
 WHEEL = "wheel-2026.5.24"
+# the grid's base systems, each over the whole lr grid; the others are option variants (--option-lrs)
+CORE_SYSTEMS = ("dad", "dad-predsim", "dad-drtp", "backprop", WHEEL)
 # system -> options. "dad" is the recommended default (see docs/benchmarks.md).
 DAD_SYSTEMS: dict[str, dict[str, Any]] = {
     "dad": {"local_loss": "ce"},
@@ -456,7 +458,7 @@ def plot(records: list[dict[str, Any]], out: Path) -> list[Path]:
 
 
 # ------------------------------------------------------------------------------------------ main
-def main() -> None:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="seconds on CPU: synthetic data, tiny MLP, 2 epochs")
     parser.add_argument("--datasets", nargs="+", default=["mnist", "fmnist"])
@@ -503,26 +505,17 @@ def main() -> None:
     parser.add_argument("--option-lrs", nargs="+", default=None,
                         help="lr grid for the option systems (dad+..., backprop+cosine); default --lrs; 'best' = "
                              "the best lr of their base system (dad / backprop) in the --resume records")
+    return parser
+
+
+def main() -> None:
+    parser = build_parser()
     args = parser.parse_args()
     sys.path.insert(0, str(HERE))
-    from _common import RESULTS, environment
-
-    if args.menu or args.smoke:
-        from _accuracy_menu import CELLS, SYSTEMS, menu_main, parse_menu
-
-        unknown = (set(args.systems or []) - set(SYSTEMS) if args.menu else set()) | set(args.cells or []) - set(CELLS)
-        if unknown:
-            parser.error(f"unknown {sorted(unknown)}: --menu systems are {', '.join(SYSTEMS)}, cells {', '.join(CELLS)}")
-        try:
-            parse_menu(args.menu or "smoke")
-        except ValueError as err:
-            parser.error(f"--menu: {err}")
-        if args.menu:
-            menu_main(args)
-            return
-        # --smoke covers both modes: the menu study on synthetic data (2 seeds), then the grid below
-        menu_main(argparse.Namespace(**{**vars(args), "menu": "smoke", "seeds": [0, 1], "out": None, "device": "cpu"}))
+    if (args.menu or args.smoke) and _menu_mode(args, parser):
+        return
     args.systems = args.systems or [*DAD_SYSTEMS, *BACKPROP_SYSTEMS, WHEEL]
+    from _common import RESULTS
 
     out = Path(args.out) if args.out else RESULTS / ("accuracy.smoke.json" if args.smoke else "accuracy.json")
     if args.plot_only:
@@ -531,6 +524,31 @@ def main() -> None:
         out.write_text(json.dumps(records, indent=1) + "\n")
         print("\n".join(str(p) for p in plot(records, out)))
         return
+    _grid_options(args, parser)
+    grid_main(args, parser, out)
+
+
+def _menu_mode(args: argparse.Namespace, parser: argparse.ArgumentParser) -> bool:
+    """Run ``--menu`` (True: nothing else to do) or, under ``--smoke``, the menu study's smoke run first."""
+    from _accuracy_menu import CELLS, SYSTEMS, menu_main, parse_menu
+
+    unknown = (set(args.systems or []) - set(SYSTEMS) if args.menu else set()) | set(args.cells or []) - set(CELLS)
+    if unknown:
+        parser.error(f"unknown {sorted(unknown)}: --menu systems are {', '.join(SYSTEMS)}, cells {', '.join(CELLS)}")
+    try:
+        parse_menu(args.menu or "smoke")
+    except ValueError as err:
+        parser.error(f"--menu: {err}")
+    if args.menu:
+        menu_main(args)
+        return True
+    # --smoke covers both modes: the menu study on synthetic data (2 seeds), then the grid
+    menu_main(argparse.Namespace(**{**vars(args), "menu": "smoke", "seeds": [0, 1], "out": None, "device": "cpu"}))
+    return False
+
+
+def _grid_options(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """The grid's datasets and systems after ``--smoke`` and ``--cifar``; unknown systems are an error."""
     if args.smoke:
         args.datasets, args.epochs, args.seeds, args.lrs = ["synthetic"], [3], [0], [3e-3]
         args.systems = [s for s in args.systems if s != WHEEL or args.wheel_dir]
@@ -543,18 +561,16 @@ def main() -> None:
     unknown = set(args.systems) - {*DAD_SYSTEMS, *BACKPROP_SYSTEMS, WHEEL}
     if unknown:
         parser.error(f"unknown systems {sorted(unknown)}")
-    env = environment()
-    started = time.perf_counter()
-    tmp = Path(tempfile.mkdtemp(prefix="dad_accuracy_"))
-    jobs: list[dict[str, Any]] = []
-    plain = {k: v for k, v in vars(args).items()}
-    longest = max(args.epochs)
+
+
+def _option_lrs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Callable[[str, str], list[float]]:
+    """``(dataset, system) -> lr grid`` of the option systems (``--option-lrs``, ``best`` from ``--resume``)."""
     base_best: dict[tuple[str, str], float] = {}
     if args.option_lrs == ["best"]:
         if not args.resume:
             parser.error("--option-lrs best needs --resume (the base systems' runs)")
         for entry in summarise(json.loads(Path(args.resume).read_text())):
-            if entry["epochs"] == longest:
+            if entry["epochs"] == max(args.epochs):
                 base_best[(entry["dataset"], entry["system"])] = entry["lr"]
     elif args.option_lrs:
         args.option_lrs = [float(v) for v in args.option_lrs]
@@ -565,10 +581,19 @@ def main() -> None:
         base = "backprop" if system.startswith("backprop") else "dad"
         return [base_best[(ds, base)]] if (ds, base) in base_best else list(args.lrs)
 
+    return option_lrs
+
+
+def grid_jobs(args: argparse.Namespace, parser: argparse.ArgumentParser, tmp: Path) -> list[dict[str, Any]]:
+    """Every (dataset, system, lr, seed, epochs) run of the grid, the wheel's grouped per subprocess; each
+    dataset cached in ``tmp`` for the workers."""
+    plain = dict(vars(args))
+    longest = max(args.epochs)
+    option_lrs = _option_lrs(args, parser)
+    jobs: list[dict[str, Any]] = []
     for ds in args.datasets:
-        data = load_dataset(ds, args)
         cache = tmp / f"{ds}.pt"
-        torch.save(data, cache)
+        torch.save(load_dataset(ds, args), cache)
         topology, widths = TOPOLOGIES.get(ds, ("smoke", [24, 32, 16]))
         if args.widths and not args.smoke:
             widths = [widths[0], *args.widths]
@@ -576,13 +601,12 @@ def main() -> None:
         base = {"kind": "run", "dataset": ds, "topology": topology, "widths": widths, "batch": BATCH}
         # order: the rule menu, backprop and the wheel first, then the options; seed-major within
         # each tier, so with --budget-s what is cut is the last seeds of the options
-        core = [s for s in args.systems if s in ("dad", "dad-predsim", "dad-drtp", "backprop", WHEEL)]
+        core = [s for s in args.systems if s in CORE_SYSTEMS]
         tiers = [core, [s for s in args.systems if s not in core]]
         for tier, seed in [(t, seed) for t in tiers for seed in args.seeds]:
             wheel_jobs = []
             for system in tier:
-                option = system not in ("dad", "dad-predsim", "dad-drtp", "backprop", WHEEL)
-                for lr in option_lrs(ds, system) if option else args.lrs:
+                for lr in args.lrs if system in CORE_SYSTEMS else option_lrs(ds, system):
                     scheduled = DAD_SYSTEMS.get(system, BACKPROP_SYSTEMS.get(system, {})).get("cosine")
                     for epochs in (args.epochs if scheduled else [longest]):
                         job = {**base, "system": system, "lr": lr, "seed": seed, "epochs": epochs}
@@ -595,65 +619,95 @@ def main() -> None:
             for wheel_job in wheel_jobs:
                 jobs.insert(0, {"group": [wheel_job], "cache": str(cache), "args": plain})
     jobs.sort(key=lambda j: 0 if "group" in j else 1 + (j["system"] not in ("dad", "dad-predsim", "dad-drtp", "backprop")))
-    records: list[dict[str, Any]] = []
-    if args.resume:
-        # earlier runs count as done; their epoch-3 points are derived again below
-        earlier = [r for r in json.loads(Path(args.resume).read_text())
-                   if r.get("kind") == "run" and "test_acc" in r and "from_curve_of" not in r]
-        done = {(r["dataset"], r["system"], r["lr"], r["seed"], r["epochs"]) for r in earlier}
+    return jobs
 
-        def missing(job: dict[str, Any]) -> bool:
-            return (job["dataset"], job["system"], job["lr"], job["seed"], job["epochs"]) not in done
 
-        jobs = [j for j in ({**j, "group": [g for g in j["group"] if missing(g)]} if "group" in j else j for j in jobs)
-                if (j["group"] if "group" in j else missing(j))]
-        records += earlier
-        print(f"resume: {len(earlier)} runs kept from {args.resume}, {len(jobs)} jobs to run", flush=True)
+def _resume(args: argparse.Namespace, jobs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """``(jobs still to run, earlier records)`` under ``--resume`` (earlier runs count as done; their
+    epoch-3 points are derived again)."""
+    if not args.resume:
+        return jobs, []
+    earlier = [r for r in json.loads(Path(args.resume).read_text())
+               if r.get("kind") == "run" and "test_acc" in r and "from_curve_of" not in r]
+    done = {(r["dataset"], r["system"], r["lr"], r["seed"], r["epochs"]) for r in earlier}
 
-    def collect(result: list[dict[str, Any]]) -> None:
-        for r in result:
-            r.pop("widths", None)
-            records.append({**r, **env})
-            if "test_acc" in r:
-                print(f"{r['dataset']:8} {r['system']:16} lr={r['lr']:<7g} seed={r['seed']} ep={r['epochs']:>2} "
-                      f"test_acc={100 * r['test_acc']:6.2f}% train_s={r['train_s']:7.2f}", flush=True)
-            else:
-                print(f"{r['dataset']:8} {r['system']:16} lr={r['lr']:<7g} seed={r['seed']}: "
-                      f"{r.get('error') or r.get('skipped')}", flush=True)
+    def missing(job: dict[str, Any]) -> bool:
+        return (job["dataset"], job["system"], job["lr"], job["seed"], job["epochs"]) not in done
 
-    if args.workers > 1:
-        import multiprocessing as mp
+    jobs = [j for j in ({**j, "group": [g for g in j["group"] if missing(g)]} if "group" in j else j for j in jobs)
+            if (j["group"] if "group" in j else missing(j))]
+    print(f"resume: {len(earlier)} runs kept from {args.resume}, {len(jobs)} jobs to run", flush=True)
+    return jobs, earlier
 
-        ctx = mp.get_context("spawn")
-        with ctx.Pool(args.workers) as pool:
-            pending = [pool.apply_async(run_job, (job,)) for job in jobs]
-            # collect in completion order, so a budget cut loses only the unfinished runs
-            while pending:
-                done = [item for item in pending if item.ready()]
-                for item in done:
-                    pending.remove(item)
-                    collect(item.get())
-                if args.budget_s is not None and time.perf_counter() - started > args.budget_s and pending:
-                    print(f"budget reached: {len(pending)} unfinished runs are not recorded", flush=True)
-                    pool.terminate()
-                    break
-                time.sleep(0.2)
-    else:
+
+def run_jobs(jobs: list[dict[str, Any]], args: argparse.Namespace, collect: Callable[[list[dict[str, Any]]], None],
+             started: float) -> None:
+    """Run ``jobs`` in this process or on ``--workers`` spawned processes, handing each result to
+    ``collect`` as it finishes; past ``--budget-s`` nothing more starts (unfinished runs are dropped)."""
+    if args.workers <= 1:
         for job in jobs:
             if args.budget_s is not None and time.perf_counter() - started > args.budget_s:
                 print("budget reached: the remaining runs are not started", flush=True)
                 break
             collect(run_job(job))
-    # 3-epoch records of constant-lr systems: the epoch-3 point of the longest run
-    for r in list(records):
-        if r.get("kind") == "run" and "curve" in r and r["epochs"] == longest:
-            for ep in args.epochs:
-                if ep < longest and not DAD_SYSTEMS.get(r["system"], BACKPROP_SYSTEMS.get(r["system"], {})).get("cosine"):
-                    point = r["curve"][ep - 1]
-                    records.append({k: v for k, v in r.items() if k not in ("curve", "test_acc_solve_head", "solve_head_s")}
-                                   | {"epochs": ep, "test_acc": point["test_acc"], "train_s": point["train_s"],
-                                      "from_curve_of": longest}
-                                   | ({"test_acc_solve_head": point["test_acc_ridge"]} if "test_acc_ridge" in point else {}))
+        return
+    import multiprocessing as mp
+
+    with mp.get_context("spawn").Pool(args.workers) as pool:
+        pending = [pool.apply_async(run_job, (job,)) for job in jobs]
+        # collect in completion order, so a budget cut loses only the unfinished runs
+        while pending:
+            for item in [item for item in pending if item.ready()]:
+                pending.remove(item)
+                collect(item.get())
+            if args.budget_s is not None and time.perf_counter() - started > args.budget_s and pending:
+                print(f"budget reached: {len(pending)} unfinished runs are not recorded", flush=True)
+                pool.terminate()
+                break
+            time.sleep(0.2)
+
+
+def _print_run(r: dict[str, Any]) -> None:
+    if "test_acc" in r:
+        print(f"{r['dataset']:8} {r['system']:16} lr={r['lr']:<7g} seed={r['seed']} ep={r['epochs']:>2} "
+              f"test_acc={100 * r['test_acc']:6.2f}% train_s={r['train_s']:7.2f}", flush=True)
+    else:
+        print(f"{r['dataset']:8} {r['system']:16} lr={r['lr']:<7g} seed={r['seed']}: "
+              f"{r.get('error') or r.get('skipped')}", flush=True)
+
+
+def curve_points(records: list[dict[str, Any]], epochs: list[int]) -> list[dict[str, Any]]:
+    """The shorter-epoch records of constant-lr systems: the epoch-``e`` point of each longest run."""
+    longest, points = max(epochs), []
+    for r in records:
+        if r.get("kind") != "run" or "curve" not in r or r["epochs"] != longest:
+            continue
+        for ep in epochs:
+            if ep < longest and not DAD_SYSTEMS.get(r["system"], BACKPROP_SYSTEMS.get(r["system"], {})).get("cosine"):
+                point = r["curve"][ep - 1]
+                points.append({k: v for k, v in r.items() if k not in ("curve", "test_acc_solve_head", "solve_head_s")}
+                              | {"epochs": ep, "test_acc": point["test_acc"], "train_s": point["train_s"],
+                                 "from_curve_of": longest}
+                              | ({"test_acc_solve_head": point["test_acc_ridge"]} if "test_acc_ridge" in point else {}))
+    return points
+
+
+def grid_main(args: argparse.Namespace, parser: argparse.ArgumentParser, out: Path) -> None:
+    """The grid: every system at every lr, seed and epoch count; summaries, time to target, plots."""
+    from _common import environment
+
+    env = environment()
+    started = time.perf_counter()
+    jobs, records = _resume(args, grid_jobs(args, parser, Path(tempfile.mkdtemp(prefix="dad_accuracy_"))))
+
+    def collect(result: list[dict[str, Any]]) -> None:
+        for r in result:
+            r.pop("widths", None)
+            records.append({**r, **env})
+            _print_run(r)
+
+    run_jobs(jobs, args, collect, started)
+    records += curve_points(records, args.epochs)
     if args.time_to_target and torch.device(args.device).type == "cuda":
         try:
             records += [{**r, **env} for r in time_to_target(args, load_dataset("mnist", args))]
