@@ -128,7 +128,7 @@ def layer_step_seconds(trainer: td.DADTrainer, x: torch.Tensor, y: torch.Tensor,
     return [statistics.median(r[i] for r in rows) for i in range(len(rows[0]))]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run (gloo, world size 1 unless torchrun)")
     parser.add_argument("--batch", type=int, nargs="+", default=[16384, 65536], help="rows per GPU per step")
@@ -142,148 +142,170 @@ def main() -> None:
     args = parser.parse_args()
     if args.smoke:
         args.batch, args.width, args.depth, args.steps, args.repeats = [32], 24, 3, 3, 2
-    d_in = 48 if args.smoke else 3072
-    widths = [d_in] + [args.width] * args.depth
-    topology = f"{'smoke' if args.smoke else 'cifar'}-{d_in}-{args.depth}x{args.width}"
-
     if not args.smoke and not torch.cuda.is_available():
         raise SystemExit("the full benchmark needs CUDA GPUs (one per process); on CPU use --smoke")
-    launched = "RANK" in os.environ
-    cuda = torch.cuda.is_available() and not args.smoke
-    if not launched:
+    return args
+
+
+def init_process_group(cuda: bool) -> torch.device:
+    """This process's device, after joining the process group (NCCL on CUDA, else gloo); without
+    torchrun, a group of one on a free local port."""
+    if "RANK" not in os.environ:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             port = s.getsockname()[1]
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    local_rank = int(os.environ["LOCAL_RANK"])
+    # a crashed rank must not leave the others waiting for the lead's whole time slot
+    timeout = datetime.timedelta(seconds=120)
     if cuda:
-        device = torch.device("cuda", local_rank)
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
-        # a crashed rank must not leave the others waiting for the lead's whole time slot
-        dist.init_process_group("nccl", device_id=device, timeout=datetime.timedelta(seconds=120))
-    else:
-        device = torch.device("cpu")
-        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=120))
-    rank, world = dist.get_rank(), dist.get_world_size()
-    cpu_group = dist.new_group(backend="gloo")  # barriers that never touch a GPU
-    amp = torch.bfloat16 if cuda else None
-    warmup = 3 if cuda else 1
-    out = args.out or RESULTS / ("distributed.smoke.json" if args.smoke else "distributed.json")
-    env = {**environment(), "gpu_link": gpu_link() if cuda and world > 1 else "none"}
-    common = {"gpus": world if cuda else 0, "topology": topology, "amp_dtype": str(amp), **env}
-    records: list[dict[str, Any]] = []
+        dist.init_process_group("nccl", device_id=device, timeout=timeout)
+        return device
+    dist.init_process_group("gloo", timeout=timeout)
+    return torch.device("cpu")
 
-    # every mode runs twice: with the default backend (single GPU: the CUDA-graphed fused step;
-    # data parallel and pipeline: the same fused engine, uncaptured, with per-layer all-reduce or
-    # on the stage's span) and with backend="eager" (the per-layer reference path).
-    # speedup_vs_single_default compares with the default single-GPU step, the fastest one
-    has_backend = "backend" in inspect.signature(td.DADTrainer.__init__).parameters
-    eager = {"backend": "eager"} if has_backend else {}
 
-    def build(trainer_cls: Any = td.DADTrainer, **kw: Any) -> Any:
+class Bench:
+    """One process's part of the run: every mode at one per-GPU batch (:meth:`measure`), records
+    saved by rank 0 after every mode (a crash keeps the rest).
+
+    Every mode runs twice: with the default backend (single GPU: the CUDA-graphed fused step; data
+    parallel and pipeline: the same fused engine, uncaptured, with per-layer all-reduce or on the
+    stage's span) and with ``backend="eager"`` (the per-layer reference path).
+    ``speedup_vs_single_default`` compares with the default single-GPU step, the fastest one.
+    """
+
+    def __init__(self, args: argparse.Namespace, device: torch.device) -> None:
+        self.args, self.device = args, device
+        self.cuda = device.type == "cuda"
+        self.d_in = 48 if args.smoke else 3072
+        self.widths = [self.d_in] + [args.width] * args.depth
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self.cpu_group = dist.new_group(backend="gloo")  # barriers that never touch a GPU
+        self.amp = torch.bfloat16 if self.cuda else None
+        self.warmup = 3 if self.cuda else 1
+        self.out = args.out or RESULTS / ("distributed.smoke.json" if args.smoke else "distributed.json")
+        topology = f"{'smoke' if args.smoke else 'cifar'}-{self.d_in}-{args.depth}x{args.width}"
+        env = {**environment(), "gpu_link": gpu_link() if self.cuda and self.world > 1 else "none"}
+        self.common = {"gpus": self.world if self.cuda else 0, "topology": topology, "amp_dtype": str(self.amp), **env}
+        self.records: list[dict[str, Any]] = []
+        self.has_backend = "backend" in inspect.signature(td.DADTrainer.__init__).parameters
+        self.eager: dict[str, Any] = {"backend": "eager"} if self.has_backend else {}
+
+    def build(self, trainer_cls: Any = td.DADTrainer, **kw: Any) -> Any:
         torch.manual_seed(0)
-        return trainer_cls(DADMLP(widths), device=device, lr=1e-3, amp_dtype=amp, **kw)
+        return trainer_cls(DADMLP(self.widths), device=self.device, lr=1e-3, amp_dtype=self.amp, **kw)
 
-    def save(record: dict[str, Any]) -> None:
-        record = {"backend": "eager", **record, **common}
+    def save(self, record: dict[str, Any]) -> None:
+        record = {"backend": "eager", **record, **self.common}
         if record["mode"] != "single":
             for key, backend in (("speedup_vs_single", "eager"), ("speedup_vs_single_default", "default")):
-                single = next((r for r in records if r["mode"] == "single" and r["backend"] == backend
+                single = next((r for r in self.records if r["mode"] == "single" and r["backend"] == backend
                                and r["batch"] == record["per_gpu_batch"]), None)
                 if single:
                     record[key] = record["img_per_s"] / single["img_per_s"]
-        records.append(record)
-        if rank == 0:
+        self.records.append(record)
+        if self.rank == 0:
             keys = ("mode", "variant", "batch", "img_per_s", "speedup_vs_single", "speedup_vs_single_default")
             print(json.dumps({k: record[k] for k in keys if k in record}), flush=True)
-            out.parent.mkdir(parents=True, exist_ok=True)
-            out.write_text(json.dumps(records, indent=2) + "\n")  # after every mode: a crash keeps the rest
+            self.out.parent.mkdir(parents=True, exist_ok=True)
+            self.out.write_text(json.dumps(self.records, indent=2) + "\n")
 
-    def measure(batch: int) -> None:
-        # ------------------------------------------------------------ single GPU (rank 0; others wait)
-        costs: list[float] = []
-        if rank == 0:
-            variants = [("eager", eager)] + ([("default", {})] if has_backend else [])
-            for backend, kw in variants:
-                for rows in (batch,):
-                    trainer = build(**kw)
-                    pool = data_pool(rows, d_in, device)
-                    seconds = timed_windows(lambda i, t=trainer, p=pool: t.step(*p[i % len(p)]), device, warmup,
-                                            args.steps, args.repeats)
-                    if rows == batch and backend == "eager":
-                        costs = layer_step_seconds(trainer, *pool[0])
-                    save({"mode": "single", "variant": f"DADTrainer.step ({backend} backend)", "backend": backend,
-                          "batch": rows, "per_gpu_batch": rows, "img_per_s": rows * args.steps / seconds,
-                          "step_ms": seconds / args.steps * 1e3})
-                    del trainer, pool
-                    if cuda:
-                        torch.cuda.empty_cache()
-        box = [records, costs]
-        dist.broadcast_object_list(box, src=0, group=cpu_group)
-        records[:], costs = box
+    def _release(self) -> None:
+        if self.cuda:
+            torch.cuda.empty_cache()
 
-        # ------------------------------------------------------------ data parallel
-        dp_variants = [("default", {}, True)] if has_backend else []
-        dp_variants += [("eager", eager, True)]
-        for backend, kw, overlap in dp_variants:
-            trainer = build(DataParallelTrainer, overlap=overlap, **kw)
-            pool = data_pool(batch, d_in, device)
-            seconds = timed_windows(lambda i, t=trainer, p=pool: t.step(*p[i % len(p)]), device, warmup,
-                                    args.steps, args.repeats, group=cpu_group)
-            variant = "overlapped all-reduce" if overlap else "blocking all-reduce"
-            save({"mode": "data-parallel", "variant": f"{variant} ({backend} backend)", "backend": backend,
-                  "batch": batch * world, "per_gpu_batch": batch,
-                  "img_per_s": batch * world * args.steps / seconds, "step_ms": seconds / args.steps * 1e3})
+    def measure(self, batch: int) -> None:
+        costs = self.single(batch)
+        self.data_parallel(batch)
+        for backend, kw in ([("default", {})] if self.has_backend else []) + [("eager", self.eager)]:
+            self.pipeline(backend, kw, costs, batch)
+
+    def single(self, batch: int) -> list[float]:
+        """The single-GPU step on rank 0 (the others wait); returns its per-layer costs, for the pipeline's balance."""
+        args, costs = self.args, []
+        if self.rank == 0:
+            for backend, kw in [("eager", self.eager)] + ([("default", {})] if self.has_backend else []):
+                trainer = self.build(**kw)
+                pool = data_pool(batch, self.d_in, self.device)
+                seconds = timed_windows(lambda i, t=trainer, p=pool: t.step(*p[i % len(p)]), self.device,
+                                        self.warmup, args.steps, args.repeats)
+                if backend == "eager":
+                    costs = layer_step_seconds(trainer, *pool[0])
+                self.save({"mode": "single", "variant": f"DADTrainer.step ({backend} backend)", "backend": backend,
+                           "batch": batch, "per_gpu_batch": batch, "img_per_s": batch * args.steps / seconds,
+                           "step_ms": seconds / args.steps * 1e3})
+                del trainer, pool
+                self._release()
+        box = [self.records, costs]
+        dist.broadcast_object_list(box, src=0, group=self.cpu_group)
+        self.records[:] = box[0]
+        return box[1]
+
+    def data_parallel(self, batch: int) -> None:
+        args, world = self.args, self.world
+        variants = ([("default", {})] if self.has_backend else []) + [("eager", self.eager)]
+        for backend, kw in variants:
+            trainer = self.build(DataParallelTrainer, overlap=True, **kw)
+            pool = data_pool(batch, self.d_in, self.device)
+            seconds = timed_windows(lambda i, t=trainer, p=pool: t.step(*p[i % len(p)]), self.device, self.warmup,
+                                    args.steps, args.repeats, group=self.cpu_group)
+            self.save({"mode": "data-parallel", "variant": f"overlapped all-reduce ({backend} backend)",
+                       "backend": backend, "batch": batch * world, "per_gpu_batch": batch,
+                       "img_per_s": batch * world * args.steps / seconds, "step_ms": seconds / args.steps * 1e3})
             del trainer, pool
-            if cuda:
-                torch.cuda.empty_cache()
+            self._release()
 
-        # ------------------------------------------------------------ pipeline
-        for backend, kw in ([("default", {})] if has_backend else []) + [("eager", eager)]:
-            pipeline_run(backend, kw, costs, batch)
-
-    def pipeline_run(backend: str, kw: dict[str, Any], costs: list[float], batch: int) -> None:
-        trainer = build(**kw)
+    def pipeline(self, backend: str, kw: dict[str, Any], costs: list[float], batch: int) -> None:
+        """The decoupled pipeline: stages balanced on ``costs``; steady-state windows timed on the last
+        stage, end to end (fill and drain included) on every rank."""
+        args, world = self.args, self.world
+        trainer = self.build(**kw)
         balance = [b - a for a, b in partition_layers(costs, world)]
         pipe = Pipeline(trainer, balance=balance)
-        pool = data_pool(batch, d_in, device) if pipe.is_first else []
-        total = warmup + args.steps * args.repeats
-        timer = Timer(device)
+        pool = data_pool(batch, self.d_in, self.device) if pipe.is_first else []
+        total = self.warmup + args.steps * args.repeats
+        timer = Timer(self.device)
 
         def on_batch(index: int, *_: Any) -> None:
-            if pipe.is_last and index >= warmup - 1 and (index - warmup + 1) % args.steps == 0:
+            if pipe.is_last and index >= self.warmup - 1 and (index - self.warmup + 1) % args.steps == 0:
                 timer.mark()
 
         stream = (pool[i % len(pool)] for i in range(total)) if pipe.is_first else None
-        dist.barrier(group=cpu_group)
+        dist.barrier(group=self.cpu_group)
         start = time.perf_counter()
         pipe.run(stream, callback=on_batch)
-        if cuda:
-            torch.cuda.synchronize(device)
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
         end_to_end = time.perf_counter() - start
         box = [timer.seconds() if pipe.is_last else []]
-        dist.broadcast_object_list(box, src=world - 1, group=cpu_group)
+        dist.broadcast_object_list(box, src=world - 1, group=self.cpu_group)
         seconds = statistics.median(box[0])
-        save({"mode": "pipeline", "variant": f"decoupled layer stages ({backend} backend)", "backend": backend,
-              "batch": batch, "per_gpu_batch": batch,
-              "img_per_s": batch * args.steps / seconds, "img_per_s_end_to_end": batch * total / end_to_end,
-              "step_ms": seconds / args.steps * 1e3, "balance": balance,
-              "stage_ms_measured_single": [sum(costs[a:b]) * 1e3 for a, b in pipe.bounds]})
+        self.save({"mode": "pipeline", "variant": f"decoupled layer stages ({backend} backend)", "backend": backend,
+                   "batch": batch, "per_gpu_batch": batch,
+                   "img_per_s": batch * args.steps / seconds, "img_per_s_end_to_end": batch * total / end_to_end,
+                   "step_ms": seconds / args.steps * 1e3, "balance": balance,
+                   "stage_ms_measured_single": [sum(costs[a:b]) * 1e3 for a, b in pipe.bounds]})
         del trainer, pool
-        if cuda:
-            torch.cuda.empty_cache()
+        self._release()
 
+
+def main() -> None:
+    args = parse_args()
+    device = init_process_group(torch.cuda.is_available() and not args.smoke)
+    bench = Bench(args, device)
     begin = time.perf_counter()
     for batch in args.batch:
         spent = torch.tensor([time.perf_counter() - begin], dtype=torch.float64)
-        dist.broadcast(spent, src=0, group=cpu_group)  # every rank takes the same decision
+        dist.broadcast(spent, src=0, group=bench.cpu_group)  # every rank takes the same decision
         if float(spent) > args.budget_s:
-            if rank == 0:
+            if bench.rank == 0:
                 print(f"skipping batch {batch}: {float(spent):.0f} s spent of a {args.budget_s:.0f} s budget")
             break
-        measure(batch)
-    if rank == 0:
-        print("wrote", out)
+        bench.measure(batch)
+    if bench.rank == 0:
+        print("wrote", bench.out)
     dist.destroy_process_group()
 
 
