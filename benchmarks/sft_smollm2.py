@@ -97,7 +97,7 @@ def tiny_model_and_tokenizer() -> tuple[Any, Any]:
 SMOKE_TEXT = [f"the film is {a} and the cast is {b}" for a in ("good", "bad", "long", "fun") for b in ("fine", "weak")]
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--steps", type=int, default=50)
@@ -106,7 +106,11 @@ def main() -> None:
     parser.add_argument("--eval-n", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--lora", action="store_true", help="train LoRA q/v adapters too (backprop_gradients=True)")
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse_args()
     try:
         import trl
         from datasets import Dataset
