@@ -26,16 +26,22 @@ from _common import environment, write_records
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def candidates(element_size: int) -> list[Any]:
-    """The configurations swept: two-kernel row tiles x row split, and one-pass row tiles; the column
-    kernel keeps the default's tiles. 512-wide fp32 row tiles do not fit in an H200's shared memory."""
+ROW_BM, ROW_BN, SPLITS, STAGES = (16, 32, 64), (64, 128, 256), (1, 2, 4, 8), (3, 4)
+
+
+def candidates(
+    element_size: int, row_bm: tuple[int, ...] = ROW_BM, row_bn: tuple[int, ...] = ROW_BN,
+    splits: tuple[int, ...] = SPLITS, stages: tuple[int, ...] = STAGES,
+) -> list[Any]:
+    """The configurations swept: two-kernel row tiles x row split x stages, and one-pass row tiles; the
+    column kernel keeps the default's tiles. 512-wide fp32 row tiles do not fit in an H200's shared memory."""
     from torch_dad.kernels.local_error import Tiles
 
     cols = {"cols_bm": 32, "cols_bn": 128, "cols_warps": 8, "cols_stages": 2, "cols_programs_per_sm": 2}
     out = []
-    for bm, bn, split, stages in itertools.product((16, 32, 64), (64, 128, 256), (1, 2, 4, 8), (3, 4)):
+    for bm, bn, split, stage in itertools.product(row_bm, row_bn, splits, stages):
         if bn * element_size <= 1024:
-            out.append(Tiles(rows_bm=bm, rows_bn=bn, rows_warps=4, rows_stages=stages, rows_split=split, **cols))
+            out.append(Tiles(rows_bm=bm, rows_bn=bn, rows_warps=4, rows_stages=stage, rows_split=split, **cols))
     for bm, bn in itertools.product((16, 32), (64, 128)):
         out.append(Tiles(rows_bm=bm, rows_bn=bn, rows_warps=4, rows_stages=3, one_pass=True, **cols))
     return out
@@ -74,15 +80,17 @@ def time_call(call: Any, device: torch.device, calls: int = 20, replays: int = 5
     return statistics.median(times)
 
 
-def sweep_shape(m: int, n: int, c: int, dtype: torch.dtype, device: torch.device) -> dict[str, Any]:
-    """Every candidate on one shape: checked against the default configuration, then timed (CUDA)."""
+def sweep_shape(
+    m: int, n: int, c: int, dtype: torch.dtype, device: torch.device, swept: list[Any]
+) -> dict[str, Any]:
+    """Every candidate of ``swept`` on one shape: checked against the default configuration, then timed (CUDA)."""
     from torch_dad.kernels.local_error import default_tiles, launch_local_error
 
     h, w, b, y = _inputs(m, n, c, dtype, device)
     default = default_tiles(m, n, max(16, 1 << (c - 1).bit_length()), h.element_size())
     want = launch_local_error(h, w, b, y, "relu", True, default)
     rows = []
-    for tiles in [*candidates(h.element_size()), default]:
+    for tiles in [*swept, default]:
         call = lambda t=tiles: launch_local_error(h, w, b, y, "relu", True, t)  # noqa: E731
         row: dict[str, Any] = {"tiles": dataclasses.asdict(tiles), "default": tiles == default}
         row["matches_default"] = _close(call(), want, dtype)
@@ -100,6 +108,11 @@ def sweep_shape(m: int, n: int, c: int, dtype: torch.dtype, device: torch.device
     }
 
 
+def _swept(args: argparse.Namespace, dtype: torch.dtype) -> list[Any]:
+    size = torch.empty((), dtype=dtype).element_size()
+    return candidates(size, tuple(args.row_bm), tuple(args.row_bn), tuple(args.splits), tuple(args.stages))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="seconds on CPU under triton's interpreter, no timing")
@@ -108,10 +121,14 @@ def main() -> None:
     parser.add_argument("--classes", type=int, default=10)
     parser.add_argument("--dtypes", nargs="+", choices=sorted(DTYPES), default=["fp32", "bf16"])
     parser.add_argument("--tf32", action="store_true", help="fp32 products in TF32 (the kernel follows torch's flag)")
+    parser.add_argument("--row-bm", type=int, nargs="+", default=list(ROW_BM), help="row-kernel row tiles swept")
+    parser.add_argument("--row-bn", type=int, nargs="+", default=list(ROW_BN), help="row-kernel column tiles swept")
+    parser.add_argument("--splits", type=int, nargs="+", default=list(SPLITS), help="row splits swept")
+    parser.add_argument("--stages", type=int, nargs="+", default=list(STAGES), help="pipeline stages swept")
     args = parser.parse_args()
     if args.smoke or not torch.cuda.is_available():
         # the kernels need CUDA (the kernel tests run them under triton's interpreter)
-        counts = {name: len(candidates(torch.empty((), dtype=DTYPES[name]).element_size())) for name in args.dtypes}
+        counts = {name: len(_swept(args, DTYPES[name])) for name in args.dtypes}
         print(f"no timing without CUDA; candidates per shape: {counts}")
         write_records("local_error_tiles", [{"candidates": counts, **environment()}], smoke=True)
         return
@@ -126,7 +143,7 @@ def main() -> None:
     env = environment()
     records = []
     for (m, n), name in itertools.product(shapes, args.dtypes):
-        record = {**sweep_shape(m, n, args.classes, DTYPES[name], device), **env}
+        record = {**sweep_shape(m, n, args.classes, DTYPES[name], device, _swept(args, DTYPES[name])), **env}
         records.append(record)
         print(f"{m}x{n} {name}: default {record['default_us']} us, best {record['best_us']} us {record['best']}, "
               f"all match: {record['all_match']}", flush=True)
