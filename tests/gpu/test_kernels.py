@@ -59,6 +59,8 @@ TILES: list[tuple[int, int, int] | dict[str, int | bool]] = [
          cols_programs_per_sm=2, one_pass=True),
     dict(rows_bm=16, rows_bn=128, rows_warps=8, rows_stages=3, cols_bm=32, cols_bn=64, cols_warps=4, cols_stages=2,
          cols_programs_per_sm=2, one_pass=True),
+    # few rows, mid-width layers: a 16-way column split of 64-wide tiles
+    (128, 1024, 16),
 ]
 
 

@@ -268,6 +268,13 @@ def default_tiles(M: int, N: int, CP: int, element_size: int = 2) -> Tiles:
     the columns, took 1024 x 4096 from 23.6 to 17.4 us (classifier mode 22.2 to 15.6 us). With
     4096 rows the split gained nothing.
 
+    Small batches (M <= 256) of layers 512 to 1024 wide got one or two programs per 32 rows, 4 to 16
+    in all: 16 programs per 16-row block, each over 64 columns, took the fp32 call (IEEE products)
+    at 128 x 1024 from 47.2 to 10.4 us, 256 x 1024 from 46.9 to 11.9 us and 256 x 512 from 25.4 to
+    10.5 us; bf16 128 x 1024 from 8.8 to 7.6 us and 256 x 1024 8.8 to 8.1 us; 256 x 512 stays at
+    7.2 to 7.3 us (``python benchmarks/local_error_tiles.py --shapes 128x1024 256x1024 256x512
+    --row-bm 16 32 --row-bn 64 128 --splits 1 4 8 16 --stages 3``).
+
     Layers of at most 256 outputs take the one-launch kernel (``one_pass``): at N = 256 it took
     1024 x 256 from 6.5 to 6.3 us (classifier mode 5.9 to 5.5) and 4096 x 256 from 8.5 to 7.6 us
     (7.7 to 6.7); wider layers were slower with it, e.g. 1024 x 4096 15.2 vs 34.0 us, with too few
@@ -277,6 +284,11 @@ def default_tiles(M: int, N: int, CP: int, element_size: int = 2) -> Tiles:
         return Tiles(
             rows_bm=16 if M <= 2048 else 32, rows_bn=128, rows_warps=4, rows_stages=3, one_pass=True,
             cols_bm=32, cols_bn=128, cols_warps=4, cols_stages=2, cols_programs_per_sm=2,
+        )
+    if CP <= 64 and 512 <= N < 2048 and M <= 256:
+        return Tiles(
+            rows_bm=16, rows_bn=64, rows_warps=4, rows_stages=3, rows_split=16,
+            cols_bm=32, cols_bn=128, cols_warps=8, cols_stages=2, cols_programs_per_sm=2,
         )
     if CP <= 64 and N >= 2048 and M <= 2048:
         return Tiles(
