@@ -26,22 +26,26 @@ class _Residual(torch.nn.Module):
 
 class ConvNet(td.DADModel):
     """conv (max pool) - residual block - conv (avg pool, gelu) - dense - classifier on 3 x 16 x 16, the
-    convolutions batch-normalised with ``normalize="batchnorm"``."""
+    convolutions batch-normalised with ``normalize="batchnorm"``; without ``dense`` no ``DADLinear``, the
+    classifier on the flattened conv output."""
 
-    def __init__(self, normalize: str | None = None) -> None:
+    def __init__(self, normalize: str | None = None, dense: bool = True) -> None:
         super().__init__()
         self.c1 = td.DADConv2d(3, 16, 3, padding=1, num_classes=CLASSES, pool="max", normalize=normalize)
         self.block = td.DADBlock(_Residual(16), num_classes=CLASSES, head_features=16)
         self.c2 = td.DADConv2d(
             16, 24, 3, padding=1, num_classes=CLASSES, pool="avg", activation="gelu", normalize=normalize
         )
-        self.fc = td.DADLinear(24 * 4 * 4, 32, num_classes=CLASSES)
-        self.classifier = torch.nn.Linear(32, CLASSES)
+        if dense:
+            self.fc = td.DADLinear(24 * 4 * 4, 32, num_classes=CLASSES)
+        self.classifier = torch.nn.Linear(32 if dense else 24 * 4 * 4, CLASSES)
 
 
-def _pair(backend: str, amp: torch.dtype | None, normalize: str | None = None) -> tuple[td.DADTrainer, td.DADTrainer]:
+def _pair(
+    backend: str, amp: torch.dtype | None, normalize: str | None = None, dense: bool = True
+) -> tuple[td.DADTrainer, td.DADTrainer]:
     torch.manual_seed(3)
-    ref, new = ConvNet(normalize), ConvNet(normalize)
+    ref, new = ConvNet(normalize, dense), ConvNet(normalize, dense)
     new.load_state_dict(ref.state_dict())
     fused = td.DADTrainer(new, device=DEVICE, amp_dtype=amp, backend=backend, on_nonfinite="ignore")
     assert fused.uses_engine
@@ -55,8 +59,11 @@ AMPS = [None] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("amp", AMPS)
 @pytest.mark.parametrize("normalize", [None, "batchnorm"])
-def test_conv_and_block_model_matches_eager(backend: str, amp: torch.dtype | None, normalize: str | None) -> None:
-    eager, fused = _pair(backend, amp, normalize)
+@pytest.mark.parametrize("dense", [True, False])  # without a DADLinear the step forks no side stream
+def test_conv_and_block_model_matches_eager(
+    backend: str, amp: torch.dtype | None, normalize: str | None, dense: bool
+) -> None:
+    eager, fused = _pair(backend, amp, normalize, dense)
     tol = 1e-4 if amp is None else 3e-2
     generator = torch.Generator().manual_seed(0)
     for i in range(5):

@@ -241,9 +241,6 @@ class FusedStep:
             self._streams[role] = torch.cuda.Stream(device=self.device, priority=priority)
         return self._streams[role]
 
-    def has_stream(self, role: str) -> bool:
-        return role in self._streams
-
     def stream_priorities(self) -> bool:
         """``options.stream_priorities``, with ``None`` resolved by the largest DAD layer."""
         if self.options.stream_priorities is not None:
@@ -414,6 +411,8 @@ class _Run:
         kernel_layers = [layer for layer in self.layers if uses_local_error_kernel(layer)]
         off_main = overlap and bool(kernel_layers) and engine.local_error_off_main(kernel_layers)
         self.error_stream = engine.stream("error") if off_main else None
+        #: the side streams ("gemm", "background") this step forked from the main one
+        self.forked: set[str] = set()
         # under a reducer the local heads and the classifier update together, in one fused AdamW
         self.small_params: list[Tensor] = []
         self.small_grads: list[Tensor] = []
@@ -494,6 +493,7 @@ class _Run:
         side = self.engine.stream("gemm") if self.overlap and self.main is not None else None
         if side is not None and self.main is not None:
             side.wait_stream(self.main)
+            self.forked.add("gemm")
             if self.error_stream is not None:
                 side.wait_stream(self.error_stream)
             self.keep += [a, err.d_z, err.grad_bias, *norm_grads]
@@ -531,6 +531,7 @@ class _Run:
         side = self.engine.stream("gemm") if self.overlap and self.main is not None else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream())
+            self.forked.add("gemm")
             self.keep += grads
         with torch.cuda.stream(side) if side is not None else nullcontext():
             self._launch_update(_Update([p.data for p in params[:nb]], grads[:nb], exp_avg[:nb], exp_avg_sq[:nb], shadow, step))
@@ -604,6 +605,7 @@ class _Run:
             # at background priority, so it yields to the next forward
             stream = engine.stream("background")
             stream.wait_stream(torch.cuda.current_stream())
+            self.forked.add("background")
             self.keep += update.grads
             with torch.cuda.stream(stream):
                 engine.adamw(update)
@@ -632,6 +634,7 @@ class _Run:
             )
             if side is not None and background is not None:
                 background.wait_stream(side)
+                self.forked.add("background")
                 self.keep.append(grad)
                 with torch.cuda.stream(background):
                     engine.adamw(block)
@@ -689,6 +692,7 @@ class _Run:
         if self.settings.count_loss:
             engine.loss_total += loss
         if self.overlap and self.main is not None:
-            self.main.wait_stream(engine.stream("gemm"))
-            if engine.has_stream("background"):
-                self.main.wait_stream(engine.stream("background"))
+            # join only the side streams this step forked: waiting on one that holds no captured
+            # work is an error under capture (a model of DADBlocks alone forks none)
+            for name in sorted(self.forked):
+                self.main.wait_stream(engine.stream(name))
