@@ -507,3 +507,27 @@ def test_readme_conv_block_runs():
     trainer = td.DADTrainer(namespace["Net"]())
     _, loss = trainer.step(torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,)))
     assert torch.isfinite(loss) and trainer.step_count == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "shape, grid", [((3, 5, 28, 28), 4), ((2, 3, 14, 14), 4), ((2, 3, 7, 9), 4), ((2, 3, 3, 3), 4), ((1, 2, 1, 1), 4),
+                    ((2, 2, 9, 5), 3)],
+)
+def test_grid_pool_matches_adaptive_average_pool_and_its_adjoint(shape, grid, dtype):  # type: ignore[no-untyped-def]
+    """The local head's pooling (two products with 0/1 window matrices) against the float64
+    ``adaptive_avg_pool2d`` and its autograd adjoint, up to and past the grid (windows overlap)."""
+    from torch_dad.ops.pooling import grid_pool, grid_pool_backward
+
+    generator = torch.Generator().manual_seed(0)
+    x64 = torch.randn(shape, generator=generator, dtype=torch.float64, requires_grad=True)
+    want = torch.nn.functional.adaptive_avg_pool2d(x64, grid)
+    d_pooled = torch.randn(want.shape, generator=generator, dtype=torch.float64)
+    (want_dx,) = torch.autograd.grad(want, x64, d_pooled)
+    x = x64.detach().to(dtype)
+    tol = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 2e-2}[dtype]
+    got = grid_pool(x, grid)
+    got_dx = grid_pool_backward(d_pooled.to(dtype), x, grid)
+    assert got.dtype == dtype and got_dx.shape == x.shape
+    assert relative_error(got.double(), want.detach()) <= tol
+    assert relative_error(got_dx.double(), want_dx) <= tol

@@ -10,6 +10,7 @@ from torch import Tensor, nn
 
 from .. import functional
 from .._checks import check_choice, check_fraction, check_num_classes, check_positive_int
+from ..ops.pooling import grid_pool, grid_pool_backward
 from ..optim import LocalOptimizerState
 from ._batchnorm import BatchNormLayer
 from ._local import activation_backward
@@ -168,7 +169,7 @@ class DADConv2d(BatchNormLayer):
 
     def local_head(self, hidden: Tensor) -> Tensor:
         """Local logits ``adaptive_avg_pool2d(hidden, grid).flatten(1) @ head_weight.T + head_bias``."""
-        pooled = nn.functional.adaptive_avg_pool2d(hidden, self.local_head_grid).flatten(1)
+        pooled = grid_pool(hidden, self.local_head_grid).flatten(1)
         return nn.functional.linear(pooled, self.head_weight.to(hidden.dtype), self.head_bias.to(hidden.dtype))
 
     @torch.no_grad()
@@ -182,7 +183,7 @@ class DADConv2d(BatchNormLayer):
         """The layer's output, local loss and closed-form gradients, without updating anything.
 
         The math of :func:`torch_dad.functional.conv_local_loss_and_gradients`; the adjoints are
-        torch's backward kernels (adaptive average pool, max/avg pool, convolution weight and bias
+        torch's backward kernels (max/avg pool, convolution weight and bias
         gradient: ``aten.convolution_backward``, cuDNN/oneDNN), not autograd over a graph. Gradients
         come in the order of :meth:`trained_tensors` (``weight, [bias,] head_weight, head_bias,
         [norm_weight, norm_bias]``), in the master dtype. Under ``normalize="batchnorm"`` the batch
@@ -210,14 +211,14 @@ class DADConv2d(BatchNormLayer):
 
     def _head_error(self, out: Tensor, target: Tensor) -> tuple[LocalStepResult, Tensor, list[Tensor]]:
         """The local head on ``out``: ``(result, d_out, [g_head_weight, g_head_bias])``."""
-        pooled = nn.functional.adaptive_avg_pool2d(out, self.local_head_grid)
+        pooled = grid_pool(out, self.local_head_grid)
         head_w = self.head_weight.to(out.dtype)
         logits = torch.addmm(self.head_bias.to(out.dtype), pooled.flatten(1), head_w.T)
         loss, d_logits = functional.cross_entropy_error(
             logits, target, label_smoothing=self.label_smoothing, ignore_index=None
         )
         d_pooled = (d_logits @ head_w).reshape(pooled.shape)
-        d_out = torch.ops.aten._adaptive_avg_pool2d_backward(d_pooled, out)
+        d_out = grid_pool_backward(d_pooled, out, self.local_head_grid)
         return LocalStepResult(out, loss, logits), d_out, [d_logits.T @ pooled.flatten(1), d_logits.sum(0)]
 
     def _conv_gradients(self, d_z: Tensor, a: Tensor, weight: Tensor) -> list[Tensor]:
