@@ -2,14 +2,17 @@
 
 ``adaptive_avg_pool2d(x, grid)`` averages, per axis, the windows ``[floor(i*n/g), ceil((i+1)*n/g))``
 (:func:`torch_dad.functional.conv_local_loss_and_gradients` writes it with the same windows in
-float64). With 0/1 window matrices ``S_h`` (g x H) and ``S_w`` (g x W) and each cell's window area:
+float64). With the (g*g, H*W) 0/1 matrix ``S`` of the cells' windows and each window's area, per
+(sample, channel) row of ``H*W`` values:
 
-    pooled = (S_h @ x @ S_w.T) / area          d_x = S_h.T @ (d_pooled / area) @ S_w
+    pooled = (x @ S.T) / area          d_x = (d_pooled / area) @ S
 
 Torch's CUDA backward of adaptive average pooling adds into its output atomically. On an H200, in
 a VGG-style net at batch 1024 (bf16), it took 15.9 of a DAD step's 36.8 ms and the forward 4.8 ms
-(``benchmarks/conv.py --memory``). The products read and write the big tensor once each way, and
-the 0/1 matrices are exact in every dtype: only the small pooled tensor is scaled.
+(``benchmarks/conv.py --memory``). Each product here is one 2-D GEMM that reads or writes the big
+tensor once, and the 0/1 matrix is exact in every dtype: only the small pooled tensor is scaled.
+Two products per axis (``S_h @ x @ S_w.T``) were slower: the batched (g x H) products ran as 7 ms
+of magma kernels in that step.
 """
 
 from __future__ import annotations
@@ -21,21 +24,23 @@ from torch import Tensor
 
 
 @functools.lru_cache(maxsize=64)
-def _windows(size: int, grid: int, dtype: torch.dtype, device: torch.device) -> tuple[Tensor, Tensor]:
-    """``(S, count)``: the (grid, size) 0/1 matrix of adaptive pooling's windows along one axis and
-    each window's length (fp32). Built with device ops, so a first call inside a graph capture works."""
-    cell = torch.arange(grid, device=device)
-    lo = torch.div(cell * size, grid, rounding_mode="floor")
-    hi = -torch.div(-(cell + 1) * size, grid, rounding_mode="floor")
-    position = torch.arange(size, device=device)
-    inside = (position >= lo[:, None]) & (position < hi[:, None])
-    return inside.to(dtype), (hi - lo).to(torch.float32)
+def _windows(
+    height: int, width: int, grid: int, dtype: torch.dtype, device: torch.device
+) -> tuple[Tensor, Tensor]:
+    """``(S, area)``: the (grid * grid, height * width) 0/1 matrix whose row ``(i, j)`` marks the
+    window of output cell ``(i, j)`` (``S_h[i, h] * S_w[j, w]``), and each window's area (fp32).
+    Built with device ops, so a first call inside a graph capture works."""
 
+    def axis(size: int) -> tuple[Tensor, Tensor]:
+        cell = torch.arange(grid, device=device)
+        lo = torch.div(cell * size, grid, rounding_mode="floor")
+        hi = -torch.div(-(cell + 1) * size, grid, rounding_mode="floor")
+        position = torch.arange(size, device=device)
+        return (position >= lo[:, None]) & (position < hi[:, None]), (hi - lo).to(torch.float32)
 
-def _grid(x: Tensor, grid: int) -> tuple[Tensor, Tensor, Tensor]:
-    rows, rows_count = _windows(x.shape[-2], grid, x.dtype, x.device)
-    cols, cols_count = _windows(x.shape[-1], grid, x.dtype, x.device)
-    return rows, cols, rows_count[:, None] * cols_count[None, :]
+    (rows, rows_count), (cols, cols_count) = axis(height), axis(width)
+    windows = (rows[:, None, :, None] & cols[None, :, None, :]).reshape(grid * grid, height * width)
+    return windows.to(dtype), (rows_count[:, None] * cols_count[None, :]).reshape(grid * grid)
 
 
 def _wide(dtype: torch.dtype) -> torch.dtype:
@@ -44,14 +49,17 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
 
 
 def grid_pool(x: Tensor, grid: int) -> Tensor:
-    """``adaptive_avg_pool2d(x, grid)`` of an (N, C, H, W) ``x``: ``(S_h @ x @ S_w.T) / area``."""
-    rows, cols, area = _grid(x, grid)
-    summed = rows @ (x @ cols.T)
-    return (summed / area.to(_wide(x.dtype))).to(x.dtype)
+    """``adaptive_avg_pool2d(x, grid)`` of an (N, C, H, W) ``x``: one product with the windows, then
+    the division by their areas, ``(x.reshape(N * C, H * W) @ S.T) / area``."""
+    n, c, height, width = x.shape
+    windows, area = _windows(height, width, grid, x.dtype, x.device)
+    summed = x.reshape(n * c, height * width) @ windows.T
+    return (summed / area.to(_wide(x.dtype))).to(x.dtype).reshape(n, c, grid, grid)
 
 
 def grid_pool_backward(d_pooled: Tensor, x: Tensor, grid: int) -> Tensor:
-    """The adjoint of :func:`grid_pool` at ``x``'s shape: ``S_h.T @ (d_pooled / area) @ S_w``."""
-    rows, cols, area = _grid(x, grid)
-    scaled = (d_pooled / area.to(_wide(d_pooled.dtype))).to(x.dtype)
-    return (rows.T @ scaled) @ cols
+    """The adjoint of :func:`grid_pool` at ``x``'s shape: ``(d_pooled / area) @ S``."""
+    n, c, height, width = x.shape
+    windows, area = _windows(height, width, grid, x.dtype, x.device)
+    scaled = (d_pooled.reshape(n * c, grid * grid) / area.to(_wide(d_pooled.dtype))).to(x.dtype)
+    return (scaled @ windows).reshape(n, c, height, width)
