@@ -32,13 +32,15 @@ def cpu_model() -> str:
 
 
 def environment() -> dict[str, Any]:
-    """Device, torch version, commit and date, stored in every record."""
+    """Device, torch version, commit and date, stored in every record. ``GIT_COMMIT`` in the environment
+    names the commit where the tree was copied without its git history (a copy may carry a stale one)."""
+    commit = os.environ.get("GIT_COMMIT", "")
     try:
-        commit = subprocess.run(
+        commit = commit or subprocess.run(
             ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=Path(__file__).parent, check=False
-        ).stdout.strip() or os.environ.get("GIT_COMMIT", "unknown")
+        ).stdout.strip() or "unknown"
     except OSError:
-        commit = os.environ.get("GIT_COMMIT", "unknown")
+        commit = "unknown"
     if torch.cuda.is_available():
         device = torch.cuda.get_device_name(0)
     else:
