@@ -150,7 +150,9 @@ def peer_adamw(library: str, data: Data, dtype: torch.dtype, grad_hidden: bool) 
             return linear_cross_entropy(x, w, data.y)
 
     weight, opt = _master(data)
-    x = _input(data, grad_hidden)
+    # Liger computes dL/dW only together with dL/dh: given an h that asks for no gradient it returns none for
+    # W either (liger-kernel 0.8.5, ops/fused_linear_cross_entropy.py), and W never trains
+    x = _input(data, grad_hidden or library == "liger")
 
     def step() -> torch.Tensor:
         loss = loss_of(x, weight.to(dtype))
