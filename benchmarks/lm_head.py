@@ -11,8 +11,6 @@ bf16 compute. Systems per shape, each without and with ``dL/dhidden`` (``+dh``, 
   float32 master), then fused AdamW; Liger always computes ``dL/dhidden``, so its two rows do the same work;
 - ``cce-adamw``: cut-cross-entropy's ``linear_cross_entropy`` the same way;
 - ``dad-fused``: ``DADLMHead`` on backend ``auto``: chunked fused loss, update in backward, no full logits;
-- ``dad-two-pass``: a candidate for the DAD head with no ``V x D`` gradient at all (``dad_two_pass``): the
-  log-sum-exp over token chunks, then per vocabulary slice its complete gradient and AdamW at once;
 - ``floor``: the bare bf16 GEMMs of the step (logits, ``dL/dW``, and ``dL/dh`` for ``+dh``) and one fused AdamW
   over the ``V x D`` float32 weight, each timed alone; their sum bounds any implementation of the step.
 
@@ -185,56 +183,6 @@ def dad_fused(
     return step, head
 
 
-def _mm_fp32(a: torch.Tensor, b: torch.Tensor, acc: torch.Tensor | None = None) -> torch.Tensor:
-    """``a @ b`` (+ ``acc``) with float32 output from low-precision operands (cuBLAS ``out_dtype`` on CUDA)."""
-    if a.is_cuda and a.dtype != torch.float32:
-        if acc is None:
-            return torch.mm(a, b, out_dtype=torch.float32)
-        return torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
-    wide = torch.promote_types(a.dtype, torch.float32)
-    out = a.to(wide) @ b.to(wide)
-    return out if acc is None else acc.add_(out)
-
-
-def dad_two_pass(data: Data, dtype: torch.dtype, grad_hidden: bool, slice_rows: int = 8192,
-                 chunk_rows: int = 2048) -> tuple[Step, None]:
-    """The DAD head without any ``V x D`` gradient, as an A/B candidate for the library's one-pass step.
-
-    Pass 1, over token chunks: ``lse_t = logsumexp(h_t @ W.T)``. Pass 2, over vocabulary slices ``s``:
-    ``d_s = (exp(h @ W_s.T - lse) - onehot_s) / N`` for all tokens, ``g_s = d_s.T @ h`` (float32, complete
-    for the slice), AdamW on ``W_s`` at once (and its bf16 copy), ``dh += d_s @ W_s`` (pre-update weights).
-    One more logits GEMM than the one-pass step; no float32 ``dW`` accumulator, read and written per chunk."""
-    vocab, hidden = data.init.shape
-    weight = data.init.clone()
-    copy = weight.to(dtype)  # the bf16 weights the GEMMs read, rewritten slice by slice after each update
-    exp_avg, exp_avg_sq = torch.zeros_like(weight), torch.zeros_like(weight)
-    count = torch.zeros((), device=weight.device, dtype=weight.dtype)
-
-    def step() -> torch.Tensor:
-        h, y, n = data.h.to(dtype), data.y, data.h.shape[0]
-        lse = torch.cat([torch.logsumexp((h[i : i + chunk_rows] @ copy.T).float(), 1) for i in range(0, n, chunk_rows)])
-        loss = (lse - (h.float() * copy[y].float()).sum(1)).mean()
-        count.add_(1)
-        grad_hidden_acc = torch.zeros(n, hidden, device=h.device) if grad_hidden else None
-        rows = torch.arange(n, device=h.device)
-        for v0 in range(0, vocab, slice_rows):
-            v1 = min(vocab, v0 + slice_rows)
-            d = torch.exp((h @ copy[v0:v1].T).float() - lse[:, None])
-            inside = (y >= v0) & (y < v1)
-            d[rows, (y - v0).clamp(0, v1 - v0 - 1)] -= inside.float()
-            d = d.div_(n).to(dtype)
-            if grad_hidden_acc is not None:
-                _mm_fp32(d, copy[v0:v1], grad_hidden_acc)
-            torch._fused_adamw_(
-                [weight[v0:v1]], [_mm_fp32(d.T, h)], [exp_avg[v0:v1]], [exp_avg_sq[v0:v1]], [], [count],
-                lr=1e-3, beta1=0.9, beta2=0.999, weight_decay=0.01, eps=1e-8, amsgrad=False, maximize=False,
-            )
-            copy[v0:v1].copy_(weight[v0:v1])
-        return loss
-
-    return step, None
-
-
 def floor(data: Data, dtype: torch.dtype, grad_hidden: bool, warmup: int, repeats: int) -> dict[str, Any]:
     """Median times of the step's bare bf16 GEMMs and of one fused AdamW over the float32 weight; their sum."""
     vocab, hidden = data.init.shape
@@ -272,7 +220,6 @@ def systems_for(data: Data, dtype: torch.dtype, device: torch.device, sweep: dic
                 continue
             systems += [(f"{library}-adamw{tag}", lambda library=library, dh=dh: peer_adamw(library, data, dtype, dh))]
         systems += [(f"dad-fused{tag}", lambda dh=dh: dad_fused(data, dtype, dh))]
-        systems += [(f"dad-two-pass{tag}", lambda dh=dh: dad_two_pass(data, dtype, dh))]
     for backend, chunks in sweep.items():
         try:
             resolve_backend(backend, device)
