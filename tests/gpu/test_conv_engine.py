@@ -29,27 +29,32 @@ class ConvNet(td.DADModel):
     convolutions batch-normalised with ``normalize="batchnorm"``; without ``dense`` no ``DADLinear``, the
     classifier on the flattened conv output."""
 
-    def __init__(self, normalize: str | None = None, dense: bool = True) -> None:
+    def __init__(self, normalize: str | None = None, dense: bool = True, smoothing: float = 0.0) -> None:
         super().__init__()
-        self.c1 = td.DADConv2d(3, 16, 3, padding=1, num_classes=CLASSES, pool="max", normalize=normalize)
+        self.c1 = td.DADConv2d(
+            3, 16, 3, padding=1, num_classes=CLASSES, pool="max", normalize=normalize, label_smoothing=smoothing
+        )
         self.block = td.DADBlock(_Residual(16), num_classes=CLASSES, head_features=16)
         self.c2 = td.DADConv2d(
-            16, 24, 3, padding=1, num_classes=CLASSES, pool="avg", activation="gelu", normalize=normalize
+            16, 24, 3, padding=1, num_classes=CLASSES, pool="avg", activation="gelu", normalize=normalize,
+            label_smoothing=smoothing,
         )
         if dense:
-            self.fc = td.DADLinear(24 * 4 * 4, 32, num_classes=CLASSES)
+            self.fc = td.DADLinear(24 * 4 * 4, 32, num_classes=CLASSES, label_smoothing=smoothing)
         self.classifier = torch.nn.Linear(32 if dense else 24 * 4 * 4, CLASSES)
 
 
 def _pair(
-    backend: str, amp: torch.dtype | None, normalize: str | None = None, dense: bool = True
+    backend: str, amp: torch.dtype | None, normalize: str | None = None, dense: bool = True, smoothing: float = 0.0,
+    dropout: float = 0.0,
 ) -> tuple[td.DADTrainer, td.DADTrainer]:
     torch.manual_seed(3)
-    ref, new = ConvNet(normalize, dense), ConvNet(normalize, dense)
+    ref, new = ConvNet(normalize, dense, smoothing), ConvNet(normalize, dense, smoothing)
     new.load_state_dict(ref.state_dict())
-    fused = td.DADTrainer(new, device=DEVICE, amp_dtype=amp, backend=backend, on_nonfinite="ignore")
+    options = {"device": DEVICE, "amp_dtype": amp, "on_nonfinite": "ignore", "dropout": dropout, "dropout_seed": 5}
+    fused = td.DADTrainer(new, backend=backend, **options)
     assert fused.uses_engine
-    return td.DADTrainer(ref, device=DEVICE, amp_dtype=amp, backend="eager", on_nonfinite="ignore"), fused
+    return td.DADTrainer(ref, backend="eager", **options), fused
 
 
 BACKENDS = ["fused"] + (["cuda-graph"] if DEVICE == "cuda" else [])
@@ -63,7 +68,20 @@ AMPS = [None] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 def test_conv_and_block_model_matches_eager(
     backend: str, amp: torch.dtype | None, normalize: str | None, dense: bool
 ) -> None:
-    eager, fused = _pair(backend, amp, normalize, dense)
+    _check_matches_eager(backend, amp, normalize, *_pair(backend, amp, normalize, dense))
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("amp", AMPS)
+def test_conv_recipe_with_smoothing_and_dropout_matches_eager(backend: str, amp: torch.dtype | None) -> None:
+    """The conv cells' selected recipe (batch norm, label smoothing 0.1) with the menu's dropout 0.1 on the
+    engine: no eager fallback, the same masks and updates as the eager step."""
+    _check_matches_eager(backend, amp, "batchnorm", *_pair(backend, amp, "batchnorm", True, 0.1, 0.1))
+
+
+def _check_matches_eager(
+    backend: str, amp: torch.dtype | None, normalize: str | None, eager: td.DADTrainer, fused: td.DADTrainer
+) -> None:
     tol = 1e-4 if amp is None else 3e-2
     generator = torch.Generator().manual_seed(0)
     for i in range(5):
