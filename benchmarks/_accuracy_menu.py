@@ -160,17 +160,14 @@ def _build(
             trainer.step(x, y, lr=lr)
 
         return dad, dad.features, dad_step
-    model = _models(job["topology"], recipe, job["widths"], num_classes, dad=False).to(device)
-    opt = torch.optim.AdamW(model.parameters(), lr=recipe["lr"], weight_decay=WEIGHT_DECAY, fused=device.type == "cuda")
+    from _gpu_common import GraphedBackprop
 
-    def step(x: torch.Tensor, y: torch.Tensor, lr: float) -> None:
-        for group in opt.param_groups:
-            group["lr"] = lr
-        opt.zero_grad(set_to_none=True)
-        torch.nn.functional.cross_entropy(model(x), y, label_smoothing=recipe["ls"]).backward()
-        opt.step()
-
-    return model, model[:-1], step
+    shape = (1, 28, 28) if job["topology"].startswith("vgg8b/") else (job["widths"][0],)
+    system = GraphedBackprop(
+        _models(job["topology"], recipe, job["widths"], num_classes, dad=False), shape, BATCH, device,
+        lr=recipe["lr"], weight_decay=WEIGHT_DECAY, smoothing=recipe["ls"],
+    )
+    return system.model, system.model[:-1], system.step
 
 
 def train_recipe(job: dict[str, Any], data: dict[str, torch.Tensor], device: torch.device) -> dict[str, Any]:

@@ -172,6 +172,76 @@ def capture(body: Callable[[], None], warmup: int = 3) -> Callable[[], None]:
     return graph.replay
 
 
+class GraphedBackprop:
+    """A model trained end to end: ``cross_entropy(model(x), y, label_smoothing).backward()`` and AdamW
+    (``weight_decay=0`` is Adam), under bf16 autocast with ``amp``. On CUDA the optimizer is fused and capturable
+    with its lr a device tensor, and the step of a ``batch``-row batch is one CUDA graph; the capture's warm-up
+    steps are undone (weights, buffers such as batch-norm statistics, optimizer state). Dropout then draws from
+    torch's graph-safe generator. Other batch sizes, and every step on CPU, run op by op."""
+
+    def __init__(
+        self, model: torch.nn.Module, shape: Sequence[int], batch: int, device: torch.device, *, lr: float,
+        weight_decay: float = 0.0, smoothing: float = 0.0, amp: torch.dtype | None = None,
+    ) -> None:
+        self.model, self.amp, self.smoothing = model.to(device), amp, smoothing
+        cuda = device.type == "cuda"
+        # a tensor lr so that the captured step reads the schedule's value at every replay
+        rate: float | torch.Tensor = torch.tensor(lr, device=device) if cuda else lr
+        self.opt = torch.optim.AdamW(
+            self.model.parameters(), lr=rate, weight_decay=weight_decay, fused=cuda, capturable=cuda
+        )
+        self.x = torch.zeros(batch, *shape, device=device)
+        self.y = torch.zeros(batch, dtype=torch.long, device=device)
+        self.replay = self._capture() if cuda else None
+
+    def _body(self, x: torch.Tensor, y: torch.Tensor) -> None:
+        self.opt.zero_grad(set_to_none=False)
+        # no autocast weight cache: a CUDA graph must recast the weights AdamW updated at every replay
+        with torch.autocast(x.device.type, self.amp or torch.float32, enabled=self.amp is not None,
+                            cache_enabled=False):
+            loss = F.cross_entropy(self.model(x), y, label_smoothing=self.smoothing)
+        loss.backward()
+        self.opt.step()
+
+    def _capture(self) -> Callable[[], None]:
+        initial = {k: v.clone() for k, v in self.model.state_dict().items()}
+        replay = capture(lambda: self._body(self.x, self.y))
+        with torch.no_grad():
+            for k, v in self.model.state_dict().items():
+                v.copy_(initial[k])
+            for state in self.opt.state.values():
+                for v in state.values():
+                    v.zero_()
+        return replay
+
+    def set_lr(self, lr: float) -> None:
+        group = self.opt.param_groups[0]
+        if isinstance(group["lr"], torch.Tensor):
+            group["lr"].fill_(lr)
+        else:
+            group["lr"] = lr
+
+    def step(self, x: torch.Tensor, y: torch.Tensor, lr: float) -> None:
+        """One step at ``lr`` on ``(x, y)``: the graph's replay for a full batch on CUDA."""
+        self.set_lr(lr)
+        if self.replay is not None and x.shape == self.x.shape:
+            self.x.copy_(x)
+            self.y.copy_(y)
+            self.replay()
+        else:
+            self._body(x, y)
+
+    @torch.no_grad()
+    def accuracy(self, x: torch.Tensor, y: torch.Tensor) -> float:
+        """Test accuracy in eval mode, 4096 rows at a time."""
+        self.model.eval()
+        correct = sum(
+            int((self.model(x[i : i + 4096]).argmax(1) == y[i : i + 4096]).sum()) for i in range(0, len(x), 4096)
+        )
+        self.model.train()
+        return correct / len(x)
+
+
 def backprop_graphed(n_in: int, widths: Sequence[int], classes: int, device: torch.device,
                      amp: torch.dtype | None, batch: int, recipe: Recipe | None = None,
                      ) -> Callable[[torch.Tensor, torch.Tensor], Any]:

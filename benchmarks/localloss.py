@@ -23,7 +23,8 @@ Systems, same augmentation (one seeded device generator each, drawn identically)
   (``DADLinear`` / ``DADConv2d`` with ``normalize="batchnorm"``, local cross-entropy heads: the paper's ``pred`` loss),
   ``optimizer="adamw"`` with weight decay 0 (Adam), the schedule as the per-step ``lr=``. Reports the trained
   classifier, the last local head and ``solve_head(loader=train)``.
-- ``backprop``: the same net end to end, ``torch.optim.Adam`` (fused, capturable); on CUDA the whole step
+- ``backprop``: the same net end to end, Adam (``torch.optim.AdamW``, fused and capturable, weight decay 0); on CUDA
+  the whole step
   (forward, backward, Adam) is one CUDA graph, dropout drawing from torch's graph-safe generator.
 
 Per epoch: test accuracy and the cumulative, synchronised training wall time (augmentation included, evaluation
@@ -54,7 +55,7 @@ import torch.nn.functional as F
 
 import torch_dad as td
 from _common import DADMLP, backprop_mlp, environment, write_records
-from _gpu_common import capture, cuda_sync
+from _gpu_common import GraphedBackprop, cuda_sync
 from conv import DADVGG, backprop_vgg
 
 BATCH, LR, SIDE, PAD, CLASSES = 128, 5e-4, 28, 2, 10
@@ -170,64 +171,6 @@ def epoch_lr(epoch: int, marks: list[int]) -> float:
     return LR * 0.25 ** bisect.bisect_right(marks, epoch)
 
 
-class Backprop:
-    """A net trained end to end: Adam (fused and capturable on CUDA), the step one CUDA graph there."""
-
-    def __init__(
-        self, model: torch.nn.Module, shape: tuple[int, ...], device: torch.device, amp: torch.dtype | None = None
-    ) -> None:
-        self.model = model.to(device)
-        self.amp = amp
-        cuda = device.type == "cuda"
-        # a tensor lr so that the captured Adam reads the schedule's value at every replay
-        lr: float | torch.Tensor = torch.tensor(LR, device=device) if cuda else LR
-        self.opt = torch.optim.Adam(self.model.parameters(), lr=lr, fused=cuda, capturable=cuda)
-        self.x = torch.zeros(BATCH, *shape, device=device)
-        self.y = torch.zeros(BATCH, dtype=torch.long, device=device)
-        self.run = self._capture() if cuda else self._body
-
-    def _body(self) -> None:
-        self.opt.zero_grad(set_to_none=False)
-        # no autocast weight cache: a CUDA graph must recast the weights Adam updated at every replay
-        with torch.autocast(self.x.device.type, self.amp or torch.float32, enabled=self.amp is not None, cache_enabled=False):
-            loss = F.cross_entropy(self.model(self.x), self.y)
-        loss.backward()
-        self.opt.step()
-
-    def _capture(self) -> Callable[[], None]:
-        """Capture the step, then undo the capture's warm-up steps (weights, BatchNorm statistics, Adam state)."""
-        initial = {k: v.clone() for k, v in self.model.state_dict().items()}
-        replay = capture(self._body)
-        with torch.no_grad():
-            for k, v in self.model.state_dict().items():
-                v.copy_(initial[k])
-            for state in self.opt.state.values():
-                for v in state.values():
-                    v.zero_()
-        return replay
-
-    def set_lr(self, lr: float) -> None:
-        group = self.opt.param_groups[0]
-        if isinstance(group["lr"], torch.Tensor):
-            group["lr"].fill_(lr)
-        else:
-            group["lr"] = lr
-
-    def step(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        self.x.copy_(x)
-        self.y.copy_(y)
-        self.run()
-
-    @torch.no_grad()
-    def accuracy(self, x: torch.Tensor, y: torch.Tensor) -> float:
-        self.model.eval()
-        correct = sum(
-            int((self.model(x[i : i + 4096]).argmax(1) == y[i : i + 4096]).sum()) for i in range(0, len(x), 4096)
-        )
-        self.model.train()
-        return correct / len(x)
-
-
 def train(
     step: Callable[[torch.Tensor, torch.Tensor, float], None],
     evaluate: Callable[[], dict[str, float]],
@@ -304,14 +247,9 @@ def run_dad(data: Data, run: Run) -> dict[str, Any]:
 
 def run_backprop(data: Data, run: Run) -> dict[str, Any]:
     """Backprop: the same net, Adam, CUDA-graphed on CUDA; test accuracy per epoch."""
-    system = Backprop(run.build("backprop"), run.shape, data[0].device, run.amp)
+    system = GraphedBackprop(run.build("backprop"), run.shape, BATCH, data[0].device, lr=LR, amp=run.amp)
     test = (run.standardise(data[2]), data[3])
-
-    def step(x: torch.Tensor, y: torch.Tensor, lr: float) -> None:
-        system.set_lr(lr)
-        system.step(x, y)
-
-    curve = train(step, lambda: {"test_acc": system.accuracy(*test)}, data, run)
+    curve = train(system.step, lambda: {"test_acc": system.accuracy(*test)}, data, run)
     graphed = data[0].device.type == "cuda"
     return {
         "system": "backprop",
