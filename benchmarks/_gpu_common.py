@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import statistics
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -190,6 +191,7 @@ class GraphedBackprop:
         self.opt = torch.optim.AdamW(
             self.model.parameters(), lr=rate, weight_decay=weight_decay, fused=cuda, capturable=cuda
         )
+        self.lr = lr
         self.x = torch.zeros(batch, *shape, device=device)
         self.y = torch.zeros(batch, dtype=torch.long, device=device)
         self.replay = self._capture() if cuda else None
@@ -215,6 +217,10 @@ class GraphedBackprop:
         return replay
 
     def set_lr(self, lr: float) -> None:
+        """The lr of the next steps; on CUDA one ``fill_`` of the graph's lr tensor, only when it changes."""
+        if lr == self.lr:
+            return
+        self.lr = lr
         group = self.opt.param_groups[0]
         if isinstance(group["lr"], torch.Tensor):
             group["lr"].fill_(lr)
@@ -245,26 +251,10 @@ class GraphedBackprop:
 def backprop_graphed(n_in: int, widths: Sequence[int], classes: int, device: torch.device,
                      amp: torch.dtype | None, batch: int, recipe: Recipe | None = None,
                      ) -> Callable[[torch.Tensor, torch.Tensor], Any]:
-    """Tuned backprop: forward, backward and fused AdamW (capturable) in one CUDA graph (dropout
-    draws from torch's graph-safe generator)."""
-    model = _backprop_model(n_in, widths, classes, recipe).to(device)
-    smoothing = (recipe or RECIPE_DEFAULTS)["ls"]
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=True, capturable=True)
-    static_x = torch.randn(batch, n_in, device=device)
-    static_y = torch.randint(0, classes, (batch,), device=device)
-
-    def body() -> None:
-        opt.zero_grad(set_to_none=False)
-        with torch.autocast("cuda", dtype=amp or torch.float32, enabled=amp is not None):
-            loss = F.cross_entropy(model(static_x), static_y, label_smoothing=smoothing)
-        loss.backward()
-        opt.step()
-
-    replay = capture(body)
-
-    def step(xb: torch.Tensor, yb: torch.Tensor) -> None:
-        static_x.copy_(xb)
-        static_y.copy_(yb)
-        replay()
-
-    return step
+    """Tuned backprop: forward, backward and fused AdamW (capturable, lr 1e-3, weight decay 0.01) in one CUDA
+    graph (:class:`GraphedBackprop`; dropout draws from torch's graph-safe generator)."""
+    system = GraphedBackprop(
+        _backprop_model(n_in, widths, classes, recipe), (n_in,), batch, device, lr=1e-3, weight_decay=0.01,
+        smoothing=(recipe or RECIPE_DEFAULTS)["ls"], amp=amp,
+    )
+    return functools.partial(system.step, lr=1e-3)
