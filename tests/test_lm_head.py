@@ -426,3 +426,36 @@ def test_row_twin_is_the_oracle_gradient(dtype):
     assert rel(x, d_ref) <= tol and rel(lp, lp_ref) <= max(tol, 1e-6)
     assert rel(ent, -(logp.exp() * logp).sum(1) * valid) <= max(tol, 1e-6)
     assert torch.equal(top1, (before.argmax(1) == target) & valid)
+
+
+def test_linear_cross_entropy_takes_a_counted_num_valid():
+    """``num_valid`` from a caller that checked the ids gives the same result as the op's own count, and a
+    wrong one is refused before anything runs."""
+    g = torch.Generator().manual_seed(1)
+    hidden, weight = torch.randn(9, 5, generator=g, dtype=torch.float64), torch.randn(13, 5, generator=g, dtype=torch.float64)
+    target = torch.randint(0, 13, (9,), generator=g)
+    target[[2, 7]] = -100
+    counted = linear_cross_entropy(hidden, weight, target, backend="torch")
+    given = linear_cross_entropy(hidden, weight, target, backend="torch", num_valid=7)
+    for name in ("loss", "grad_weight", "grad_input"):
+        assert torch.equal(getattr(given, name), getattr(counted, name)), name
+    for bad in (10, -1, 2.0, True):
+        with pytest.raises(ValueError, match="num_valid"):
+            linear_cross_entropy(hidden, weight, target, backend="torch", num_valid=bad)
+
+
+@pytest.mark.parametrize("shift", [True, False])
+def test_fused_loss_scores_every_position_or_only_the_valid_ones_alike(shift):
+    """Without ignored positions the head scores the rows in place (no gather); with them it gathers the valid
+    rows. Both give the loss and per-position log-probabilities of the full logits."""
+    head = DADLMHead(12, 41, dtype=torch.float64).eval()
+    hidden, labels = lm_batch()
+    if not shift:
+        labels = labels.clamp(min=0)  # every position scored
+    out = head.fused_loss(hidden, labels, shift=shift)
+    targets = shift_labels(labels) if shift else labels
+    log_p = torch.log_softmax(head(hidden), -1)
+    valid = targets != -100
+    want = torch.where(valid, log_p.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1), 0.0)
+    assert torch.allclose(out.log_probs, want, atol=1e-12)
+    assert torch.allclose(out.loss, -want.sum() / valid.sum(), atol=1e-12)

@@ -74,7 +74,7 @@ class _DADLMHeadFunction(torch.autograd.Function):
         res = linear_cross_entropy(
             hidden, weight, target, bias, ignore_index=head.ignore_index, reduction="sum",
             grad_weight=head._trains(), grad_input=want_gi, token_stats=token_stats, chunk_size=head.chunk_size,
-            backend=head.backend, compute_dtype=head._compute_dtype(hidden),
+            backend=head.backend, compute_dtype=head._compute_dtype(hidden), num_valid=target.numel(),
         )
         ctx.head, ctx.res, ctx.used = head, res, False
         head.last_backend = res.backend
@@ -196,6 +196,19 @@ class DADLMHead(LocalLayer):
             bias = None if bias is None else bias.to(hidden.dtype)
         return nn.functional.linear(hidden, weight, bias)
 
+    def _valid_rows(
+        self, hidden: Tensor, targets: Tensor, mask: Tensor, num_valid: int
+    ) -> tuple[Tensor, Tensor, Tensor | None]:
+        """``(rows, targets, index)`` of the scored positions: padding and prompt tokens cost no GEMM.
+        ``index`` (positions in the flattened ``mask``) is ``None`` when every position is scored. The valid
+        positions come first in a stable sort of the mask, whose size ``num_valid`` is already known:
+        ``nonzero()`` would wait for the device to count them."""
+        flat_rows, flat_targets, flat_mask = hidden.reshape(-1, self.in_features), targets.reshape(-1), mask.reshape(-1)
+        if num_valid == flat_mask.numel():
+            return flat_rows, flat_targets, None
+        index = torch.argsort((~flat_mask).to(torch.uint8), stable=True)[:num_valid]
+        return flat_rows.index_select(0, index), flat_targets.index_select(0, index), index
+
     def fused_loss(
         self,
         hidden: Tensor,
@@ -221,30 +234,33 @@ class DADLMHead(LocalLayer):
         rows_shape = tuple(hidden.shape[:-1])
         if isinstance(labels, Tensor) and labels.device != hidden.device:
             labels = labels.to(hidden.device)
-        check_token_labels(labels, rows_shape, self.vocab_size, self.ignore_index)
-        targets = shift_labels(labels, self.ignore_index) if shift and labels.dim() > 0 else labels
-        mask = targets != self.ignore_index
-        flat_mask = mask.reshape(-1)
-        index = flat_mask.nonzero().squeeze(1)
-        num_valid = index.numel()
-        # score only valid positions: padding and prompt tokens cost no GEMM
-        rows = hidden.reshape(-1, self.in_features).index_select(0, index)
-        weight = self.weight
+        targets = shift_labels(labels, self.ignore_index) if shift and isinstance(labels, Tensor) and labels.dim() > 0 \
+            else labels
+        mask = targets != self.ignore_index if isinstance(targets, Tensor) else None
+        # the labels' range check and the count of scored positions in one host sync, the step's only one
+        num_valid = check_token_labels(labels, rows_shape, self.vocab_size, self.ignore_index, count=mask)
+        assert mask is not None
+        rows, valid_targets, index = self._valid_rows(hidden, targets, mask, num_valid)
         if self.training and torch.is_grad_enabled():
-            lp, ent, top1 = _DADLMHeadFunction.apply(rows, weight, self.bias, self, targets.reshape(-1)[index],
-                                                     token_stats)
+            lp, ent, top1 = _DADLMHeadFunction.apply(rows, self.weight, self.bias, self, valid_targets, token_stats)
         else:
             with torch.no_grad():
-                res = linear_cross_entropy(rows, weight, targets.reshape(-1)[index], self.bias,
+                res = linear_cross_entropy(rows, self.weight, valid_targets, self.bias,
                                            ignore_index=self.ignore_index, reduction="sum", grad_weight=False,
                                            grad_input=False, token_stats=True, chunk_size=self.chunk_size,
-                                           backend="torch", compute_dtype=self._compute_dtype(hidden))
+                                           backend="torch", compute_dtype=self._compute_dtype(hidden),
+                                           num_valid=num_valid)
             assert res.log_probs is not None and res.entropy is not None and res.is_top1 is not None
             lp, ent, top1 = res.log_probs, res.entropy, res.is_top1
-        n_rows = flat_mask.numel()
-        log_probs = lp.new_zeros(n_rows).index_copy(0, index, lp).reshape(mask.shape)
-        entropy = ent.new_zeros(n_rows).index_copy(0, index, ent).reshape(mask.shape) if token_stats else None
-        is_top1 = top1.new_zeros(n_rows).index_copy(0, index, top1).reshape(mask.shape) if token_stats else None
+
+        def scatter(values: Tensor) -> Tensor:
+            """Per scored row -> per position (0 where ignored), in ``mask``'s shape."""
+            full = values if index is None else values.new_zeros(mask.numel()).index_copy(0, index, values)
+            return full.reshape(mask.shape)
+
+        log_probs = scatter(lp)
+        entropy = scatter(ent) if token_stats else None
+        is_top1 = scatter(top1) if token_stats else None
         denom = num_valid if num_items_in_batch is None else num_items_in_batch
         if isinstance(denom, Tensor):
             denom = denom.to(log_probs.device).clamp(min=1)

@@ -113,12 +113,32 @@ def shift_labels(labels: Tensor, ignore_index: int = functional.IGNORE_INDEX) ->
 
 
 def check_token_labels(
-    target: Tensor, rows_shape: tuple[int, ...], vocab: int, ignore_index: int = functional.IGNORE_INDEX, *, name: str = "labels"
+    target: Tensor, rows_shape: tuple[int, ...], vocab: int, ignore_index: int = functional.IGNORE_INDEX, *,
+    name: str = "labels", count: Tensor | None = None,
 ) -> int:
     """Raise unless ``target`` holds integer ids of shape ``rows_shape`` in ``[0, vocab)`` or ``ignore_index``.
 
-    Returns the number of non-ignored entries (one host sync for the range check and the count).
+    Returns the number of non-ignored entries, or with ``count`` (a bool tensor) its number of true entries,
+    in the same host sync as the range check.
     """
+    _check_token_layout(target, rows_shape, ignore_index, name)
+    if target.numel() == 0:
+        return 0 if count is None else int(count.sum())
+    valid = target != ignore_index
+    bad = valid & ((target < 0) | (target >= vocab))
+    n_bad, n_valid = (int(v) for v in torch.stack([bad.sum(), (valid if count is None else count).sum()]).tolist())
+    if n_bad:
+        values = target[bad]
+        raise ValueError(
+            f"{name} must lie in [0, {vocab}) (the vocabulary size) or equal ignore_index={ignore_index}; "
+            f"{n_bad} entries do not (values in [{int(values.min())}, {int(values.max())}]). Mask padding with "
+            f"{ignore_index}, or resize the head if the tokenizer grew"
+        )
+    return n_valid
+
+
+def _check_token_layout(target: Tensor, rows_shape: tuple[int, ...], ignore_index: int, name: str) -> None:
+    """Raise unless ``target`` is an integer tensor of shape ``rows_shape`` (no host sync)."""
     if not isinstance(target, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(target).__name__}")
     if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
@@ -128,19 +148,6 @@ def check_token_labels(
             f"{name} have shape {tuple(target.shape)} but the hidden states have {tuple(rows_shape)} tokens; "
             f"pass one token id (or {ignore_index} to ignore) per position, shape {tuple(rows_shape)}"
         )
-    if target.numel() == 0:
-        return 0
-    valid = target != ignore_index
-    bad = valid & ((target < 0) | (target >= vocab))
-    n_bad, n_valid = (int(v) for v in torch.stack([bad.sum(), valid.sum()]).tolist())
-    if n_bad:
-        values = target[bad]
-        raise ValueError(
-            f"{name} must lie in [0, {vocab}) (the vocabulary size) or equal ignore_index={ignore_index}; "
-            f"{n_bad} entries do not (values in [{int(values.min())}, {int(values.max())}]). Mask padding with "
-            f"{ignore_index}, or resize the head if the tokenizer grew"
-        )
-    return n_valid
 
 
 def _check_hidden_weight(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> None:
@@ -281,6 +288,7 @@ def linear_cross_entropy(
     chunk_size: int | None = None,
     backend: str = "auto",
     compute_dtype: torch.dtype | None = None,
+    num_valid: int | None = None,
 ) -> LinearCrossEntropyResult:
     """Loss and gradients of ``CE(hidden @ weight.T + bias, target)`` without the full logits.
 
@@ -288,12 +296,22 @@ def linear_cross_entropy(
     :func:`torch_dad.functional.head_loss_and_gradients` (+ ``dL/dhidden = d_logits @ W``) up to
     the compute dtype's rounding. ``compute_dtype`` defaults to the autocast dtype when autocast
     is on, else ``promote_types(hidden, weight)``. ``token_stats`` adds per-token ``entropy`` and
-    ``is_top1``. ``backend`` is one of :data:`BACKENDS` (see :func:`resolve_backend`). Runs
-    without autograd; the inputs are not modified.
+    ``is_top1``. ``backend`` is one of :data:`BACKENDS` (see :func:`resolve_backend`). ``num_valid``,
+    the number of targets that are not ``ignore_index``, is for a caller that has checked the ids
+    itself: it skips the range check and its host sync. Runs without autograd; the inputs are not
+    modified.
     """
     _check_hidden_weight(hidden, weight, bias)
     _check_options(reduction, chunk_size, compute_dtype)
-    num_valid = check_token_labels(target, (hidden.shape[0],), weight.shape[0], ignore_index, name="target")
+    if num_valid is None:
+        num_valid = check_token_labels(target, (hidden.shape[0],), weight.shape[0], ignore_index, name="target")
+    else:
+        _check_token_layout(target, (hidden.shape[0],), ignore_index, "target")
+        if isinstance(num_valid, bool) or not isinstance(num_valid, int) or not 0 <= num_valid <= target.numel():
+            raise ValueError(
+                f"num_valid={num_valid!r} must be the number of targets that are not ignore_index, an int in "
+                f"[0, {target.numel()}]; pass None to have it counted"
+            )
     dtype = compute_dtype or autocast_dtype(hidden.device) or torch.promote_types(hidden.dtype, weight.dtype)
     name = resolve_backend(backend, hidden.device, bias=bias is not None, token_stats=token_stats,
                            grad_input=grad_input, dtype=dtype)
