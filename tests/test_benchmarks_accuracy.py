@@ -258,3 +258,27 @@ def test_conv_cell_study_runs_both_systems(tmp_path: Path) -> None:
     summaries = [r for r in records if r["kind"] == "menu_summary"]
     assert [(s["system"], s["topology"]) for s in summaries] == [("dad", "vgg8b/32"), ("backprop", "vgg8b/32")]
     assert all("error" not in r for r in records if r["kind"] == "menu_run")
+
+
+def test_graphed_backprop_off_cuda_is_adamw_with_smoothing():
+    """The benchmarks' backprop baseline, op by op off CUDA: the same updates as a plain AdamW loop on
+    ``cross_entropy(label_smoothing=)``, following the lr it is given at each step."""
+    from _gpu_common import GraphedBackprop
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    twin = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
+    twin.load_state_dict(model.state_dict())
+    system = GraphedBackprop(model, (6,), 4, torch.device("cpu"), lr=1e-2, weight_decay=0.01, smoothing=0.1)
+    opt = torch.optim.AdamW(twin.parameters(), lr=1e-2, weight_decay=0.01)
+    g = torch.Generator().manual_seed(1)
+    for lr in (1e-2, 1e-2, 3e-3, 5e-2):
+        x, y = torch.randn(4, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+        system.step(x, y, lr)
+        for group in opt.param_groups:
+            group["lr"] = lr
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(twin(x), y, label_smoothing=0.1).backward()
+        opt.step()
+    for a, b in zip(system.model.parameters(), twin.parameters()):
+        assert torch.allclose(a, b, atol=1e-7)
