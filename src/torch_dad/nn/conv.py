@@ -19,6 +19,19 @@ from .linear import LocalStepResult
 __all__ = ["DADConv2d"]
 
 
+#: activations whose derivative the local step reads off their output, so they may overwrite their input
+_DERIVATIVE_FROM_OUTPUT = ("relu", "leaky_relu", "identity")
+
+
+def _activate_(z: Tensor, activation: str) -> Tensor:
+    """``act(z)`` written into ``z`` (relu, leaky relu, identity)."""
+    if activation == "relu":
+        return z.relu_()
+    if activation == "leaky_relu":
+        return nn.functional.leaky_relu_(z, functional.LEAKY_RELU_SLOPE)
+    return z
+
+
 class DADConv2d(BatchNormLayer):
     """A convolution ``o = pool(act(conv2d(x, weight, bias, stride, padding, groups=groups)))`` trained by a local head.
 
@@ -198,10 +211,19 @@ class DADConv2d(BatchNormLayer):
         norm = None
         if self.normalize == "batchnorm":
             z, norm = self._batch_norm(z, training=True, keep=True)
-        h = z.relu() if self.activation == "relu" else functional.activation_forward(z, self.activation)
+        # relu and leaky relu overwrite z: their derivative is read off h (h > 0 where z > 0); the
+        # temporaries are dropped as soon as they are used, since a layer's peak is several
+        # tensors of the output's size
+        reads_output = self.activation in _DERIVATIVE_FROM_OUTPUT
+        h = _activate_(z, self.activation) if reads_output else functional.activation_forward(z, self.activation)
+        pre_activation = None if reads_output else z
+        del z
         out, indices = self._pool(h)
         result, d_out, head_grads = self._head_error(out, target)
-        d_z = activation_backward(self._unpool(d_out, h, indices), h, z, self.activation, inplace=True)
+        d_h = self._unpool(d_out, h, indices)
+        del out, indices, d_out
+        d_z = activation_backward(d_h, h, pre_activation, self.activation, inplace=True)
+        del h, d_h, pre_activation
         norm_grads: list[Tensor] = []
         if norm is not None:
             d_z, norm_grads = self._batch_norm_backward(d_z, norm)
