@@ -113,22 +113,31 @@ def _input(data: Data, grad_hidden: bool) -> torch.Tensor:
     return data.h.detach().requires_grad_(grad_hidden)
 
 
+def _adamw_step(loss: Callable[[], torch.Tensor], x: torch.Tensor, opt: torch.optim.Optimizer) -> Step:
+    """A peer's training step: ``loss().backward()``, the optimizer's step, gradients cleared; returns the loss."""
+
+    def step() -> torch.Tensor:
+        value = loss()
+        value.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        x.grad = None
+        return value.detach()
+
+    return step
+
+
 def hf_adamw(data: Data, dtype: torch.dtype, grad_hidden: bool) -> tuple[Step, None]:
     """The unfused HF step: full logits, float32 CE, backprop, fused AdamW."""
     weight, opt = _master(data)
     x = _input(data, grad_hidden)
 
-    def step() -> torch.Tensor:
+    def loss() -> torch.Tensor:
         with torch.autocast(x.device.type, dtype=dtype, enabled=dtype != torch.float32):
             logits = x @ weight.t()
-        loss = torch.nn.functional.cross_entropy(logits.float(), data.y)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        x.grad = None
-        return loss.detach()
+        return torch.nn.functional.cross_entropy(logits.float(), data.y)
 
-    return step, None
+    return _adamw_step(loss, x, opt), None
 
 
 def peer_adamw(library: str, data: Data, dtype: torch.dtype, grad_hidden: bool) -> tuple[Step, None]:
@@ -152,15 +161,7 @@ def peer_adamw(library: str, data: Data, dtype: torch.dtype, grad_hidden: bool) 
     # W either (liger-kernel 0.8.5, ops/fused_linear_cross_entropy.py), and W never trains
     x = _input(data, grad_hidden or library == "liger")
 
-    def step() -> torch.Tensor:
-        loss = loss_of(x, weight.to(dtype))
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        x.grad = None
-        return loss.detach()
-
-    return step, None
+    return _adamw_step(lambda: loss_of(x, weight.to(dtype)), x, opt), None
 
 
 def dad_fused(
