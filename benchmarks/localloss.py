@@ -201,6 +201,8 @@ def train(
         cuda_sync()
         elapsed += time.perf_counter() - start
         curve.append({"epoch": epoch + 1, "lr": lr, "train_s": elapsed, **evaluate()})
+        if (epoch + 1) % 10 == 0 or epoch + 1 == run.epochs:
+            print(f"  epoch {epoch + 1}: test {curve[-1]['test_acc']:.2%}, train {elapsed:.1f} s", flush=True)
     return curve
 
 

@@ -10,6 +10,8 @@ Systems (``--systems``), each trained from the same random init on the same toke
 - ``dad``: ``torch_dad.integrations.trl.DADSFTTrainer`` with ``dad_head={"untie_embeddings": True,
   "backprop_gradients": True, "lr": --lr}``: the head updates itself in backward (its own AdamW, same betas, eps and
   weight decay as the trainer's) and passes ``dL/dhidden`` on to the trunk or the LoRA adapters;
+- ``dad-liger``: ``dad`` with ``use_liger_kernel=True``: the DAD head on Liger's trunk kernels, the setting for a
+  user who wants both (the head and the trunk kernels touch different modules); skipped as ``liger`` is;
 - ``unsloth`` (only when named): the same seed-0 Llama saved (bf16, with the stand-in tokenizer) into the run's
   temporary folder and loaded back with ``unsloth.FastLanguageModel.from_pretrained(dir, dtype=torch.bfloat16,
   load_in_4bit=False, max_seq_length=--seq-len)``, ``full_finetuning=True`` in ``full`` mode (skipped with a reason
@@ -73,11 +75,11 @@ older hub, add ``pip install -q --no-index --no-deps --upgrade --target /tmp/sit
 .gpu_trl/fallback/datasets-5.0.1-py3-none-any.whl`` (it needs ``requests`` installed).
 
 then, where the parts were copied back: ``python sft_gpu.py --merge sft_gpu_*.json`` (writes ``results/sft_gpu.json``
-and the plot). Expected time at the defaults (200 steps of 8 x 512 tokens): ``smollm2-135m`` is launch-bound (30
-small layers), roughly 0.05-0.1 s a step, so 10-20 s of training per run; ``llama-1b`` does about 6 x 1.24e9 x 4096
-= 3e13 FLOP a step (full; LoRA about 2/3), 0.1-0.15 s at 30-40 % of the H200's bf16 peak, 20-30 s per run; each run
-also pays 20-40 s for the subprocess (imports, model init, dataset preparation). So about 4-5 min for the 6 runs of
-``smollm2-135m`` and 2-3 min for each ``llama-1b`` mode: three calls fit 10-minute limits with room to spare.
+and the plot). Time at the defaults (200 steps of 8 x 512 tokens), measured on an H200: ``smollm2-135m`` is
+host-bound (30 small layers, a logged step every step): 135-140 ms a step in full mode and 170-180 ms with LoRA, so
+about 45 s per run, subprocess start included; its grid of 6 runs took 300 s, 8 runs take about 6.5 min.
+``llama-1b`` (not yet measured) does about 6 x 1.24e9 x 4096 = 3e13 FLOP a step (full; LoRA about 2/3): 0.1-0.15 s
+at 30-40 % of the H200's bf16 peak, so run each mode in a call of its own.
 
 Unsloth (``--systems unsloth unsloth-dad``, not in the default grid) brings its own pinned stack (trl 1.15,
 datasets 4.3, bitsandbytes, torchao, ...), so it runs in calls of its own, compared at ``--steps 50``. The git-ignored
@@ -112,6 +114,7 @@ import gc
 import importlib.metadata
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -129,13 +132,19 @@ from sft_smollm2 import _package_dir, load_snippets
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("UNSLOTH_DISABLE_STATISTICS", "1")
 
-SYSTEMS = ("stock", "liger", "dad", "unsloth", "unsloth-dad")
-DEFAULT_SYSTEMS = ("stock", "liger", "dad")
+SYSTEMS = ("stock", "liger", "dad", "dad-liger", "unsloth", "unsloth-dad")
+DEFAULT_SYSTEMS = ("stock", "liger", "dad", "dad-liger")
 UNSLOTH_SYSTEMS = ("unsloth", "unsloth-dad")
+LIGER_SYSTEMS = ("liger", "dad-liger")
 MODES = ("full", "lora")
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
+# No pad_token_id in the model config: it would make id 2 (<|im_end|>, the tokenizer's pad and EOS) the embedding's
+# padding_idx, whose row a random init sets to zero. A row that starts with that id then carries an all-zero hidden
+# state through every layer, each RMSNorm's backward multiplies its gradient by about 1/sqrt(eps) = 316, and 60 of
+# them overflow to inf/NaN in the first batch holding such a row (about one batch in four here). The rows are
+# packed and never padded, so the tokenizer's pad id is never used as padding.
 _COMMON_SHAPE: dict[str, Any] = {"hidden_act": "silu", "rms_norm_eps": 1e-5, "tie_word_embeddings": False, "attention_bias": False,
-                 "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": 2}
+                 "bos_token_id": 1, "eos_token_id": 2, "pad_token_id": None}
 SHAPES: dict[str, dict[str, Any]] = {
     "smollm2-135m": {"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9, "num_key_value_heads": 3,
                      "intermediate_size": 1536, "vocab_size": 49152, "max_position_embeddings": 8192,
@@ -249,7 +258,7 @@ def unsloth_missing(device: torch.device) -> str | None:
 
 def skip_reason(system: str, device: torch.device) -> str | None:
     """Why ``system`` is skipped on ``device``, or ``None``."""
-    if system == "liger":
+    if system in LIGER_SYSTEMS:
         return liger_missing(device)
     if system in UNSLOTH_SYSTEMS:
         return unsloth_missing(device)
@@ -261,7 +270,7 @@ class Skipped(Exception):
 
 
 def sft_config(system: str, args: argparse.Namespace, device: torch.device, out_dir: str) -> Any:
-    """The ``SFTConfig`` every system shares; ``liger`` only adds ``use_liger_kernel=True``."""
+    """The ``SFTConfig`` every system shares; ``liger`` and ``dad-liger`` only add ``use_liger_kernel=True``."""
     import trl
 
     return trl.SFTConfig(
@@ -269,7 +278,10 @@ def sft_config(system: str, args: argparse.Namespace, device: torch.device, out_
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=args.max_grad_norm,
         logging_steps=1, report_to=[], save_strategy="no", eval_strategy="no", max_length=args.seq_len,
         packing=False, bf16=device.type == "cuda", use_cpu=device.type != "cuda", dataloader_num_workers=0,
-        disable_tqdm=True, seed=0, use_liger_kernel=system == "liger",
+        # TRL turns checkpointing on by default; both shapes fit without it, and recomputing the trunk would only
+        # add the same time to every system (the Unsloth systems keep Unsloth's own checkpointing)
+        gradient_checkpointing=False,
+        disable_tqdm=True, seed=0, use_liger_kernel=system in LIGER_SYSTEMS,
     )
 
 
@@ -296,7 +308,7 @@ def build_trainer(system: str, mode: str, model: Any, dataset: Any, tok: Any, co
         peft_config = peft.LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0, target_modules=LORA_TARGETS)
     common = {"model": model, "args": config, "train_dataset": dataset, "processing_class": tok,
               "peft_config": peft_config}
-    if system == "dad":
+    if system in ("dad", "dad-liger"):
         return DADSFTTrainer(**common, dad_head=dad_head_kwargs(config))
     trainer = trl.SFTTrainer(**common)
     if system == "unsloth-dad":
@@ -408,6 +420,7 @@ def train_one(system: str, shape_name: str, mode: str, args: argparse.Namespace,
         "train_s": train_s, "wall_s": time.perf_counter() - t0,
         "loss_steps": [h.get("step") for h in logs], "losses": [h["loss"] for h in logs],
         "mean_token_accuracy": [h.get("mean_token_accuracy") for h in logs],
+        "grad_norms": [h.get("grad_norm") for h in logs],
         "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
         "params": sum(p.numel() for p in trainer.model.parameters()),
         "optim": str(trainer.args.optim), "dtype": "bf16 autocast, fp32 master" if device.type == "cuda" else "fp32",
@@ -416,6 +429,8 @@ def train_one(system: str, shape_name: str, mode: str, args: argparse.Namespace,
         "tokens": tokens.get("tokenizer"), "text": tokens.get("text"), "model_config": shape,
         "dad_backend": getattr(head, "last_backend", None),
     }
+    if not all(math.isfinite(v) for h in logs for v in (h["loss"], h.get("grad_norm", 0.0))):
+        record["warning"] = "a logged loss or gradient norm is not finite: the run diverged"
     if head is not None and head.last_backend is None:
         record["warning"] = "the DAD head never ran its fused step: the trainer's loss bypassed it"
     del trainer, model
@@ -493,7 +508,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     cols = max(2, len(groups))
     fig, axes = plt.subplots(2, cols, figsize=(4.2 * cols, 7.2), squeeze=False)
     # dad and stock can coincide: keep both visible
-    styles = {"stock": "-", "liger": "-.", "dad": "--", "unsloth": ":", "unsloth-dad": (0, (5, 1, 1, 1))}
+    styles = {"stock": "-", "liger": "-.", "dad": "--", "dad-liger": (0, (3, 1)), "unsloth": ":", "unsloth-dad": (0, (5, 1, 1, 1))}
     for ax, (shape, mode) in zip(axes[0], groups):
         for r in (r for r in done if (r["shape"], r["mode"]) == (shape, mode)):
             ax.plot(r["loss_steps"], r["losses"], styles.get(r["system"], "-"), label=r["system"], lw=1)

@@ -24,7 +24,7 @@ CPU = torch.device("cpu")
 def test_unsloth_systems_are_opt_in() -> None:
     assert set(sft_gpu.UNSLOTH_SYSTEMS) <= set(sft_gpu.SYSTEMS)
     assert not set(sft_gpu.UNSLOTH_SYSTEMS) & set(sft_gpu.DEFAULT_SYSTEMS)
-    assert sft_gpu.DEFAULT_SYSTEMS == ("stock", "liger", "dad")
+    assert sft_gpu.DEFAULT_SYSTEMS == ("stock", "liger", "dad", "dad-liger")
 
 
 def test_skipped_without_cuda_without_importing_unsloth() -> None:
@@ -32,6 +32,7 @@ def test_skipped_without_cuda_without_importing_unsloth() -> None:
     for system in sft_gpu.UNSLOTH_SYSTEMS:
         assert sft_gpu.skip_reason(system, CPU) == "unsloth needs CUDA"
     assert sft_gpu.skip_reason("stock", CPU) is None
+    assert sft_gpu.skip_reason("dad-liger", CPU) == sft_gpu.skip_reason("liger", CPU) is not None
     assert ("unsloth" in sys.modules) == imported
 
 
@@ -107,3 +108,17 @@ def test_unsloth_builder_loads_the_saved_init(monkeypatch: pytest.MonkeyPatch, t
     assert torch.equal(model.model.embed_tokens.weight, reference.model.embed_tokens.weight.to(torch.bfloat16))
     assert tok2.eos_token_id == 2 and tok2.pad_token_id == 2
     assert sft_gpu.model_builder("stock") is sft_gpu.plain_model
+
+
+def test_model_has_no_padding_row() -> None:
+    """With ``pad_token_id`` in the config, the EOS/pad id's embedding row is zero at init; a row that starts with it
+    keeps a zero hidden state through every layer, and the RMSNorm backwards (about 1/sqrt(eps) each) overflow."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(**sft_gpu._COMMON_SHAPE, **sft_gpu.SMOKE_SHAPE)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(config)
+    assert model.get_input_embeddings().padding_idx is None
+    ids = torch.randint(3, config.vocab_size, (2, 16))
+    ids[0, 0] = sft_gpu._COMMON_SHAPE["eos_token_id"]
+    model(input_ids=ids, labels=ids).loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
