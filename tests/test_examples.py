@@ -68,3 +68,13 @@ def _metrics_after_loading(trainer: td.DADTrainer, path: Path, test: tuple[torch
     after = trainer.evaluate(test)
     assert after["loss"] != before["loss"]
     return after
+
+
+def test_sft_trl_smoke_loss_falls(tmp_path: Path) -> None:
+    """``examples/sft_trl.py --smoke``: DADSFTTrainer on a tiny random Llama learns the counting pattern and saves."""
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    example = _load("sft_trl")
+    results = example.main(["--smoke", "--save", str(tmp_path / "model")])
+    assert results["last_loss"] < 0.5 * results["first_loss"], results
+    assert (tmp_path / "model" / "config.json").is_file()
