@@ -238,30 +238,21 @@ def versions() -> dict[str, str | None]:
     return out
 
 
-def liger_missing(device: torch.device) -> str | None:
-    """Why the ``liger`` system cannot run here, or ``None``."""
-    if device.type != "cuda":
-        return "liger-kernel needs CUDA (Triton GPU kernels)"
-    if importlib.util.find_spec("liger_kernel") is None:
-        return "liger_kernel is not importable"
-    return None
-
-
-def unsloth_missing(device: torch.device) -> str | None:
-    """Why the ``unsloth`` systems cannot run here, or ``None`` (checked without importing Unsloth)."""
-    if device.type != "cuda":
-        return "unsloth needs CUDA"
-    if importlib.util.find_spec("unsloth") is None:
-        return "unsloth is not importable"
-    return None
+#: the package each optional system needs, its import name, and why it needs CUDA
+OPTIONAL_PACKAGES = {"liger": ("liger_kernel", "liger-kernel needs CUDA (Triton GPU kernels)"),
+                     "unsloth": ("unsloth", "unsloth needs CUDA")}
 
 
 def skip_reason(system: str, device: torch.device) -> str | None:
-    """Why ``system`` is skipped on ``device``, or ``None``."""
-    if system in LIGER_SYSTEMS:
-        return liger_missing(device)
-    if system in UNSLOTH_SYSTEMS:
-        return unsloth_missing(device)
+    """Why ``system`` is skipped on ``device``, or ``None`` (checked without importing the package)."""
+    family = "liger" if system in LIGER_SYSTEMS else "unsloth" if system in UNSLOTH_SYSTEMS else None
+    if family is None:
+        return None
+    module, cuda_reason = OPTIONAL_PACKAGES[family]
+    if device.type != "cuda":
+        return cuda_reason
+    if importlib.util.find_spec(module) is None:
+        return f"{module} is not importable"
     return None
 
 

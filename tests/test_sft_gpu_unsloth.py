@@ -38,7 +38,7 @@ def test_skipped_without_cuda_without_importing_unsloth() -> None:
 
 def test_skipped_where_unsloth_is_missing(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    assert sft_gpu.unsloth_missing(torch.device("cuda")) == "unsloth is not importable"
+    assert sft_gpu.skip_reason("unsloth", torch.device("cuda")) == "unsloth is not importable"
 
 
 def test_run_grid_records_the_skip(monkeypatch: pytest.MonkeyPatch) -> None:
