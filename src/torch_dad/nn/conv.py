@@ -10,7 +10,7 @@ from torch import Tensor, nn
 
 from .. import functional
 from .._checks import check_choice, check_fraction, check_num_classes, check_positive_int
-from ..ops.pooling import grid_pool, grid_pool_backward
+from ..ops.pooling import grid_pool, grid_pool_backward, max_pool2x2, max_pool2x2_backward
 from ..optim import LocalOptimizerState
 from ._batchnorm import BatchNormLayer
 from ._local import activation_backward
@@ -152,21 +152,20 @@ class DADConv2d(BatchNormLayer):
         return nn.functional.conv2d(a, weight, bias, self.stride, self.padding, 1, self.groups)
 
     def _pool(self, h: Tensor) -> tuple[Tensor, Tensor | None]:
-        """``(o, indices)``: the 2 x 2 pool of ``h`` (``h`` itself without ``pool``); ``indices``
-        are the max pool's argmax (for its backward), else ``None``."""
+        """``(o, arg)``: the 2 x 2 pool of ``h`` (``h`` itself without ``pool``); ``arg`` is the max
+        pool's window code of each maximum (for its backward), else ``None``."""
         if self.pool == "max":
-            out, indices = torch.ops.aten.max_pool2d_with_indices(h, [2, 2], [2, 2])
-            return out, indices
+            # a 1-byte argmax: torch's int64 indices made its backward 4x its forward
+            return max_pool2x2(h)
         if self.pool == "avg":
             return nn.functional.avg_pool2d(h, 2), None
         return h, None
 
-    def _unpool(self, d_out: Tensor, h: Tensor, indices: Tensor | None) -> Tensor:
-        """The pooling's adjoint: ``d_h`` from ``d_out`` (torch's own pooling backward kernels)."""
+    def _unpool(self, d_out: Tensor, h: Tensor, arg: Tensor | None) -> Tensor:
+        """The pooling's adjoint: ``d_h`` from ``d_out``."""
         if self.pool == "max":
-            return torch.ops.aten.max_pool2d_with_indices_backward(
-                d_out, h, [2, 2], [2, 2], [0, 0], [1, 1], False, indices
-            )
+            assert arg is not None
+            return max_pool2x2_backward(d_out, arg, h.shape)
         if self.pool == "avg":
             return torch.ops.aten.avg_pool2d_backward(d_out, h, [2, 2], [2, 2], [0, 0], False, True, None)
         return d_out
@@ -196,8 +195,9 @@ class DADConv2d(BatchNormLayer):
         """The layer's output, local loss and closed-form gradients, without updating anything.
 
         The math of :func:`torch_dad.functional.conv_local_loss_and_gradients`; the adjoints are
-        torch's backward kernels (max/avg pool, convolution weight and bias
-        gradient: ``aten.convolution_backward``, cuDNN/oneDNN), not autograd over a graph. Gradients
+        backward kernels (:func:`~torch_dad.ops.pooling.max_pool2x2_backward`, torch's avg pool backward,
+        convolution weight and bias gradient: ``aten.convolution_backward``, cuDNN/oneDNN), not autograd
+        over a graph. Gradients
         come in the order of :meth:`trained_tensors` (``weight, [bias,] head_weight, head_bias,
         [norm_weight, norm_bias]``), in the master dtype. Under ``normalize="batchnorm"`` the batch
         statistics are kept for the update to fold into the running ones. No host syncs, no
@@ -218,10 +218,10 @@ class DADConv2d(BatchNormLayer):
         h = _activate_(z, self.activation) if reads_output else functional.activation_forward(z, self.activation)
         pre_activation = None if reads_output else z
         del z
-        out, indices = self._pool(h)
+        out, arg = self._pool(h)
         result, d_out, head_grads = self._head_error(out, target)
-        d_h = self._unpool(d_out, h, indices)
-        del out, indices, d_out
+        d_h = self._unpool(d_out, h, arg)
+        del out, arg, d_out
         d_z = activation_backward(d_h, h, pre_activation, self.activation, inplace=True)
         del h, d_h, pre_activation
         norm_grads: list[Tensor] = []
