@@ -170,6 +170,15 @@ def test_default_chunk_size_triton_keeps_only_the_logits():
     assert rows == 2048 and rows * 49152 * 2 <= TRITON_CHUNK_BYTES
 
 
+@pytest.mark.parametrize("vocab, hidden, rows", [(49152, 576, 2048), (128256, 4096, 4096), (128256, 2048, 2048),
+                                                 (128256, 64, 784)])
+def test_default_chunk_size_triton_grows_with_the_weight(vocab, hidden, rows):
+    # the logits chunk may use max(TRITON_CHUNK_BYTES, half the float32 dW) of memory
+    got = default_chunk_size(vocab, torch.bfloat16, backend="triton", hidden=hidden)
+    assert got == rows
+    assert got * vocab * 2 <= max(TRITON_CHUNK_BYTES, vocab * hidden * 2)
+
+
 def test_auto_prefers_triton_and_falls_back_without_it(monkeypatch):
     import torch_dad.kernels as K
 

@@ -96,12 +96,19 @@ class LinearCrossEntropyResult:
 
 
 def default_chunk_size(vocab: int, compute_dtype: torch.dtype, token_stats: bool = False,
-                       backend: str = "torch") -> int:
+                       backend: str = "torch", hidden: int | None = None) -> int:
     """Rows per chunk (multiple of 16): one chunk's logits + float32 softmax fit :data:`CHUNK_BYTES`;
-    for ``backend="triton"`` the compute-dtype logits alone fit :data:`TRITON_CHUNK_BYTES`."""
+    for ``backend="triton"`` the compute-dtype logits alone fit
+    ``max(TRITON_CHUNK_BYTES, vocab * hidden * 4 // 2)`` (half the float32 ``dW`` when ``hidden`` is given)."""
     size = torch.empty((), dtype=compute_dtype).element_size()
     if backend == "triton":
-        per_row, budget = vocab * size, TRITON_CHUNK_BYTES
+        # Each chunk reads and writes the float32 dW accumulator (8*V*D bytes) around a GEMM of
+        # 2*rows*V*D FLOP, so the accumulator costs 4/rows bytes per FLOP whatever D is. At the
+        # Llama-3 head (V=128256, D=4096) 192 MiB gives 784 rows and the step took 40.4 ms; 4096 rows
+        # (1 GiB, half of dW) took 34.5 ms for 810 MiB more peak (H200, `python benchmarks/lm_head.py
+        # --shapes llama3-8b --sweep --chunks --triton-chunks 784 1568 2048 4096`).
+        budget = max(TRITON_CHUNK_BYTES, vocab * (hidden or 0) * 4 // 2)
+        per_row = vocab * size
     else:
         per_row, budget = vocab * (size + 4 + (4 if token_stats else 0)), CHUNK_BYTES
     rows = budget // max(per_row, 1)
@@ -390,7 +397,8 @@ def _chunked(step: _Step, backend: str, chunk_size: int | None) -> LinearCrossEn
     dtype (cuBLAS), :func:`cross_entropy_rows_` turns them into ``d_c`` in place, then
     ``dW += d_c.T @ h_c``, ``db += d_c.sum(0)``, ``dh_c = d_c @ W``."""
     dtype = step.dtype
-    rows = chunk_size or default_chunk_size(step.weight.shape[0], dtype, step.token_stats, backend)
+    rows = chunk_size or default_chunk_size(step.weight.shape[0], dtype, step.token_stats, backend,
+                                             hidden=step.weight.shape[1])
     # backend="triton" still runs the twin where the kernel does not apply (float64 logits)
     rows_backend = "auto" if backend == "triton" else "torch"
     w = step.weight if step.weight.dtype == dtype else step.weight.to(dtype)
