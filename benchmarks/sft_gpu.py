@@ -487,6 +487,28 @@ def report(row: dict[str, Any]) -> None:
           f"peak {peak}  loss {row['losses'][0]:.3f} -> {row['losses'][-1]:.3f}  wall {row['wall_s']:.1f} s")
 
 
+def loss_gap(row: dict[str, Any], stock: dict[str, Any]) -> float:
+    """``max_step |loss - stock_loss| / stock_loss`` over the steps both logged."""
+    ref = dict(zip(stock["loss_steps"], stock["losses"]))
+    return max((abs(v - ref[k]) / ref[k] for k, v in zip(row["loss_steps"], row["losses"]) if k in ref), default=0.0)
+
+
+def summary_table(records: list[dict[str, Any]]) -> str:
+    """Markdown: tokens/s, median step, peak memory, last loss and the largest loss gap to the system's
+    reference (``unsloth`` for ``unsloth-dad``, ``stock`` for the others), per run."""
+    lines = ["| shape | mode | system | steps | tokens/s | median step | peak MiB | last loss | max loss gap |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|"]
+    for r in sorted((r for r in records if r.get("losses")), key=lambda r: (r["shape"], r["mode"])):
+        reference = "unsloth" if r["system"] == "unsloth-dad" else "stock"
+        ref = next((s for s in records if s.get("losses") and (s["shape"], s["mode"], s["system"])
+                    == (r["shape"], r["mode"], reference)), None)
+        gap = "" if ref is None or r is ref else f"{100 * loss_gap(r, ref):.2f}% to {reference}"
+        lines.append(f"| {r['shape']} | {r['mode']} | {r['system']} | {r['steps']} | {r['tokens_per_s']:,.0f} | "
+                     f"{r['step_ms_median']:.1f} ms | {r['peak_mib']:,.0f} | {r['losses'][-1]:.3f} | {gap} |")
+    lines += [f"| {r['shape']} | {r['mode']} | {r['system']} | {r['error']} |" for r in records if r.get("error")]
+    return "\n".join(lines)
+
+
 def plot(records: list[dict[str, Any]], path: Path) -> None:
     """Loss curves per shape/mode (one line per system), then tokens/s and peak memory bars."""
     import matplotlib
@@ -502,7 +524,7 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     styles = {"stock": "-", "liger": "-.", "dad": "--", "dad-liger": (0, (3, 1)), "unsloth": ":", "unsloth-dad": (0, (5, 1, 1, 1))}
     for ax, (shape, mode) in zip(axes[0], groups):
         for r in (r for r in done if (r["shape"], r["mode"]) == (shape, mode)):
-            ax.plot(r["loss_steps"], r["losses"], styles.get(r["system"], "-"), label=r["system"], lw=1)
+            ax.plot(r["loss_steps"], r["losses"], linestyle=styles.get(r["system"], "-"), label=r["system"], lw=1)
         ax.set(title=f"{shape} {mode}", xlabel="step", ylabel="training loss")
         ax.legend()
     labels = [f"{g[0]}\n{g[1]}" for g in groups]
@@ -556,6 +578,7 @@ def main() -> None:
     if args.merge:
         records = [row for path in args.merge for row in json.loads(path.read_text())]
         print("wrote", write_records("sft_gpu", records, smoke=False))
+        print(summary_table(records))
         if importlib.util.find_spec("matplotlib") is not None:
             plot(records, RESULTS / "sft_gpu.png")
         return
