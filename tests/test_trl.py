@@ -207,6 +207,11 @@ def test_unsloth_patch_refuses_plain_model_and_works_on_the_generic_path():
     assert not unsloth.is_unsloth_model(model)
     with pytest.raises(ValueError, match="FastLanguageModel"):
         unsloth.patch(model)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    model.config.unsloth_version = "2026.10.9"  # what Unsloth's loaders stamp, full fine-tuning included
+    assert unsloth.is_unsloth_model(model)
+    del model.config.unsloth_version
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())  # the refusal changed nothing
     head = unsloth.patch(model, require_unsloth=False, lr=1e-2)
     assert head.weight.dtype == torch.float32 and head.optim_state.exp_avg_0.dtype == torch.float32
     ids, labels = batch()

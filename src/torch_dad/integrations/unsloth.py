@@ -1,14 +1,15 @@
-"""Unsloth ``FastLanguageModel`` + DAD LM head: ``patch(model)``. Not tested with Unsloth itself.
+"""Unsloth ``FastLanguageModel`` + DAD LM head: ``patch(model)``.
 
-Unsloth needs a CUDA GPU and its own pinned stack (unsloth, unsloth_zoo, bitsandbytes,
-xformers), which the test suite does not install. What is tested is the generic path this
-function uses, on plain transformers causal LMs:
-:func:`~torch_dad.integrations.causal_lm.replace_lm_head` (see ``docs/lm_head.md``).
+Unsloth needs a CUDA GPU and its own pinned stack (unsloth, unsloth_zoo, bitsandbytes), which the
+test suite does not install. The test suite covers the generic path this function uses, on plain
+transformers causal LMs: :func:`~torch_dad.integrations.causal_lm.replace_lm_head` (see
+``docs/lm_head.md``). With Unsloth itself, ``benchmarks/sft_gpu.py --systems unsloth unsloth-dad``
+trained a LoRA model on an H200 (``docs/lm_head.md`` has the figures).
 
-How it is meant to work: Unsloth patches the *class* forwards of the backbone (fast attention,
-RoPE, RMSNorm kernels) and of the causal LM. ``patch`` sets an *instance* ``forward`` on the causal
-LM, which in training calls the (Unsloth-patched) backbone for the hidden states and then the DAD
-head's fused step, so Unsloth's fast forward meets the backprop-free head; evaluation and
+How it works: Unsloth patches the *class* forwards of the backbone (fast attention, RoPE, RMSNorm
+kernels) and, for LoRA and QLoRA, of the causal LM. ``patch`` sets an *instance* ``forward`` on the
+causal LM, which in training calls the (Unsloth-patched) backbone for the hidden states and then the
+DAD head's fused step, so Unsloth's fast forward meets the backprop-free head; evaluation and
 generation go through Unsloth's own forward, which reads ``lm_head.weight`` as before.
 """
 
@@ -26,8 +27,14 @@ __all__ = ["patch", "is_unsloth_model"]
 
 
 def is_unsloth_model(model: nn.Module) -> bool:
-    """Whether ``model`` (or the model under its PEFT wrapper) runs a forward patched by Unsloth."""
+    """Whether ``model`` (or the model under its PEFT wrapper) was loaded by Unsloth: its config carries
+    ``unsloth_version``, or its causal-LM forward is Unsloth's."""
     base = unwrap_model(model)
+    # A full fine-tune (full_finetuning=True) keeps transformers' causal-LM forward and patches only
+    # the modules below it, so the class forward alone would refuse it; every Unsloth loader stamps
+    # its version into the config.
+    if getattr(getattr(base, "config", None), "unsloth_version", None):
+        return True
     for cls in type(base).__mro__:
         forward = cls.__dict__.get("forward")
         if forward is not None:
