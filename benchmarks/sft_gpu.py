@@ -78,8 +78,8 @@ then, where the parts were copied back: ``python sft_gpu.py --merge sft_gpu_*.js
 and the plot). Time at the defaults (200 steps of 8 x 512 tokens), measured on an H200: ``smollm2-135m`` is
 host-bound (30 small layers, a logged step every step): 135-140 ms a step in full mode and 170-180 ms with LoRA, so
 about 45 s per run, subprocess start included; its grid of 6 runs took 300 s, 8 runs take about 6.5 min.
-``llama-1b`` (not yet measured) does about 6 x 1.24e9 x 4096 = 3e13 FLOP a step (full; LoRA about 2/3): 0.1-0.15 s
-at 30-40 % of the H200's bf16 peak, so run each mode in a call of its own.
+``llama-1b`` does about 6 x 1.24e9 x 4096 = 3e13 FLOP a step (full; LoRA about 2/3): 105-123 ms a step, 33-37 s
+per run, so the 4 systems of one mode take about 2.5 minutes.
 
 Unsloth (``--systems unsloth unsloth-dad``, not in the default grid) brings its own pinned stack (trl 1.15,
 datasets 4.3, bitsandbytes, torchao, ...), so it runs in calls of its own, compared at ``--steps 50``. The git-ignored
