@@ -33,7 +33,7 @@ import json
 import statistics
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -165,12 +165,14 @@ def peer_adamw(library: str, data: Data, dtype: torch.dtype, grad_hidden: bool) 
 
 
 def dad_fused(
-    data: Data, dtype: torch.dtype, grad_hidden: bool, backend: str = "auto", chunk: int | None = None
+    data: Data, dtype: torch.dtype, grad_hidden: bool, backend: str = "auto", chunk: int | None = None,
+    weight_chunk: int | None = None,
 ) -> tuple[Step, DADLMHead]:
     """One DAD head step: fused loss forward, in-place AdamW in backward; ``y`` is already shifted."""
     vocab, hidden = data.init.shape
     head = DADLMHead(hidden, vocab, lr=1e-3, weight_decay=0.01, backend=backend, chunk_size=chunk,
-                     backprop_gradients=grad_hidden, compute_dtype=dtype, device=data.h.device)
+                     weight_chunk_size=weight_chunk, backprop_gradients=grad_hidden, compute_dtype=dtype,
+                     device=data.h.device)
     with torch.no_grad():
         head.weight.copy_(data.init)
     x = _input(data, grad_hidden)
@@ -209,8 +211,11 @@ def loss_after(step: Step, data: Data, steps: int) -> float:
     return float(loss)
 
 
-def systems_for(data: Data, dtype: torch.dtype, device: torch.device, sweep: dict[str, list[int]]) -> list[tuple[str, Callable[[], Any]]]:
-    """``(name, build)`` of every system of one shape; ``build()`` returns ``(step, head or None)``."""
+def systems_for(data: Data, dtype: torch.dtype, device: torch.device, sweep: dict[str, list[int]],
+                weight_chunks: Sequence[int] = ()) -> list[tuple[str, Callable[[], Any]]]:
+    """``(name, build)`` of every system of one shape; ``build()`` returns ``(step, head or None)``.
+    ``weight_chunks``: also the DAD head casting its weight that many rows at a time (``-w<rows>``),
+    at the default chunk and at every chunk of the sweep."""
     systems: list[tuple[str, Callable[[], Any]]] = []
     for dh in (False, True):
         tag = "+dh" if dh else ""
@@ -221,6 +226,8 @@ def systems_for(data: Data, dtype: torch.dtype, device: torch.device, sweep: dic
                 continue
             systems += [(f"{library}-adamw{tag}", lambda library=library, dh=dh: peer_adamw(library, data, dtype, dh))]
         systems += [(f"dad-fused{tag}", lambda dh=dh: dad_fused(data, dtype, dh))]
+        systems += [(f"dad-fused-w{w}{tag}", lambda dh=dh, w=w: dad_fused(data, dtype, dh, weight_chunk=w))
+                    for w in weight_chunks]
     for backend, chunks in sweep.items():
         try:
             resolve_backend(backend, device)
@@ -231,6 +238,9 @@ def systems_for(data: Data, dtype: torch.dtype, device: torch.device, sweep: dic
         for rows in chunks:
             systems.append((f"dad-fused-{backend}-c{rows}",
                             lambda backend=backend, rows=rows: dad_fused(data, dtype, False, backend, rows)))
+            systems += [(f"dad-fused-{backend}-c{rows}-w{w}",
+                         lambda backend=backend, rows=rows, w=w: dad_fused(data, dtype, False, backend, rows, w))
+                        for w in weight_chunks]
     return systems
 
 
@@ -297,6 +307,8 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="CUDA kernel time per step by category, per system")
     parser.add_argument("--chunks", type=int, nargs="*", default=[128, 256, 512, 1024])
     parser.add_argument("--triton-chunks", type=int, nargs="*", default=[512, 1024, 2048])
+    parser.add_argument("--weight-chunks", type=int, nargs="*", default=[],
+                        help="also the DAD head with weight_chunk_size=ROWS (no V x D copy in the compute dtype)")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default results/lm_head.json)")
     args = parser.parse_args()
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
@@ -312,7 +324,7 @@ def main() -> None:
     records = []
     for index, (shape, (vocab, hidden, tokens)) in enumerate(shapes.items()):
         data = Data(vocab, hidden, tokens, dtype, device)
-        systems = systems_for(data, dtype, device, sweep if index == 0 else {})
+        systems = systems_for(data, dtype, device, sweep if index == 0 else {}, args.weight_chunks)
         rows = [run_system(name, build, data, device, warmup, repeats, args.loss_steps, args.profile)
                 for name, build in systems]
         rows += [{"system": f"floor{tag}", **floor(data, dtype, dh, warmup, repeats)} for dh, tag in ((False, ""), (True, "+dh"))]

@@ -137,6 +137,32 @@ def test_shift_labels_matches_hf():
     assert torch.equal(shift_labels(y), torch.tensor([[6, 7, -100, -100], [2, 3, 4, -100]]))
 
 
+@pytest.mark.parametrize("compute, tol", [(torch.float64, 1e-10), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("slice_rows", [1, 16, 40, 101, 500])
+def test_weight_cast_in_slices_matches_one_copy_and_the_oracle(compute, tol, bias, slice_rows):
+    # float32 master weights, computed in another dtype: the path that casts the weight. Slices of
+    # 1 row, uneven last slices (101 = 2 x 40 + 21) and a slice larger than the vocabulary.
+    h, w, b, y = make(37, 23, 101, torch.float32, bias, seed=3)
+    h = h.to(compute)
+    kwargs = dict(chunk_size=9, token_stats=True, backend="torch", compute_dtype=compute)
+    whole = linear_cross_entropy(h, w, y, b, **kwargs)
+    sliced = linear_cross_entropy(h, w, y, b, weight_chunk_size=slice_rows, **kwargs)
+    ref, gi, tok, _, _ = reference(h, w, b, y)
+    assert sliced.grad_input.dtype == compute and sliced.grad_weight.dtype == whole.grad_weight.dtype
+    for got in (whole, sliced):
+        assert abs(float(got.loss) - float(ref.loss)) <= tol * abs(float(ref.loss))
+        assert rel(got.grad_weight, ref.grad_weight) <= tol and rel(got.grad_input, gi) <= tol
+        assert rel(got.log_probs, tok) <= tol
+        if bias:
+            assert rel(got.grad_bias, ref.grad_bias) <= tol
+    # the same products by differently blocked GEMMs: equal up to the compute dtype's rounding
+    close = 1e-12 if compute == torch.float64 else 1e-2
+    assert abs(float(sliced.loss) - float(whole.loss)) <= close * abs(float(whole.loss))
+    for name in ("grad_weight", "grad_input", "log_probs", "entropy"):
+        assert rel(getattr(sliced, name), getattr(whole, name)) <= close, name
+
+
 def test_default_chunk_size_bounds_memory():
     rows = default_chunk_size(49152, torch.bfloat16)
     assert rows % 16 == 0 and rows * 49152 * 6 <= 64 * 2**20 < (rows + 16) * 49152 * 6
@@ -153,6 +179,8 @@ def test_default_chunk_size_bounds_memory():
         ({"backend": "compile"}, ValueError, "backend"),
         ({"backend": "liger"}, ValueError, "CUDA"),
         ({"chunk_size": 0}, ValueError, "chunk_size"),
+        ({"weight_chunk_size": 0}, ValueError, "weight_chunk_size"),
+        ({"weight_chunk_size": 2.5}, ValueError, "weight_chunk_size"),
         ({"reduction": "none"}, ValueError, "reduction"),
         ({"hidden": torch.randn(6, 4)}, ValueError, "hidden"),
         ({"hidden": torch.ones(6, 5, dtype=torch.long)}, TypeError, "hidden"),
@@ -276,6 +304,22 @@ def test_head_backprop_gradients_use_pre_update_weights():
     assert not torch.equal(head.weight, w0)
 
 
+def test_head_weight_chunk_size_trains_like_one_weight_copy():
+    # float32 master weights under float64 hidden states: the fused step casts the weight, 7 rows at a time
+    d, v = 12, 41
+    heads = [DADLMHead(d, v, lr=0.05, backprop_gradients=True, weight_chunk_size=k, chunk_size=5) for k in (None, 7)]
+    heads[1].load_state_dict(heads[0].state_dict())
+    grads = []
+    for head in heads:
+        for step in range(3):
+            hidden, labels = lm_batch(seed=step)
+            x = hidden.clone().requires_grad_(True)
+            head.fused_loss(x, labels).loss.backward()
+        grads.append(x.grad)
+    assert heads[1].weight_chunk_size == 7 and rel(heads[1].weight, heads[0].weight) < 1e-6
+    assert rel(grads[1], grads[0]) < 1e-6
+
+
 def test_head_without_backprop_gives_no_hidden_grad():
     head = DADLMHead(12, 41, dtype=torch.float64)
     hidden, labels = lm_batch()
@@ -397,7 +441,8 @@ def test_head_bad_labels_leave_state_unchanged(labels, exc, match):
 
 @pytest.mark.parametrize(
     "kwargs,match",
-    [({"update": "adam"}, "update"), ({"backend": "x"}, "backend"), ({"chunk_size": -1}, "chunk_size"), ({"lr": -1.0}, "lr")],
+    [({"update": "adam"}, "update"), ({"backend": "x"}, "backend"), ({"chunk_size": -1}, "chunk_size"),
+     ({"weight_chunk_size": 0}, "weight_chunk_size"), ({"lr": -1.0}, "lr")],
 )
 def test_head_bad_config(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -54,7 +54,8 @@ def test_fp32_matches_float64(shape, chunk, bias, small_blocks, monkeypatch):
 
 
 @pytest.mark.parametrize("bias", [False, True])
-def test_half_within_reference_error(bias):
+@pytest.mark.parametrize("weight_chunk", [None, 50])  # 50: the float32 weight cast 50 rows at a time (203 = 4 x 50 + 3)
+def test_half_within_reference_error(bias, weight_chunk):
     n, d, v = 61, 24, 203
     h, w, b, y = make(n, d, v, torch.float32, bias, seed=11 + int(bias))
     ref, gi, _, _, _ = reference(h, w, b, y)
@@ -65,7 +66,8 @@ def test_half_within_reference_error(bias):
     grads = torch.autograd.grad(TF.cross_entropy(logits, y), [t for t in (hl, wl, bl) if t is not None])
     gh_u, gw_u = grads[0], grads[1]
     hh, ww, bb, yy = _to(h, w, b, y)
-    res = linear_cross_entropy(hh.to(LOW), ww, yy, bb, compute_dtype=LOW, chunk_size=16, backend="triton")
+    res = linear_cross_entropy(hh.to(LOW), ww, yy, bb, compute_dtype=LOW, chunk_size=16, backend="triton",
+                               weight_chunk_size=weight_chunk)
     assert res.grad_input.dtype == LOW and res.grad_weight.dtype == torch.float32
     assert abs(float(res.loss) - float(ref.loss)) <= 1e-2 * float(ref.loss)
     assert rel(res.grad_weight.cpu(), ref.grad_weight) <= rel(gw_u, ref.grad_weight) + 1e-2

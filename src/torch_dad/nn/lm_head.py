@@ -74,6 +74,7 @@ class _DADLMHeadFunction(torch.autograd.Function):
         res = linear_cross_entropy(
             hidden, weight, target, bias, ignore_index=head.ignore_index, reduction="sum",
             grad_weight=head._trains(), grad_input=want_gi, token_stats=token_stats, chunk_size=head.chunk_size,
+            weight_chunk_size=head.weight_chunk_size,
             backend=head.backend, compute_dtype=head._compute_dtype(hidden), num_valid=target.numel(),
         )
         ctx.head, ctx.res, ctx.used = head, res, False
@@ -121,8 +122,9 @@ class DADLMHead(LocalLayer):
     (state in buffers) to the mean next-token CE of the batch; ``update="grad"`` accumulates the
     upstream loss's gradient into ``.grad``. With ``backprop_gradients=True`` the backward also
     returns the true ``dL/dhidden`` (pre-update weights) so LoRA adapters or the backbone train.
-    ``backend`` picks the fused step's implementation (see
-    :func:`~torch_dad.ops.linear_cross_entropy.linear_cross_entropy`); ``last_backend`` says which ran.
+    ``backend`` picks the fused step's implementation and ``chunk_size`` / ``weight_chunk_size`` its
+    memory (see :func:`~torch_dad.ops.linear_cross_entropy.linear_cross_entropy`); ``last_backend``
+    says which backend ran.
     """
 
     def __init__(
@@ -139,6 +141,7 @@ class DADLMHead(LocalLayer):
         eps: float = 1e-8,
         ignore_index: int = functional.IGNORE_INDEX,
         chunk_size: int | None = None,
+        weight_chunk_size: int | None = None,
         backend: str = "auto",
         compute_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
@@ -151,11 +154,12 @@ class DADLMHead(LocalLayer):
         self.backprop_gradients = check_bool("backprop_gradients", backprop_gradients)
         self.ignore_index = check_int("ignore_index", ignore_index)
         self.backend = check_choice("backend", backend, BACKENDS)
-        if chunk_size is not None:
-            check_positive_int("chunk_size", chunk_size)
+        for name, value in (("chunk_size", chunk_size), ("weight_chunk_size", weight_chunk_size)):
+            if value is not None:
+                check_positive_int(name, value)
         if compute_dtype is not None and (not isinstance(compute_dtype, torch.dtype) or not compute_dtype.is_floating_point):
             raise TypeError(f"compute_dtype={compute_dtype!r} must be a floating torch.dtype or None")
-        self.chunk_size, self.compute_dtype = chunk_size, compute_dtype
+        self.chunk_size, self.weight_chunk_size, self.compute_dtype = chunk_size, weight_chunk_size, compute_dtype
         self.config = OptimizerConfig(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps)  # type: ignore[arg-type]
         self.last_backend: str | None = None
         self._init_linear(in_features, vocab_size, bias, device, dtype)
@@ -248,6 +252,7 @@ class DADLMHead(LocalLayer):
                 res = linear_cross_entropy(rows, self.weight, valid_targets, self.bias,
                                            ignore_index=self.ignore_index, reduction="sum", grad_weight=False,
                                            grad_input=False, token_stats=True, chunk_size=self.chunk_size,
+                                           weight_chunk_size=self.weight_chunk_size,
                                            backend="torch", compute_dtype=self._compute_dtype(hidden),
                                            num_valid=num_valid)
             assert res.log_probs is not None and res.entropy is not None and res.is_top1 is not None

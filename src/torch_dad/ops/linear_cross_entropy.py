@@ -255,11 +255,14 @@ def resolve_backend(
     return backend
 
 
-def _check_options(reduction: str, chunk_size: int | None, compute_dtype: torch.dtype | None) -> None:
+def _check_options(reduction: str, chunk_size: int | None, compute_dtype: torch.dtype | None,
+                   weight_chunk_size: int | None = None) -> None:
     if reduction not in ("mean", "sum"):
         raise ValueError(f"reduction={reduction!r} must be 'mean' or 'sum'")
-    if chunk_size is not None and (isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1):
-        raise ValueError(f"chunk_size={chunk_size!r} must be a positive int or None (automatic)")
+    for name, value, default in (("chunk_size", chunk_size, "automatic"),
+                                 ("weight_chunk_size", weight_chunk_size, "one copy of the whole weight")):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ValueError(f"{name}={value!r} must be a positive int or None ({default})")
     if compute_dtype is not None and (not isinstance(compute_dtype, torch.dtype) or not compute_dtype.is_floating_point):
         raise TypeError(f"compute_dtype={compute_dtype!r} must be a floating torch.dtype or None")
 
@@ -296,6 +299,7 @@ def linear_cross_entropy(
     backend: str = "auto",
     compute_dtype: torch.dtype | None = None,
     num_valid: int | None = None,
+    weight_chunk_size: int | None = None,
 ) -> LinearCrossEntropyResult:
     """Loss and gradients of ``CE(hidden @ weight.T + bias, target)`` without the full logits.
 
@@ -305,11 +309,14 @@ def linear_cross_entropy(
     is on, else ``promote_types(hidden, weight)``. ``token_stats`` adds per-token ``entropy`` and
     ``is_top1``. ``backend`` is one of :data:`BACKENDS` (see :func:`resolve_backend`). ``num_valid``,
     the number of targets that are not ``ignore_index``, is for a caller that has checked the ids
-    itself: it skips the range check and its host sync. Runs without autograd; the inputs are not
-    modified.
+    itself: it skips the range check and its host sync. ``weight_chunk_size`` (``"torch"`` and
+    ``"triton"`` backends, when ``weight`` is not in the compute dtype): cast that many rows of
+    ``weight`` at a time into one buffer instead of making one V x D copy in the compute dtype, which
+    saves that copy's memory and costs a cast per token chunk. Runs without autograd; the inputs are
+    not modified.
     """
     _check_hidden_weight(hidden, weight, bias)
-    _check_options(reduction, chunk_size, compute_dtype)
+    _check_options(reduction, chunk_size, compute_dtype, weight_chunk_size)
     if num_valid is None:
         num_valid = check_token_labels(target, (hidden.shape[0],), weight.shape[0], ignore_index, name="target")
     else:
@@ -327,10 +334,10 @@ def linear_cross_entropy(
                  num_valid)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         if name == "torch":
-            return _chunked(step, "torch", chunk_size)
+            return _chunked(step, "torch", chunk_size, weight_chunk_size)
         try:
             if name == "triton":
-                return _chunked(step, "triton", chunk_size)
+                return _chunked(step, "triton", chunk_size, weight_chunk_size)
             return _library(step, name)
         except Exception as exc:  # backend="auto" must always work: fall back to the torch twin, say why once
             if backend != "auto":
@@ -338,7 +345,7 @@ def linear_cross_entropy(
             UNUSABLE[name] = f"{type(exc).__name__}: {exc}"
             warnings.warn(f"backend={name!r} failed here ({UNUSABLE[name]}); backend='auto' uses 'torch' from now on",
                           RuntimeWarning, stacklevel=2)
-        return _chunked(step, "torch", chunk_size)
+        return _chunked(step, "torch", chunk_size, weight_chunk_size)
 
 
 def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
@@ -380,19 +387,63 @@ class _ChunkSums:
         )
 
 
-def _chunk_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, rows: int,
+class _ComputeWeight:
+    """``weight`` (V, D) in the compute ``dtype`` for the chunk loop: one V x D copy made once
+    (``slice_rows`` None, or ``weight`` already in ``dtype``), or ``slice_rows`` rows at a time cast
+    into one reused buffer, so no full copy exists (each product then casts the weight again)."""
+
+    def __init__(self, weight: Tensor, dtype: torch.dtype, slice_rows: int | None) -> None:
+        self.weight, self.dtype = weight, dtype
+        self.full: Tensor | None = None
+        self.buffer: Tensor | None = None
+        if weight.dtype == dtype or slice_rows is None or slice_rows >= weight.shape[0]:
+            self.full = weight if weight.dtype == dtype else weight.to(dtype)
+        else:
+            self.buffer = torch.empty(slice_rows, weight.shape[1], dtype=dtype, device=weight.device)
+
+    def _slices(self) -> Iterator[tuple[int, int, Tensor]]:
+        assert self.buffer is not None
+        rows, vocab = self.buffer.shape[0], self.weight.shape[0]
+        for start in range(0, vocab, rows):
+            stop = min(start + rows, vocab)
+            yield start, stop, self.buffer[: stop - start].copy_(self.weight[start:stop])
+
+    def logits(self, h: Tensor, bias: Tensor | None) -> Tensor:
+        """``h @ W.T + b`` (N_c, V) in the compute dtype."""
+        if self.full is not None:
+            return h @ self.full.T if bias is None else torch.addmm(bias, h, self.full.T)
+        out = torch.empty(h.shape[0], self.weight.shape[0], dtype=self.dtype, device=h.device)
+        for start, stop, w in self._slices():
+            if bias is None:
+                torch.mm(h, w.T, out=out[:, start:stop])
+            else:
+                torch.addmm(bias[start:stop], h, w.T, out=out[:, start:stop])
+        return out
+
+    def left_mul(self, d: Tensor) -> Tensor:
+        """``d @ W`` (N_c, D); accumulated in float32 (float64 for float64) across slices."""
+        if self.full is not None:
+            return d @ self.full
+        acc = torch.zeros(d.shape[0], self.weight.shape[1], dtype=torch.promote_types(d.dtype, torch.float32),
+                          device=d.device)
+        for start, stop, w in self._slices():
+            _accumulate_mm(acc, d[:, start:stop], w)
+        return acc
+
+
+def _chunk_logits(hidden: Tensor, weight: _ComputeWeight, bias: Tensor | None, rows: int,
                   dtype: torch.dtype) -> Iterator[tuple[int, int, Tensor, Tensor]]:
-    """``(start, stop, h, h @ W.T + b)`` for each chunk of ``rows`` rows, in the compute ``dtype``
-    (pass ``weight`` already in it: a cast here would be a second V x D copy)."""
+    """``(start, stop, h, h @ W.T + b)`` for each chunk of ``rows`` rows, in the compute ``dtype``."""
     b = None if bias is None else bias.to(dtype)
     for start in range(0, hidden.shape[0], rows):
         stop = min(start + rows, hidden.shape[0])
         h = hidden[start:stop]
         h = h if h.dtype == dtype else h.to(dtype)
-        yield start, stop, h, (h @ weight.T if b is None else torch.addmm(b, h, weight.T))
+        yield start, stop, h, weight.logits(h, b)
 
 
-def _chunked(step: _Step, backend: str, chunk_size: int | None) -> LinearCrossEntropyResult:
+def _chunked(step: _Step, backend: str, chunk_size: int | None,
+             weight_chunk_size: int | None = None) -> LinearCrossEntropyResult:
     """The chunk loop of ``backend="torch"`` and ``"triton"``: per chunk, logits in the compute
     dtype (cuBLAS), :func:`cross_entropy_rows_` turns them into ``d_c`` in place, then
     ``dW += d_c.T @ h_c``, ``db += d_c.sum(0)``, ``dh_c = d_c @ W``."""
@@ -401,7 +452,7 @@ def _chunked(step: _Step, backend: str, chunk_size: int | None) -> LinearCrossEn
                                              hidden=step.weight.shape[1])
     # backend="triton" still runs the twin where the kernel does not apply (float64 logits)
     rows_backend = "auto" if backend == "triton" else "torch"
-    w = step.weight if step.weight.dtype == dtype else step.weight.to(dtype)
+    w = _ComputeWeight(step.weight, dtype, weight_chunk_size)
     target = step.target.contiguous()
     sums = _ChunkSums.zeros(step, torch.float64 if dtype == torch.float64 else torch.float32)
     need_grad = (step.want_gw or step.want_gi) and step.num_valid > 0
@@ -420,7 +471,7 @@ def _chunked(step: _Step, backend: str, chunk_size: int | None) -> LinearCrossEn
             if sums.grad_bias is not None:
                 sums.grad_bias += logits.sum(0, dtype=sums.grad_bias.dtype)
         if sums.grad_input is not None:
-            sums.grad_input[start:stop] = logits @ w
+            sums.grad_input[start:stop] = w.left_mul(logits)
         del logits
     loss = -sums.log_probs.sum() * step.scale
     return LinearCrossEntropyResult(
