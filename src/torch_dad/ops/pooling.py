@@ -25,8 +25,9 @@ uint8 code ``2a + b`` of the window element ``h[..., 2i + a, 2j + b]``, and
 with torch's choice of the maximum (the first wins ties, the last NaN of a window wins). In that
 net's training step torch's ``max_pool2d_with_indices_backward`` took 3.98 ms against 0.98 ms for the
 forward, reading int64 indices; the Triton kernels (:mod:`torch_dad.kernels.max_pool`) read a
-1-byte code and write each element of ``d_h`` once. Elsewhere (and for float64) a PyTorch twin gives
-the same values.
+1-byte code and write each element of ``d_h`` once: forward and backward of that net's four pools
+took 1.08 ms against torch's 4.96 ms (``benchmarks/max_pool.py``, H200, bf16, batch 1024). Elsewhere
+(and for float64) a PyTorch twin gives the same values.
 """
 
 from __future__ import annotations
