@@ -88,6 +88,8 @@ class LocalLayer(nn.Module):
     optim_state: LocalOptimizerState | None
     config: OptimizerConfig
     update: str = "inplace"
+    #: the local rules the layer implements (``set_local_loss`` takes one of them)
+    local_losses: tuple[str, ...] = ("ce",)
     #: with ``update="grad"`` under fp16: the ``torch.amp.GradScaler`` in use
     grad_scaler: Any = None
     _warned_fp16: bool = False

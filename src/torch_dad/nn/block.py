@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._checks import check_fraction, check_int, check_num_classes, check_positive_int
+from .._checks import check_choice, check_fraction, check_int, check_num_classes, check_positive_int
 from ..optim import LocalOptimizerState
 from ._local import LocalLayer
 from .linear import LocalStepResult
@@ -95,8 +95,7 @@ class DADBlock(LocalLayer):
 
     def set_local_loss(self, local_loss: str) -> None:
         """Only ``"ce"`` is implemented for blocks; anything else raises ``ValueError``."""
-        if local_loss != "ce":
-            raise ValueError(f"local_loss={local_loss!r}: DADBlock implements the 'ce' local rule only")
+        check_choice("local_loss", local_loss, self.local_losses)
 
     def check_input(self, inputs: Tensor, name: str = "inputs") -> None:
         """Blocks take any shape with a batch dimension; the block itself raises on a wrong one."""

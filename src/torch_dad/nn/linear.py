@@ -61,6 +61,7 @@ class DADLinear(BatchNormLayer):
     target_projection: Tensor
     optim_state: LocalOptimizerState
     _small_batch_fix = "normalize='layernorm'"
+    local_losses = functional.LOCAL_LOSSES
 
     def __init__(
         self,

@@ -116,11 +116,12 @@ def _check_options(
 
 
 def _set_local_loss(layers: list[Any], local_loss: str) -> None:
-    """Give every layer the rule ``local_loss``; checked for all before any layer changes (only
-    ``DADLinear`` has rules other than ``"ce"``)."""
+    """Give every layer the rule ``local_loss``; checked against every layer's ``local_losses``
+    before any layer changes."""
     for layer in layers:
-        if local_loss != "ce" and not isinstance(layer, DADLinear):
-            raise ValueError(f"local_loss={local_loss!r}: {type(layer).__name__} implements 'ce' only")
+        if local_loss not in layer.local_losses:
+            raise ValueError(f"local_loss={local_loss!r}: {type(layer).__name__} implements "
+                             f"{', '.join(repr(r) for r in layer.local_losses)} only")
     for layer in layers:
         layer.set_local_loss(local_loss)
 
