@@ -87,6 +87,36 @@ def test_local_error_label_smoothing(tiles, smoothing, dtype):  # type: ignore[n
         _check_local_error(shape, "tanh", dtype, spec, smoothing)
 
 
+# under torch.use_deterministic_algorithms(True): the column splits and the one-launch kernel, which add
+# partial sums atomically, give way to one program per sum; the results stay within the tolerances
+@pytest.mark.parametrize("dtype", [torch.float32, LOW])
+@pytest.mark.parametrize("tiles", [6, 7, 8, 10])
+def test_local_error_deterministic_mode(tiles, dtype):  # type: ignore[no-untyped-def]
+    from torch_dad.kernels.local_error import Tiles, default_tiles, deterministic_tiles
+
+    spec = TILES[tiles]
+    element_size = torch.empty((), dtype=dtype).element_size()
+    atomic = Tiles(**spec) if isinstance(spec, dict) else default_tiles(*spec, element_size)  # type: ignore[arg-type]
+    assert atomic.rows_split > 1 or atomic.one_pass
+    plain = deterministic_tiles(atomic)
+    assert (plain.rows_split, plain.one_pass, plain.cols_programs_per_sm) == (1, False, 0)
+    assert (plain.rows_bm, plain.cols_bn) == (atomic.rows_bm, atomic.cols_bn)
+    g = torch.Generator().manual_seed(7)
+    h = torch.randn(300, 517, generator=g).relu().to(DEVICE, dtype)
+    hw, hb = torch.randn(10, 517, generator=g).to(DEVICE) / 23, torch.randn(10, generator=g).to(DEVICE)
+    y = torch.randint(0, 10, (300,), generator=g).to(DEVICE)
+    was = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True, warn_only=True)  # warn_only: cuBLAS elsewhere needs no env var here
+    try:
+        runs = [_launch(h, hw, hb, y, "relu", True, atomic) for _ in range(3)]
+        _check_local_error((300, 517, 10), "relu", dtype, atomic)
+    finally:
+        torch.use_deterministic_algorithms(was)
+    for run in runs[1:]:
+        for name in ("logits", "loss", "grad_head_weight", "grad_head_bias", "d_z", "grad_bias"):
+            assert torch.equal(getattr(run, name), getattr(runs[0], name)), name
+
+
 def _launch(h, hw, hb, y, activation, with_dz, tiles, smoothing=0.0):  # type: ignore[no-untyped-def]
     """The Triton path of ``local_error`` with the launch configuration ``tiles``."""
     from torch_dad.kernels.local_error import launch_local_error

@@ -19,7 +19,7 @@ Narrow layers (``Tiles.one_pass``) take one launch after a memset of the sums: e
 for ``d_z`` and adds its share of the gradients atomically.
 """
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -319,6 +319,15 @@ def _num_sms(device: torch.device) -> int:
     return 8
 
 
+def deterministic_tiles(tiles: Tiles) -> Tiles:
+    """``tiles`` without the launches that add partial sums atomically: no column split in the row
+    kernel, no one-launch kernel, and one column-kernel program per column block over all rows, so
+    every sum is added once into its zeroed buffer and a run gives the same bits every time.
+    :func:`launch_local_error` uses them under ``torch.use_deterministic_algorithms(True)``; with
+    few column blocks (narrow layers) they leave most of the GPU idle."""
+    return replace(tiles, rows_split=1, one_pass=False, cols_programs_per_sm=0)
+
+
 def launch_local_error(
     h: Tensor,
     head_weight: Tensor,
@@ -330,7 +339,8 @@ def launch_local_error(
     label_smoothing: float = 0.0,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor | None, Tensor | None]:
     """``(logits, loss, g_W_loc, g_b_loc, d_z, g_b)`` of checked arguments (``d_z, g_b`` are ``None``
-    without ``with_dz``), by the kernels above with ``tiles`` (default :func:`default_tiles`)."""
+    without ``with_dz``), by the kernels above with ``tiles`` (default :func:`default_tiles`; made
+    :func:`deterministic_tiles` when torch's deterministic algorithms are on)."""
     label_smoothing = float(label_smoothing)
     h = h if h.stride(1) == 1 else h.contiguous()
     head_weight = head_weight.contiguous()
@@ -338,6 +348,8 @@ def launch_local_error(
     C = head_weight.shape[0]
     CP = max(16, next_pow2(C))
     t = tiles or default_tiles(M, N, CP, h.element_size())
+    if torch.are_deterministic_algorithms_enabled():
+        t = deterministic_tiles(t)
     dev = h.device
     # fp32 products in IEEE fp32 unless torch's own fp32 matmuls may use TF32
     ieee = h.dtype == torch.float32 and not torch.backends.cuda.matmul.allow_tf32
