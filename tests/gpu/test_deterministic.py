@@ -30,7 +30,8 @@ class _Mlp(td.DADModel):
 def _train(backend: str) -> dict[str, torch.Tensor]:
     torch.manual_seed(0)
     trainer = td.DADTrainer(_Mlp(), device="cuda", backend=backend, amp_dtype=torch.bfloat16, dropout=0.1,
-                            dropout_seed=3)
+                            dropout_seed=3, on_nonfinite="ignore")
+    assert trainer.uses_engine
     g = torch.Generator().manual_seed(1)
     for _ in range(6):
         x, y = torch.randn(128, 784, generator=g), torch.randint(0, 10, (128,), generator=g)
