@@ -375,3 +375,23 @@ def test_fused_cpu_step_matches_eager_with_classifier_label_smoothing(amp):
 def test_bad_classifier_label_smoothing_names_the_argument():
     with pytest.raises(ValueError, match="classifier_label_smoothing"):
         td.DADTrainer(Net(), classifier_label_smoothing=1.0)
+
+
+@pytest.mark.parametrize("backend", ["eager", "fused"])
+@pytest.mark.parametrize("normalize", NORMS)
+def test_step_returns_detached_outputs_and_leaves_no_grad(backend, normalize):  # type: ignore[no-untyped-def]
+    # the fused step once recorded an autograd graph behind every tensor after a batch norm (its affine
+    # parameters are nn.Parameters): step() promises detached outputs on every path
+    class Net(td.DADModel):
+        def __init__(self) -> None:
+            super().__init__()
+            self.l1 = td.DADLinear(20, 32, num_classes=4, normalize=normalize)
+            self.l2 = td.DADLinear(32, 16, num_classes=4, normalize=normalize)
+            self.classifier = torch.nn.Linear(16, 4)
+
+    torch.manual_seed(0)
+    trainer = td.DADTrainer(Net(), backend=backend, on_nonfinite="ignore")
+    assert trainer.uses_engine == (backend == "fused")
+    logits, loss = trainer.step(torch.randn(8, 20), torch.randint(0, 4, (8,)))
+    assert not logits.requires_grad and not loss.requires_grad
+    assert all(p.grad is None for p in trainer.model.parameters())

@@ -285,6 +285,9 @@ class FusedStep:
             self.lr_tensor.fill_(lr)
 
     # ------------------------------------------------------------------ entry point
+    # nothing in the step needs autograd (a DADBlock turns it on inside itself): without this, a
+    # batch-normalised layer's affine parameters made every later tensor of the step record a graph
+    @torch.no_grad()
     def run(
         self, batch: Batch, config: OptimizerConfig, *, span: tuple[int, int], with_classifier: bool,
         reducer: GradientReducer | None, count_loss: bool, accumulate_statistics: bool,
