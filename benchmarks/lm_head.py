@@ -14,7 +14,8 @@ bf16 compute. Systems per shape, each without and with ``dL/dhidden`` (``+dh``, 
 - ``floor``: the bare bf16 GEMMs of the step (logits, ``dL/dW``, and ``dL/dh`` for ``+dh``) and one fused AdamW
   over the ``V x D`` float32 weight, each timed alone; their sum bounds any implementation of the step.
 
-``--sweep`` adds ``dad-fused-<backend>[-c<rows>]`` for each available backend and chunk size (first shape only).
+``--sweep`` adds ``dad-fused-<backend>[-c<rows>][-w<rows>][+dh]`` for each available backend, chunk size and
+``--weight-chunks`` size (first shape only).
 ``peak_mib`` = ``torch.cuda.max_memory_allocated`` during one step after warm-up (static weights, moments and data
 included); ``step_ms`` = median of CUDA-event timed steps after warm-up (p20/p80 too). ``loss_30``: every system
 starts from the same weights and trains ``--loss-steps`` steps over the same 4 cycled batches; the loss of the last
@@ -234,13 +235,15 @@ def systems_for(data: Data, dtype: torch.dtype, device: torch.device, sweep: dic
         except ValueError as exc:
             print(f"skip backend={backend}: {exc}")
             continue
-        systems.append((f"dad-fused-{backend}", lambda backend=backend: dad_fused(data, dtype, False, backend)))
-        for rows in chunks:
-            systems.append((f"dad-fused-{backend}-c{rows}",
-                            lambda backend=backend, rows=rows: dad_fused(data, dtype, False, backend, rows)))
-            systems += [(f"dad-fused-{backend}-c{rows}-w{w}",
-                         lambda backend=backend, rows=rows, w=w: dad_fused(data, dtype, False, backend, rows, w))
-                        for w in weight_chunks]
+        for dh, tag in ((False, ""), (True, "+dh")):
+            name = f"dad-fused-{backend}"
+            systems.append((f"{name}{tag}", lambda backend=backend, dh=dh: dad_fused(data, dtype, dh, backend)))
+            for rows in chunks:
+                systems.append((f"{name}-c{rows}{tag}",
+                                lambda backend=backend, rows=rows, dh=dh: dad_fused(data, dtype, dh, backend, rows)))
+                systems += [(f"{name}-c{rows}-w{w}{tag}",
+                             lambda backend=backend, rows=rows, w=w, dh=dh: dad_fused(data, dtype, dh, backend, rows, w))
+                            for w in weight_chunks]
     return systems
 
 
