@@ -276,18 +276,20 @@ def sft_config(system: str, args: argparse.Namespace, device: torch.device, out_
     )
 
 
-def dad_head_kwargs(config: Any, weight_chunk_size: int | None = None) -> dict[str, Any]:
+def dad_head_kwargs(config: Any, chunk_size: int | None = None, weight_chunk_size: int | None = None) -> dict[str, Any]:
     """The DAD head's settings (``dad`` and ``unsloth-dad``): ``backprop_gradients=True`` in both modes, so the trunk
-    (full) or the adapters (lora) learn from dL/dhidden; its AdamW gets the trainer's lr, betas, eps, weight decay."""
+    (full) or the adapters (lora) learn from dL/dhidden; its AdamW gets the trainer's lr, betas, eps, weight decay.
+    ``chunk_size`` / ``weight_chunk_size``: token rows per logits chunk and weight rows cast at a time (None: default)."""
     return {"untie_embeddings": True, "backprop_gradients": True, "lr": config.learning_rate,
             "weight_decay": config.weight_decay, "betas": (config.adam_beta1, config.adam_beta2),
-            "eps": config.adam_epsilon, "weight_chunk_size": weight_chunk_size}
+            "eps": config.adam_epsilon, "chunk_size": chunk_size, "weight_chunk_size": weight_chunk_size}
 
 
 def build_trainer(system: str, mode: str, model: Any, dataset: Any, tok: Any, config: Any,
-                  weight_chunk_size: int | None = None) -> Any:
+                  head_sizes: tuple[int | None, int | None] = (None, None)) -> Any:
     """``SFTTrainer`` (stock, liger, unsloth, unsloth-dad) or ``DADSFTTrainer`` (dad) on ``model``; peft's LoRA adapters
-    if ``mode == "lora"`` (the Unsloth systems come with Unsloth's own from ``get_peft_model``)."""
+    if ``mode == "lora"`` (the Unsloth systems come with Unsloth's own from ``get_peft_model``); ``head_sizes``: the DAD
+    head's ``(chunk_size, weight_chunk_size)``."""
     import trl
 
     from torch_dad.integrations.causal_lm import unwrap_model
@@ -301,14 +303,14 @@ def build_trainer(system: str, mode: str, model: Any, dataset: Any, tok: Any, co
     common = {"model": model, "args": config, "train_dataset": dataset, "processing_class": tok,
               "peft_config": peft_config}
     if system in ("dad", "dad-liger"):
-        return DADSFTTrainer(**common, dad_head=dad_head_kwargs(config, weight_chunk_size))
+        return DADSFTTrainer(**common, dad_head=dad_head_kwargs(config, *head_sizes))
     trainer = trl.SFTTrainer(**common)
     if system == "unsloth-dad":
         from torch_dad.integrations import unsloth as dad_unsloth
 
         # after SFTTrainer.__init__, as DADSFTTrainer does: TRL wraps model.forward there with its fused LM head
         # (which reads lm_head.weight directly), so the DAD forward must be the outer one to see both protocols
-        trainer.dad_head = dad_unsloth.patch(trainer.model, **dad_head_kwargs(config, weight_chunk_size))
+        trainer.dad_head = dad_unsloth.patch(trainer.model, **dad_head_kwargs(config, *head_sizes))
     elif mode == "lora":
         # PEFT freezes lm_head; the DAD head trains it, so train it here too (the optimizer is built in train())
         base: Any = unwrap_model(trainer.model)  # type: ignore[arg-type]
@@ -392,7 +394,8 @@ def train_one(system: str, shape_name: str, mode: str, args: argparse.Namespace,
     with tempfile.TemporaryDirectory() as out_dir:
         config = sft_config(system, args, device, out_dir)
         model, tok = model_builder(system)(shape, mode, device, tok, config)
-        trainer = build_trainer(system, mode, model, dataset, tok, config, args.weight_chunk_size)
+        trainer = build_trainer(system, mode, model, dataset, tok, config,
+                                (args.chunk_size, args.weight_chunk_size))
         clock = step_clock(device)
         trainer.add_callback(clock)
         t_train = time.perf_counter()
@@ -420,6 +423,7 @@ def train_one(system: str, shape_name: str, mode: str, args: argparse.Namespace,
         "param_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters() if p.requires_grad}),
         "tokens": tokens.get("tokenizer"), "text": tokens.get("text"), "model_config": shape,
         "dad_backend": getattr(head, "last_backend", None),
+        "dad_chunk_size": args.chunk_size if head is not None else None,
         "dad_weight_chunk_size": args.weight_chunk_size if head is not None else None,
     }
     if not all(math.isfinite(v) for h in logs for v in (h["loss"], h.get("grad_norm", 0.0))):
@@ -439,8 +443,9 @@ def run_isolated(system: str, shape: str, mode: str, args: argparse.Namespace) -
                "--modes", mode, "--out", str(out), "--steps", str(args.steps), "--batch", str(args.batch),
                "--seq-len", str(args.seq_len), "--lr", str(args.lr), "--warmup-steps", str(args.warmup_steps),
                "--max-grad-norm", str(args.max_grad_norm)]
-        if args.weight_chunk_size is not None:
-            cmd += ["--weight-chunk-size", str(args.weight_chunk_size)]
+        for flag, value in (("--chunk-size", args.chunk_size), ("--weight-chunk-size", args.weight_chunk_size)):
+            if value is not None:
+                cmd += [flag, str(value)]
         if args.tokens is not None:
             cmd += ["--tokens", str(args.tokens)]
         if args.smoke:
@@ -567,6 +572,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-grad-norm", type=float, default=0.0, help="0 = no clipping (see above)")
     parser.add_argument("--out", type=Path, help="write this JSON instead of results/sft_gpu.json (part of a grid)")
     parser.add_argument("--in-process", action="store_true", help="run every system in this process")
+    parser.add_argument("--chunk-size", type=int, default=None,
+                        help="the DAD head's chunk_size (token rows per logits chunk; default: the head's rule)")
     parser.add_argument("--weight-chunk-size", type=int, default=None,
                         help="the DAD head's weight_chunk_size (rows of its weight cast to bf16 at a time)")
     args = parser.parse_args()
