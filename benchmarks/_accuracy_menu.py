@@ -22,7 +22,6 @@ from typing import Any
 import torch
 
 from accuracy import BATCH, WEIGHT_DECAY, _accuracy, _schedule, ridge_head, timed_epoch
-from torch_dad import functional
 
 # the search starts from the first value of each axis: the spec lists the plain recipe first
 MENU_PRESETS = {
@@ -564,9 +563,8 @@ def _study(
         except RuntimeError as err:
             return {"kind": "menu_summary_failed", "cell": cell["name"], "system": system, "error": str(err)}
 
-    # DADConv2d has the rules "ce" and "predsim" (functional.CONV_LOCAL_LOSSES): a conv cell has no drtp system
-    pairs = [(c, s) for c in cells for s in systems
-             if c["name"] not in VGG_CELLS or SYSTEMS[s] in (None, *functional.CONV_LOCAL_LOSSES)]
+    # DADConv2d trains by the local cross-entropy only: a conv cell has no predsim / drtp system
+    pairs = [(c, s) for c in cells for s in systems if c["name"] not in VGG_CELLS or SYSTEMS[s] in (None, "ce")]
     try:
         if args.workers > 1:
             with ThreadPoolExecutor(len(pairs)) as threads:

@@ -55,7 +55,6 @@ def _oracle(layer, x, y):
         normalize=layer.normalize,
         norm_weight=norm[0],
         norm_bias=norm[1],
-        local_loss=layer.local_loss,
     )
     grads = (
         [ref.grad_weight] + ([ref.grad_bias] if bias is not None else []) + [ref.grad_head_weight, ref.grad_head_bias]
@@ -80,21 +79,16 @@ def _autograd(layer, x, y):
     elif layer.pool == "avg":
         h = torch.nn.functional.avg_pool2d(h, 2)
     pooled = torch.nn.functional.adaptive_avg_pool2d(h, layer.local_head_grid).flatten(1)
-    loss = torch.nn.functional.cross_entropy(pooled @ head_weight.T + head_bias, y, label_smoothing=layer.label_smoothing)
-    if layer.local_loss == "predsim":  # Nokland & Eidnes' pred + sim, the similarity on the head's input
-        onehot = torch.nn.functional.one_hot(y, CLASSES).double()
-        sim = (functional.similarity_matrix(pooled) - functional.similarity_matrix(onehot)).pow(2).mean()
-        loss = (1 - functional.PREDSIM_BETA) * loss + functional.PREDSIM_BETA * sim
+    loss = torch.nn.functional.cross_entropy(pooled @ head_weight.T + head_bias, y)
     return torch.autograd.grad(loss, params)
 
 
 @pytest.mark.parametrize("pool", [None, "max", "avg"])
 @pytest.mark.parametrize("activation", functional.ACTIVATIONS)
 @pytest.mark.parametrize("bias", [True, False])
-@pytest.mark.parametrize("local_loss", functional.CONV_LOCAL_LOSSES)
-def test_conv_gradients_match_oracle_and_autograd(pool, activation, bias, local_loss):
+def test_conv_gradients_match_oracle_and_autograd(pool, activation, bias):
     # odd shapes: B=5, C_in=3, C_out=7, 9 x 9 input, kernel 3, stride 2, padding 1 -> 5 x 5 (pooled 2 x 2)
-    layer = _conv_layer(pool=pool, activation=activation, bias=bias, local_loss=local_loss)
+    layer = _conv_layer(pool=pool, activation=activation, bias=bias)
     x, y = torch.randn(5, 3, 9, 9, dtype=torch.float64), torch.randint(0, CLASSES, (5,))
     result, grads = layer.local_gradients(x, y)
     ref, want = _oracle(layer, x, y)
@@ -151,12 +145,8 @@ def test_conv_bad_arguments_and_inputs():
         layer.check_input(torch.randn(2, 1, 9, 9))
     with pytest.raises(TypeError, match="float"):
         layer.check_input(torch.zeros(2, 3, 9, 9, dtype=torch.long))
-    layer.set_local_loss("predsim")
-    with pytest.raises(ValueError, match="local_loss='drtp' is not supported; choose one of 'ce', 'predsim'"):
-        layer.set_local_loss("drtp")
-    assert layer.local_loss == "predsim" and "local_loss='predsim'" in repr(layer)
-    with pytest.raises(ValueError, match="local_loss='drtp'"):
-        td.DADConv2d(3, 4, 3, local_loss="drtp")
+    with pytest.raises(ValueError, match="local_loss='predsim' is not supported; choose one of 'ce'"):
+        layer.set_local_loss("predsim")
 
 
 @pytest.mark.parametrize("in_channels, out_channels, groups", [(6, 9, 3), (4, 4, 4), (4, 8, 2)])
@@ -431,27 +421,6 @@ def test_fused_engine_equals_eager(name, amp, tol, reducer):
         assert bool(fused.model.c2.running_mean.any()) and bool(eager.model.c2.running_mean.any())
 
 
-@pytest.mark.parametrize("amp,tol", [(None, 1e-5), (torch.bfloat16, 3e-2)])
-def test_predsim_conv_model_fused_equals_eager_and_learns(amp, tol):
-    # every layer, the convolutions included, by the pred + sim rule
-    x, y = _images()
-    eager = _trainer("vgg-bn", local_loss="predsim", on_nonfinite="ignore", amp_dtype=amp)
-    fused = _trainer("vgg-bn", backend="fused", local_loss="predsim", amp_dtype=amp)
-    assert fused.uses_engine and [m.local_loss for m in fused.model.local_layers] == ["predsim"] * 3
-    losses = []
-    for _ in range(3):
-        for start in range(0, 40, 8):
-            _, loss_e = eager.step(x[start : start + 8], y[start : start + 8])
-            _, loss_f = fused.step(x[start : start + 8], y[start : start + 8])
-            assert relative_error(loss_f, loss_e) <= tol
-            losses.append(float(loss_e))
-    for (key, a), b in zip(eager.model.state_dict().items(), fused.model.state_dict().values()):
-        if amp is None and key.startswith(("c1.", "c2.")):
-            assert torch.equal(a, b), key
-        assert relative_error(b, a) <= 5 * tol, key
-    assert sum(losses[-5:]) < sum(losses[:5])
-
-
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_state_dict_and_checkpoint_round_trip(name, tmp_path):
     x, y = _images()
@@ -510,8 +479,8 @@ def test_trainer_input_checks_for_conv_models():
         trainer.step(torch.randn(4, 144), y)
     with pytest.raises(ValueError, match="NaN or Inf"):
         trainer.step(torch.full((4, 1, 12, 12), float("nan")), y)
-    with pytest.raises(ValueError, match="local_loss='drtp': DADConv2d implements 'ce', 'predsim' only"):
-        td.DADTrainer(SmallVGG(), local_loss="drtp")
+    with pytest.raises(ValueError, match="local_loss='predsim'"):
+        td.DADTrainer(SmallVGG(), local_loss="predsim")
     assert all(torch.equal(v, state[k]) for k, v in trainer.model.state_dict().items())
     # an MLP still takes image batches, flattened per row
     mlp = td.DADTrainer(_Mlp())

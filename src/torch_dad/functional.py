@@ -54,7 +54,6 @@ __all__ = [
     "batch_norm_forward",
     "batch_norm_backward",
     "POOLS",
-    "CONV_LOCAL_LOSSES",
     "ConvLocalGradients",
     "conv2d_reference",
     "pool2x2_reference",
@@ -490,12 +489,8 @@ def batch_norm_backward(
 #
 # With batch norm (normalize="batchnorm"), h = act(BN(z)) with per-channel statistics over the batch
 # and the positions, as nn.BatchNorm2d, and d_z passes through batch_norm_backward first.
-# With local_loss="predsim" the rule of the table above applies to the head's input P(o): its loss
-# and dL/dP(o) come from local_rule_error, and d_z = pool^T(P^T(dL/dP(o))) * act'(z) as before.
 # ---------------------------------------------------------------------------------------------
 
-#: the local rules of DADConv2d (drtp has no head, and its targets would be sized by the pooled grid)
-CONV_LOCAL_LOSSES: tuple[str, ...] = ("ce", "predsim")
 #: DADConv2d(pool=...): a 2 x 2, stride 2 pooling of the output (floor mode, as nn.MaxPool2d(2))
 POOLS: tuple[str, ...] = ("max", "avg")
 
@@ -591,16 +586,12 @@ def conv_local_loss_and_gradients(
     normalize: str | None = None,
     norm_weight: Tensor | None = None,
     norm_bias: Tensor | None = None,
-    local_loss: str = "ce",
 ) -> ConvLocalGradients:
     """Local loss of a DAD convolution and its closed-form gradients (see the table above), written
     with unfold and matrix products only. ``inputs`` (N, C_in, H, W), ``weight`` (C_out, C_in / groups, k, k),
     ``head_weight`` (C, C_out * grid * grid). ``normalize="batchnorm"`` computes ``h = act(BN(z))``
     with the batch's per-channel statistics and the affine ``norm_weight``, ``norm_bias`` (``None``: 1
-    and 0), whose gradients come back as ``grad_norm_weight``, ``grad_norm_bias``. ``local_loss`` is
-    one of :data:`CONV_LOCAL_LOSSES`."""
-    if local_loss not in CONV_LOCAL_LOSSES:
-        raise ValueError(f"local_loss={local_loss!r}: a convolution takes one of {', '.join(CONV_LOCAL_LOSSES)}")
+    and 0), whose gradients come back as ``grad_norm_weight``, ``grad_norm_bias``."""
     z, patches = conv2d_reference(inputs, weight, bias, stride, padding, groups)
     z_act, norm = z, None
     if normalize == "batchnorm":
@@ -611,9 +602,9 @@ def conv_local_loss_and_gradients(
     rows = _grid_pool_matrix(out.shape[2], grid, h.dtype, h.device)
     cols = _grid_pool_matrix(out.shape[3], grid, h.dtype, h.device)
     pooled = (rows @ out @ cols.T).flatten(1)  # (N, C_out * grid * grid), channel-major
-    rule = local_rule_error(local_loss, pooled, target, head_weight, head_bias, label_smoothing=label_smoothing)
-    assert rule.logits is not None and rule.grad_head_weight is not None and rule.grad_head_bias is not None
-    d_pooled = rule.grad_output.reshape(out.shape[0], out.shape[1], grid, grid)
+    logits = pooled @ head_weight.T + head_bias
+    loss, d_logits = cross_entropy_error(logits, target, label_smoothing=label_smoothing)
+    d_pooled = (d_logits @ head_weight).reshape(out.shape[0], out.shape[1], grid, grid)
     d_out = rows.T @ d_pooled @ cols
     d_h = _unpool2x2(d_out, share) if share is not None else d_out
     d_z = d_h * activation_derivative(z_act, h, activation)
@@ -624,15 +615,15 @@ def conv_local_loss_and_gradients(
     d_z_groups = d_z.reshape(d_z.shape[0], groups, -1, d_z.shape[-1])
     grad_weight = torch.einsum("ngop,ngkp->gok", d_z_groups, patches).reshape(weight.shape)
     return ConvLocalGradients(
-        loss=rule.loss,
+        loss=loss,
         pre_activation=z,
         hidden=h,
         output=out,
-        logits=rule.logits,
+        logits=logits,
         grad_weight=grad_weight,
         grad_bias=d_z.sum((0, 2)) if bias is not None else None,
-        grad_head_weight=rule.grad_head_weight,
-        grad_head_bias=rule.grad_head_bias,
+        grad_head_weight=d_logits.T @ pooled,
+        grad_head_bias=d_logits.sum(0),
         grad_norm_weight=grad_norm_weight,
         grad_norm_bias=grad_norm_bias,
     )

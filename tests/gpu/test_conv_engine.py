@@ -46,14 +46,11 @@ class ConvNet(td.DADModel):
 
 def _pair(
     backend: str, amp: torch.dtype | None, normalize: str | None = None, dense: bool = True, smoothing: float = 0.0,
-    dropout: float = 0.0, conv_rule: str = "ce",
+    dropout: float = 0.0,
 ) -> tuple[td.DADTrainer, td.DADTrainer]:
     torch.manual_seed(3)
     ref, new = ConvNet(normalize, dense, smoothing), ConvNet(normalize, dense, smoothing)
     new.load_state_dict(ref.state_dict())
-    for net in (ref, new):  # the convolutions' rule; the block keeps "ce" (the trainer leaves each layer's own)
-        net.c1.set_local_loss(conv_rule)
-        net.c2.set_local_loss(conv_rule)
     options = {"device": DEVICE, "amp_dtype": amp, "on_nonfinite": "ignore", "dropout": dropout, "dropout_seed": 5}
     fused = td.DADTrainer(new, backend=backend, **options)
     assert fused.uses_engine
@@ -80,13 +77,6 @@ def test_conv_recipe_with_smoothing_and_dropout_matches_eager(backend: str, amp:
     """The conv cells' selected recipe (batch norm, label smoothing 0.1) with the menu's dropout 0.1 on the
     engine: no eager fallback, the same masks and updates as the eager step."""
     _check_matches_eager(backend, amp, "batchnorm", *_pair(backend, amp, "batchnorm", True, 0.1, 0.1))
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("amp", AMPS)
-def test_predsim_convolutions_match_eager(backend: str, amp: torch.dtype | None) -> None:
-    """``local_loss="predsim"`` in the convolutions (batch norm, label smoothing 0.1) on the engine."""
-    _check_matches_eager(backend, amp, "batchnorm", *_pair(backend, amp, "batchnorm", True, 0.1, conv_rule="predsim"))
 
 
 def _check_matches_eager(

@@ -45,10 +45,8 @@ class DADConv2d(BatchNormLayer):
 
     The default grid, 4, was measured against 1 and 2 (``docs/conv-and-blocks.md``). ``pool``
     (``None``, ``"max"`` or ``"avg"``) is a 2 x 2, stride-2 pooling after the activation
-    (``nn.MaxPool2d(2)`` / ``nn.AvgPool2d(2)``). ``local_loss`` is ``"ce"`` or ``"predsim"``, whose
-    similarity term reads the head's input, the pooled grid features
-    (:data:`~torch_dad.functional.CONV_LOCAL_LOSSES`). The local head and the optimizer moments are
-    buffers, as for :class:`~torch_dad.DADLinear`.
+    (``nn.MaxPool2d(2)`` / ``nn.AvgPool2d(2)``). Only the ``"ce"`` local rule is implemented. The
+    local head and the optimizer moments are buffers, as for :class:`~torch_dad.DADLinear`.
 
     ``normalize="batchnorm"`` makes the layer ``pool(act(BN(conv2d(x, weight, bias))))`` as
     ``nn.BatchNorm2d`` (statistics over the batch and the positions, per channel): batch statistics
@@ -61,7 +59,8 @@ class DADConv2d(BatchNormLayer):
     head_weight: Tensor
     head_bias: Tensor
     optim_state: LocalOptimizerState
-    local_losses = functional.CONV_LOCAL_LOSSES
+    #: the only local rule implemented for convolutions
+    local_loss = "ce"
 
     def __init__(
         self,
@@ -81,10 +80,8 @@ class DADConv2d(BatchNormLayer):
         label_smoothing: float = 0.0,
         normalize: str | None = None,
         groups: int = 1,
-        local_loss: str = "ce",
     ) -> None:
         super().__init__()
-        self.local_loss = check_choice("local_loss", local_loss, self.local_losses)
         self.in_channels = check_positive_int("in_channels", in_channels)
         self.out_channels = check_positive_int("out_channels", out_channels)
         self.groups = check_positive_int("groups", groups)
@@ -134,12 +131,11 @@ class DADConv2d(BatchNormLayer):
             f"activation={self.activation!r}, pool={self.pool!r}, local_head_grid={self.local_head_grid}"
             + (f", normalize={self.normalize!r}" if self.normalize else "")
             + (f", groups={self.groups}" if self.groups != 1 else "")
-            + (f", local_loss={self.local_loss!r}" if self.local_loss != "ce" else "")
         )
 
     def set_local_loss(self, local_loss: str) -> None:
-        """Switch the local rule (one of :attr:`local_losses`; the head and its moments are kept)."""
-        self.local_loss = check_choice("local_loss", local_loss, self.local_losses)
+        """Only ``"ce"`` is implemented for convolutions; anything else raises ``ValueError``."""
+        check_choice("local_loss", local_loss, self.local_losses)
 
     def check_input(self, inputs: Tensor, name: str = "inputs") -> None:
         """Raise ``TypeError``/``ValueError`` unless ``inputs`` is a floating (batch, in_channels, H, W) tensor."""
@@ -238,12 +234,6 @@ class DADConv2d(BatchNormLayer):
         """The local head on ``out``: ``(result, d_out, [g_head_weight, g_head_bias])``."""
         pooled = grid_pool(out, self.local_head_grid)
         head_w = self.head_weight.to(out.dtype)
-        if self.local_loss != "ce":
-            rule = functional.local_rule_error(self.local_loss, pooled.flatten(1), target, head_w,
-                                               self.head_bias.to(out.dtype), label_smoothing=self.label_smoothing)
-            assert rule.logits is not None and rule.grad_head_weight is not None and rule.grad_head_bias is not None
-            d_out = grid_pool_backward(rule.grad_output.reshape(pooled.shape), out, self.local_head_grid)
-            return LocalStepResult(out, rule.loss, rule.logits), d_out, [rule.grad_head_weight, rule.grad_head_bias]
         logits = torch.addmm(self.head_bias.to(out.dtype), pooled.flatten(1), head_w.T)
         loss, d_logits = functional.cross_entropy_error(
             logits, target, label_smoothing=self.label_smoothing, ignore_index=None
