@@ -48,7 +48,9 @@ Recorded per system / shape / mode: ``tokens_per_s`` (``batch * seq_len`` tokens
 ``--warmup-steps``, from CUDA-synchronised step-end times), ``peak_mib`` (``torch.cuda.max_memory_allocated`` over
 model build and training, stats reset first), every logged loss (``trainer.state.log_history``), wall time, trainable
 parameters and the versions of torch, transformers, trl, peft, accelerate, datasets, liger-kernel, unsloth,
-unsloth_zoo, bitsandbytes. On CUDA every run
+unsloth_zoo, bitsandbytes. ``--profile-steps N`` adds ``profile``: ``torch.profiler`` over the N steps after the
+warm-up (wall and CUDA kernel time per step, kernel launches, the costliest kernels and host operators); those steps
+are left out of tokens/s. On CUDA every run
 is a fresh subprocess: fresh memory stats, and Liger's patches of transformers' Llama functions do not leak into
 the next system. Writes ``results/sft_gpu.json`` and ``results/sft_gpu.png`` (``--out`` for a part of the grid;
 ``--merge`` joins parts and draws the plot where matplotlib is installed).
@@ -379,6 +381,61 @@ def step_clock(device: torch.device) -> Any:
     return StepClock()
 
 
+def step_profiler(device: torch.device, first: int, count: int) -> Any:
+    """A ``TrainerCallback`` running ``torch.profiler`` over optimizer steps ``first + 1 .. first + count``;
+    its ``summary`` then holds, per step, the wall time, the CUDA kernels' busy time and launches, the costliest
+    kernels, and the host operators by self CPU time (what a host-bound step spends its time on)."""
+    from torch.profiler import ProfilerActivity, profile
+    from transformers import TrainerCallback
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+
+    class StepProfiler(TrainerCallback):  # type: ignore[misc]
+        def __init__(self) -> None:
+            self.summary: dict[str, Any] = {}
+            self._prof: Any = None
+            self._t0 = 0.0
+
+        def on_step_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if state.global_step == first and count > 0:
+                if device.type == "cuda":
+                    torch.cuda.synchronize()
+                self._prof = profile(activities=activities)
+                self._prof.__enter__()
+                self._t0 = time.perf_counter()
+
+        def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+            if self._prof is None or state.global_step != first + count:
+                return
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            wall = time.perf_counter() - self._t0
+            self._prof.__exit__(None, None, None)
+            self.summary = profile_summary(self._prof, count, wall)
+            self._prof = None
+
+    return StepProfiler()
+
+
+def profile_summary(prof: Any, steps: int, wall_s: float, top: int = 12) -> dict[str, Any]:
+    """Per-step figures of a ``torch.profiler`` run over ``steps`` steps taking ``wall_s`` seconds."""
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(event.name, []).append(event.device_time)
+    busy_us = sum(sum(v) for v in kernels.values())
+    host = sorted((e for e in prof.key_averages() if e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)
+    return {
+        "steps": steps, "wall_ms_per_step": 1e3 * wall_s / steps,
+        "kernel_busy_ms_per_step": busy_us / 1e3 / steps,
+        "kernel_launches_per_step": sum(len(v) for v in kernels.values()) / steps,
+        "top_kernels": [{"kernel": name[:100], "calls_per_step": len(v) / steps, "ms_per_step": sum(v) / 1e3 / steps}
+                        for name, v in sorted(kernels.items(), key=lambda kv: -sum(kv[1]))[:top]],
+        "top_host_ops": [{"op": e.key[:100], "calls_per_step": e.count / steps,
+                          "self_cpu_ms_per_step": e.self_cpu_time_total / 1e3 / steps} for e in host[:top]],
+    }
+
+
 def train_one(system: str, shape_name: str, mode: str, args: argparse.Namespace, tokens: dict[str, Any],
               device: torch.device) -> dict[str, Any]:
     """Build and train one system; its throughput, peak memory, losses and wall time."""
@@ -397,11 +454,15 @@ def train_one(system: str, shape_name: str, mode: str, args: argparse.Namespace,
         trainer = build_trainer(system, mode, model, dataset, tok, config,
                                 (args.chunk_size, args.weight_chunk_size))
         clock = step_clock(device)
+        profiler = step_profiler(device, args.warmup_steps, args.profile_steps)
         trainer.add_callback(clock)
+        trainer.add_callback(profiler)
         t_train = time.perf_counter()
         trainer.train()
         train_s = time.perf_counter() - t_train
-    timed = clock.ends[args.warmup_steps - 1:] if args.warmup_steps > 0 else [t_train, *clock.ends]
+    # the profiled steps run slower: tokens/s counts the steps after them
+    first_timed = args.warmup_steps + args.profile_steps
+    timed = clock.ends[first_timed - 1:] if first_timed > 0 else [t_train, *clock.ends]
     step_tokens = args.batch * args.seq_len
     logs = [h for h in trainer.state.log_history if "loss" in h]
     head = getattr(trainer, "dad_head", None)
@@ -426,6 +487,8 @@ def train_one(system: str, shape_name: str, mode: str, args: argparse.Namespace,
         "dad_chunk_size": args.chunk_size if head is not None else None,
         "dad_weight_chunk_size": args.weight_chunk_size if head is not None else None,
     }
+    if profiler.summary:
+        record["profile"] = profiler.summary
     if not all(math.isfinite(v) for h in logs for v in (h["loss"], h.get("grad_norm", 0.0))):
         record["warning"] = "a logged loss or gradient norm is not finite: the run diverged"
     if head is not None and head.last_backend is None:
@@ -443,7 +506,8 @@ def run_isolated(system: str, shape: str, mode: str, args: argparse.Namespace) -
                "--modes", mode, "--out", str(out), "--steps", str(args.steps), "--batch", str(args.batch),
                "--seq-len", str(args.seq_len), "--lr", str(args.lr), "--warmup-steps", str(args.warmup_steps),
                "--max-grad-norm", str(args.max_grad_norm)]
-        for flag, value in (("--chunk-size", args.chunk_size), ("--weight-chunk-size", args.weight_chunk_size)):
+        for flag, value in (("--chunk-size", args.chunk_size), ("--weight-chunk-size", args.weight_chunk_size),
+                            ("--profile-steps", args.profile_steps or None)):
             if value is not None:
                 cmd += [flag, str(value)]
         if args.tokens is not None:
@@ -572,6 +636,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--max-grad-norm", type=float, default=0.0, help="0 = no clipping (see above)")
     parser.add_argument("--out", type=Path, help="write this JSON instead of results/sft_gpu.json (part of a grid)")
     parser.add_argument("--in-process", action="store_true", help="run every system in this process")
+    parser.add_argument("--profile-steps", type=int, default=0,
+                        help="profile this many steps after the warm-up (kernels, host ops; left out of tokens/s)")
     parser.add_argument("--chunk-size", type=int, default=None,
                         help="the DAD head's chunk_size (token rows per logits chunk; default: the head's rule)")
     parser.add_argument("--weight-chunk-size", type=int, default=None,
