@@ -313,7 +313,12 @@ def main() -> None:
     parser.add_argument("--weight-chunks", type=int, nargs="*", default=[],
                         help="also the DAD head with weight_chunk_size=ROWS (no V x D copy in the compute dtype)")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default results/lm_head.json)")
+    parser.add_argument("--plot", type=Path, default=None,
+                        help="only draw RESULTS.json's step time against peak memory into RESULTS.png")
     args = parser.parse_args()
+    if args.plot is not None:
+        print("wrote", plot_tradeoff(json.loads(args.plot.read_text()), args.plot.with_suffix(".png")))
+        return
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if args.smoke:
         shapes, dtype, warmup, repeats = {"smoke": (257, 24, 96)}, torch.float32, 1, 3
@@ -342,6 +347,77 @@ def main() -> None:
         print("wrote", args.out)
     else:
         print("wrote", write_records("lm_head", records, args.smoke))
+
+
+PEERS = ("liger-adamw", "cce-adamw")
+
+
+def targets(rows: list[dict[str, Any]], tag: str) -> tuple[float, float] | None:
+    """``(allowed ms, allowed MiB)`` of one cell: time at most max(0.85 x the fastest fused peer, 1.15 x the
+    floor), peak at most the lowest fused peer's; ``None`` if a peer or the floor is missing."""
+    by_name = {r["system"]: r for r in rows if "error" not in r}
+    peers = [by_name[p + tag] for p in PEERS if p + tag in by_name]
+    floor_row = by_name.get("floor" + tag)
+    if not peers or floor_row is None:
+        return None
+    allowed_ms = max(0.85 * min(r["step_ms"] for r in peers), 1.15 * floor_row["step_ms"])
+    return allowed_ms, min(r["peak_mib"] for r in peers)
+
+
+def plot_tradeoff(records: list[dict[str, Any]], out: Path) -> Path | None:
+    """Step time against peak memory, one panel per shape and ``dL/dh`` setting: every DAD setting of the
+    record, the peers, and the region where both targets of :func:`targets` hold (shaded)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.patches
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is missing: plot skipped")
+        return None
+    shapes = list(dict.fromkeys(r["shape"] for r in records))
+    fig, axes = plt.subplots(len(shapes), 2, figsize=(12, 5 * len(shapes)), squeeze=False)
+    for ax, (shape, tag) in zip(axes.flat, [(shape, tag) for shape in shapes for tag in ("", "+dh")]):
+        cell = [r for r in records if r["shape"] == shape]
+        rows = [r for r in cell if r.get("peak_mib") is not None and "error" not in r
+                and r["system"].endswith(tag) and (tag or not r["system"].endswith("+dh"))]
+        _tradeoff_panel(ax, rows, tag, targets(cell, tag), matplotlib.patches.Rectangle)
+        ax.set_title(f"{shape}{' with dL/dh' if tag else ''}", fontsize=9)
+    fig.suptitle("DAD head settings (blue: c = rows per chunk, w = weight rows per cast) and peers (red); "
+                 "green: both targets met", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+    plt.close(fig)
+    return out
+
+
+def _tradeoff_panel(ax: Any, rows: list[dict[str, Any]], tag: str, goal: tuple[float, float] | None,
+                    rectangle: Any) -> None:
+    """One panel of :func:`plot_tradeoff`: the DAD head on the Triton backend at each chunk / weight-slice
+    setting, the fused peers, the targets' region; the unfused head (far to the right) and the other DAD
+    backends are left out."""
+    if goal is not None:
+        allowed_ms, allowed_mib = goal
+        ax.add_patch(rectangle((0, 0), allowed_mib, allowed_ms, color="tab:green", alpha=0.12))
+        ax.axhline(allowed_ms, color="tab:green", lw=0.8, ls="--")
+        ax.axvline(allowed_mib, color="tab:green", lw=0.8, ls="--")
+    points = [(r, r["system"].removesuffix(tag)) for r in rows]
+    points = [(r, name) for r, name in points if name in PEERS or name.startswith("dad-fused")
+              and name not in ("dad-fused-triton", "dad-fused-torch", "dad-fused-liger", "dad-fused-cce")]
+    for r, name in points:
+        peer = name in PEERS
+        ax.scatter(r["peak_mib"], r["step_ms"], s=18, color="tab:red" if peer else "tab:blue")
+        label = name.removesuffix("-adamw") if peer else name.removeprefix("dad-fused").removeprefix("-triton")
+        ax.annotate(label.lstrip("-") or "default", (r["peak_mib"], r["step_ms"]), fontsize=7,
+                    xytext=(3, 2), textcoords="offset points")
+    mib = [r["peak_mib"] for r, _ in points] + ([goal[1]] if goal else [])
+    ms = [r["step_ms"] for r, _ in points] + ([goal[0]] if goal else [])
+    ax.set_xlim(min(mib) - 0.04 * (max(mib) - min(mib)), max(mib) + 0.12 * (max(mib) - min(mib)))
+    ax.set_yscale("log")
+    ax.set_ylim(0.9 * min(ms), 1.1 * max(ms))
+    ax.set_xlabel("peak MiB")
+    ax.set_ylabel("step ms")
 
 
 def report(row: dict[str, Any]) -> None:
