@@ -163,6 +163,29 @@ def test_weight_cast_in_slices_matches_one_copy_and_the_oracle(compute, tol, bia
         assert rel(getattr(sliced, name), getattr(whole, name)) <= close, name
 
 
+@pytest.mark.parametrize("slice_rows", [None, 16])
+@pytest.mark.parametrize("ignore_frac", [0.25, 1.0])
+def test_gradient_buffers_are_written_before_any_read(monkeypatch, slice_rows, ignore_frac):
+    # dW and dh start uninitialised (the first product overwrites them, beta=0): NaN-filled buffers show that no
+    # element is read before it is written, and a batch without valid tokens still gets zero gradients
+    from torch_dad.ops import linear_cross_entropy as lce_module
+
+    monkeypatch.setattr(lce_module, "_uninitialized",
+                        lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device))
+    h, w, b, y = make(37, 23, 101, torch.float32, True, ignore_frac=ignore_frac, seed=5)
+    h = h.double()  # float32 weight, float64 compute: the weight is cast, whole or in slices
+    got = linear_cross_entropy(h, w, y, b, chunk_size=9, backend="torch", compute_dtype=torch.float64,
+                               weight_chunk_size=slice_rows)
+    ref, gi, _, _, _ = reference(h, w, b, y)
+    for name, value in (("grad_weight", got.grad_weight), ("grad_input", got.grad_input)):
+        assert torch.isfinite(value).all(), name
+    if ignore_frac == 1.0:
+        assert got.num_valid == 0 and not got.grad_weight.any() and not got.grad_input.any()
+    else:
+        assert rel(got.grad_weight, ref.grad_weight) <= 1e-10 and rel(got.grad_input, gi) <= 1e-10
+        assert rel(got.grad_bias, ref.grad_bias) <= 1e-10
+
+
 def test_default_chunk_size_bounds_memory():
     rows = default_chunk_size(49152, torch.bfloat16)
     assert rows % 16 == 0 and rows * 49152 * 6 <= 64 * 2**20 < (rows + 16) * 49152 * 6

@@ -128,3 +128,21 @@ def test_auto_prefers_triton_on_cuda():
     ref = linear_cross_entropy(h.float().cuda(), w.float().cuda(), y.cuda(), token_stats=True, backend="torch")
     assert rel(stats.entropy.cpu(), ref.entropy.cpu()) <= 1e-5
     assert float((stats.is_top1 != ref.is_top1).float().mean()) <= 1e-2  # float32 near-ties may differ
+
+
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b in ("torch", "triton")])
+@pytest.mark.parametrize("slice_rows", [None, 1000])
+def test_uninitialised_gradient_buffers_are_never_read(monkeypatch, backend, slice_rows):
+    # float32 weight, bf16 compute: dW accumulates in float32 straight from bf16 products (addmm's
+    # out_dtype path). The first product runs with beta=0, so NaN-filled buffers give the same bits.
+    from torch_dad.ops import linear_cross_entropy as lce_module
+
+    h, w, y = case(3000, 96, 4099, seed=2)
+    h, w, y = h.cuda().bfloat16(), w.cuda().float(), y.cuda()
+    kwargs = dict(chunk_size=1024, backend=backend, weight_chunk_size=slice_rows, compute_dtype=torch.bfloat16)
+    clean = linear_cross_entropy(h, w, y, **kwargs)
+    monkeypatch.setattr(lce_module, "_uninitialized",
+                        lambda shape, dtype, device: torch.full(shape, float("nan"), dtype=dtype, device=device))
+    dirty = linear_cross_entropy(h, w, y, **kwargs)
+    assert torch.equal(dirty.grad_weight, clean.grad_weight) and torch.equal(dirty.grad_input, clean.grad_input)
+    assert torch.isfinite(clean.grad_weight).all()

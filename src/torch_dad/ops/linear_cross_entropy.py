@@ -348,22 +348,31 @@ def linear_cross_entropy(
         return _chunked(step, "torch", chunk_size, weight_chunk_size)
 
 
-def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor) -> None:
-    """``acc += a @ b`` with ``acc`` kept in its (wider) dtype."""
+def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor, first: bool = False) -> None:
+    """``acc += a @ b`` (``acc = a @ b`` if ``first``) with ``acc`` kept in its (wider) dtype."""
+    # beta=0 never reads acc: the first product needs no zeroed buffer, so a V x D gradient costs no
+    # memset and no extra read per step (addmm ignores NaN/Inf in self when beta is 0)
+    beta = 0 if first else 1
     if a.dtype == acc.dtype:
-        acc.addmm_(a, b)
+        acc.addmm_(a, b, beta=beta)
     elif acc.is_cuda and hasattr(torch.ops.aten.addmm, "dtype_out"):
         # cuBLAS reads bf16/fp16 and accumulates into the float32 buffer directly: no
         # parameter-sized temporary per chunk (torch >= 2.8)
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, out=acc)
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, beta=beta, out=acc)
     else:
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype))
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), beta=beta)
+
+
+def _uninitialized(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
+    """``torch.empty``, for a buffer whose every element is written before it is read."""
+    return torch.empty(shape, dtype=dtype, device=device)
 
 
 @dataclass
 class _ChunkSums:
-    """The outputs :func:`_chunked` fills chunk by chunk: zeroed ``dW`` (V, D), ``db`` (V,),
-    ``dh`` (N, D), per-token log-likelihood, entropy and top-1 flags (each ``None`` when not asked for)."""
+    """The outputs :func:`_chunked` fills chunk by chunk: ``dW`` (V, D), ``db`` (V,), ``dh`` (N, D),
+    per-token log-likelihood, entropy and top-1 flags (each ``None`` when not asked for). ``dW`` and ``dh``
+    are left uninitialised when every chunk writes them (``written``), zeros otherwise."""
 
     grad_weight: Tensor | None
     grad_bias: Tensor | None
@@ -373,14 +382,15 @@ class _ChunkSums:
     is_top1: Tensor | None
 
     @classmethod
-    def zeros(cls, step: _Step, acc: torch.dtype) -> _ChunkSums:
+    def allocate(cls, step: _Step, acc: torch.dtype, written: bool) -> _ChunkSums:
         (n, d), vocab = step.hidden.shape, step.weight.shape[0]
         device = step.hidden.device
         want_gw, stats = step.want_gw, step.token_stats
+        grads = _uninitialized if written else torch.zeros
         return cls(
-            grad_weight=torch.zeros(vocab, d, dtype=acc, device=device) if want_gw else None,
+            grad_weight=grads((vocab, d), dtype=acc, device=device) if want_gw else None,
             grad_bias=torch.zeros(vocab, dtype=acc, device=device) if want_gw and step.bias is not None else None,
-            grad_input=torch.zeros(n, d, dtype=step.hidden.dtype, device=device) if step.want_gi else None,
+            grad_input=grads((n, d), dtype=step.hidden.dtype, device=device) if step.want_gi else None,
             log_probs=torch.zeros(n, dtype=acc, device=device),
             entropy=torch.zeros(n, dtype=acc, device=device) if stats else None,
             is_top1=torch.zeros(n, dtype=torch.bool, device=device) if stats else None,
@@ -424,10 +434,10 @@ class _ComputeWeight:
         """``d @ W`` (N_c, D); accumulated in float32 (float64 for float64) across slices."""
         if self.full is not None:
             return d @ self.full
-        acc = torch.zeros(d.shape[0], self.weight.shape[1], dtype=torch.promote_types(d.dtype, torch.float32),
-                          device=d.device)
+        acc = _uninitialized((d.shape[0], self.weight.shape[1]), torch.promote_types(d.dtype, torch.float32),
+                             d.device)
         for start, stop, w in self._slices():
-            _accumulate_mm(acc, d[:, start:stop], w)
+            _accumulate_mm(acc, d[:, start:stop], w, first=start == 0)
         return acc
 
 
@@ -454,8 +464,8 @@ def _chunked(step: _Step, backend: str, chunk_size: int | None,
     rows_backend = "auto" if backend == "triton" else "torch"
     w = _ComputeWeight(step.weight, dtype, weight_chunk_size)
     target = step.target.contiguous()
-    sums = _ChunkSums.zeros(step, torch.float64 if dtype == torch.float64 else torch.float32)
     need_grad = (step.want_gw or step.want_gi) and step.num_valid > 0
+    sums = _ChunkSums.allocate(step, torch.float64 if dtype == torch.float64 else torch.float32, need_grad)
     for start, stop, h, logits in _chunk_logits(step.hidden, w, step.bias, rows, dtype):
         cross_entropy_rows_(
             logits, target[start:stop], sums.log_probs[start:stop], ignore_index=step.ignore_index,
@@ -467,7 +477,7 @@ def _chunked(step: _Step, backend: str, chunk_size: int | None,
             continue
         # logits now holds d_c = (softmax - onehot) * scale, 0 on ignored rows
         if sums.grad_weight is not None:
-            _accumulate_mm(sums.grad_weight, logits.T, h)
+            _accumulate_mm(sums.grad_weight, logits.T, h, first=start == 0)
             if sums.grad_bias is not None:
                 sums.grad_bias += logits.sum(0, dtype=sums.grad_bias.dtype)
         if sums.grad_input is not None:
