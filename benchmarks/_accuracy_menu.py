@@ -25,7 +25,7 @@ from accuracy import BATCH, WEIGHT_DECAY, _accuracy, _schedule, ridge_head, time
 
 # the search starts from the first value of each axis: the spec lists the plain recipe first
 MENU_PRESETS = {
-    "full": "lr=1e-3,3e-4,3e-3,1e-4;norm=none,layernorm,batchnorm;ls=0,0.1;dropout=0,0.1;schedule=constant,cosine;"
+    "full": "lr=1e-3,3e-4,3e-3,1e-4;norm=none,layernorm,batchnorm;ls=0,0.1;dropout=0,0.1;schedule=constant,cosine,step;"
     "act=relu,leaky_relu;head=trained,ridge",
     "smoke": "lr=3e-3,1e-2;norm=none,layernorm;head=trained,ridge",
 }
@@ -41,7 +41,7 @@ DEFAULTS: dict[str, Any] = {
 }
 CHOICES = {
     "norm": ("none", "layernorm", "batchnorm"),
-    "schedule": ("constant", "cosine"),
+    "schedule": ("constant", "cosine", "step"),
     "act": ("relu", "gelu", "tanh", "leaky_relu"),
     "head": ("trained", "ridge"),
 }
@@ -108,7 +108,7 @@ def recipe_name(recipe: dict[str, Any], head: str | None = None) -> str:
     parts += [f"{recipe['norm']}"] if recipe["norm"] != "none" else []
     parts += [f"ls {recipe['ls']:g}"] if recipe["ls"] else []
     parts += [f"dropout {recipe['dropout']:g}"] if recipe["dropout"] else []
-    parts += ["cosine"] if recipe["schedule"] == "cosine" else []
+    parts += {"cosine": ["cosine"], "step": ["step decay"]}.get(recipe["schedule"], [])
     parts += [recipe["act"]] if recipe["act"] != "relu" else []
     return ", ".join(parts + ([f"{head} head"] if head else []))
 
@@ -181,7 +181,7 @@ def train_recipe(job: dict[str, Any], data: dict[str, torch.Tensor], device: tor
     xtr, ytr = data["xtr"], data["ytr"]
     model, features, step = _build(job["system"], recipe, job, device)
     steps_per_epoch = math.ceil(xtr.shape[0] / BATCH)
-    schedule = _schedule({"cosine": recipe["schedule"] == "cosine"}, recipe["lr"], steps_per_epoch * job["epochs"])
+    schedule = _schedule({recipe["schedule"]: True}, recipe["lr"], steps_per_epoch * job["epochs"])
     count = itertools.count()
 
     def scheduled(x: torch.Tensor, y: torch.Tensor) -> None:

@@ -155,9 +155,16 @@ def _ridge_accuracy(
     return _accuracy(ridge_head(features, num_features, 10, xtr, ytr), xte, yte)
 
 
-def _schedule(opts: dict[str, Any], lr: float, steps: int) -> Callable[[int], float] | None:
-    from torch_dad.training.schedules import warmup_cosine
+#: the step schedule: lr x0.25 at these fractions of training, local-loss' milestones 50/75/89/94 of 100 epochs
+STEP_FRACTIONS, STEP_GAMMA = (0.5, 0.75, 0.89, 0.94), 0.25
 
+
+def _schedule(opts: dict[str, Any], lr: float, steps: int) -> Callable[[int], float] | None:
+    """The per-step lr of ``opts`` ``"cosine"`` or ``"step"`` (``True``) over ``steps`` steps; None: constant."""
+    from torch_dad.training.schedules import multistep, warmup_cosine
+
+    if opts.get("step"):
+        return multistep(lr, [round(f * steps) for f in STEP_FRACTIONS], gamma=STEP_GAMMA)
     if not opts.get("cosine"):
         return None
     # warm-up = 1/20 of training: the first Adam steps run on uncalibrated moments

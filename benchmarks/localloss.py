@@ -42,7 +42,6 @@ Writes ``results/localloss_<net>.json`` (or ``--out``).
 from __future__ import annotations
 
 import argparse
-import bisect
 import json
 import time
 from collections.abc import Callable
@@ -166,11 +165,6 @@ def milestones(recipe: dict[str, Any], epochs: int) -> list[int]:
     return [round(m * epochs / recipe["epochs"]) for m in recipe["milestones"]]
 
 
-def epoch_lr(epoch: int, marks: list[int]) -> float:
-    """lr of 0-based ``epoch``: ``5e-4 * 0.25 ** (milestones passed)``, as the paper's schedule."""
-    return LR * 0.25 ** bisect.bisect_right(marks, epoch)
-
-
 def train(
     step: Callable[[torch.Tensor, torch.Tensor, float], None],
     evaluate: Callable[[], dict[str, float]],
@@ -188,9 +182,10 @@ def train(
     device, n = xtr.device, xtr.shape[0]
     full = n - n % BATCH
     generator = torch.Generator(device=device).manual_seed(seed)
-    marks, curve, elapsed = milestones(run.recipe, run.epochs), [], 0.0
+    # the paper's schedule: lr x0.25 at each milestone epoch
+    epoch_lr, curve, elapsed = td.schedules.multistep(LR, milestones(run.recipe, run.epochs), gamma=0.25), [], 0.0
     for epoch in range(run.epochs):
-        lr = epoch_lr(epoch, marks)
+        lr = epoch_lr(epoch)
         order = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 1000 + epoch)).to(device)[:full]
         cuda_sync()
         start = time.perf_counter()

@@ -29,7 +29,7 @@ from _accuracy_menu import (  # noqa: E402
     search,
 )
 from _common import DADMLP, backprop_mlp  # noqa: E402
-from accuracy import ridge_head  # noqa: E402
+from accuracy import _schedule, ridge_head  # noqa: E402
 
 
 def test_parse_menu_presets_and_defaults() -> None:
@@ -85,9 +85,9 @@ def test_coordinate_search_sweeps_each_axis_from_the_start() -> None:
     recipe, head = search(menu, "coordinate", _fake_evaluate(score, calls))
     assert recipe == {**{a: menu[a][0] for a in AXES}, "lr": 3e-3, "norm": "batchnorm"}
     assert head == "ridge"
-    # every configuration is trained once: 4 lrs, then 2 new values per 3-valued axis and 1 per 2-valued one,
-    # then the other 3 lrs with the selected batchnorm
-    assert len(calls) == len({str(sorted(c.items())) for c in calls}) == 4 + 2 + 1 + 1 + 1 + 1 + 3
+    # every configuration is trained once: 4 lrs, then 2 new values per 3-valued axis (norm, schedule) and 1 per
+    # 2-valued one (ls, dropout, act), then the other 3 lrs with the selected batchnorm
+    assert len(calls) == len({str(sorted(c.items())) for c in calls}) == 4 + 2 + 1 + 1 + 2 + 1 + 3
     assert calls[0] == {a: menu[a][0] for a in AXES}
 
 
@@ -109,6 +109,17 @@ def test_recipe_name_lists_what_differs_from_the_plain_recipe() -> None:
     assert recipe_name(plain) == "lr 0.001"
     changed = {**plain, "norm": "layernorm", "ls": 0.1, "dropout": 0.1, "schedule": "cosine", "act": "leaky_relu"}
     assert recipe_name(changed, "ridge") == "lr 0.001, layernorm, ls 0.1, dropout 0.1, cosine, leaky_relu, ridge head"
+    assert recipe_name({**plain, "schedule": "step"}) == "lr 0.001, step decay"
+
+
+def test_menu_schedules_are_constant_cosine_and_local_loss_step_decay() -> None:
+    assert parse_menu("full")["schedule"] == ["constant", "cosine", "step"]
+    assert _schedule({"constant": True}, 1e-3, 200) is None
+    step = _schedule({"step": True}, 1e-3, 200)  # milestones at 50/75/89/94 % of the steps, x0.25 each
+    assert [step(t) for t in (0, 99, 100, 149, 150, 177, 178, 187, 188, 199)] == pytest.approx(
+        [1e-3, 1e-3, 2.5e-4, 2.5e-4, 6.25e-5, 6.25e-5, 1.5625e-5, 1.5625e-5, 3.90625e-6, 3.90625e-6])
+    cosine = _schedule({"cosine": True}, 1e-3, 200)
+    assert cosine(199) < 1e-5 < cosine(100) < 1e-3
 
 
 @pytest.mark.parametrize(

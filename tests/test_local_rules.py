@@ -8,7 +8,7 @@ import torch
 import torch_dad as td
 from torch_dad import functional
 from torch_dad.data import synthetic
-from torch_dad.training.schedules import warmup_cosine
+from torch_dad.training.schedules import multistep, warmup_cosine
 
 from .conftest import relative_error
 
@@ -203,6 +203,18 @@ def test_warmup_cosine_formula_and_errors():
         warmup_cosine(1e-3, total_steps=5, warmup_steps=6)
     with pytest.raises(ValueError, match="base_lr"):
         warmup_cosine(-1.0, total_steps=5)
+
+
+def test_multistep_formula_and_errors():
+    lr = multistep(1e-3, [3, 5], gamma=0.5)
+    assert [lr(t) for t in range(7)] == pytest.approx([1e-3, 1e-3, 1e-3, 5e-4, 5e-4, 2.5e-4, 2.5e-4])
+    assert multistep(2.0, [])(100) == 2.0
+    for kwargs, match in (({"milestones": [5, 3]}, "milestones"), ({"milestones": [1.5]}, "milestones"),
+                          ({"milestones": [-1]}, "milestones"), ({"milestones": "12"}, "milestones"),
+                          ({"milestones": [1], "gamma": -0.1}, "gamma"), ({"milestones": [1], "base_lr": float("inf")},
+                                                                          "base_lr")):
+        with pytest.raises(ValueError, match=match):
+            multistep(**{"base_lr": 1e-3, **kwargs})
 
 
 def test_fit_uses_the_schedule_per_step():

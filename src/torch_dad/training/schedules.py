@@ -2,10 +2,32 @@
 
 from __future__ import annotations
 
+import bisect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
-__all__ = ["warmup_cosine"]
+__all__ = ["multistep", "warmup_cosine"]
+
+
+def _check_lr(name: str, value: float) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or math.isinf(value):
+        raise ValueError(f"{name}={value!r} must be a finite float >= 0")
+
+
+def multistep(base_lr: float, milestones: Sequence[int], gamma: float = 0.1) -> Callable[[int], float]:
+    """``lr(t) = base_lr * gamma ** (number of milestones <= t)``, as ``torch.optim.lr_scheduler.MultiStepLR``
+    with ``t`` counted in whatever unit the milestones are (steps for ``fit(schedule=...)``)."""
+    _check_lr("base_lr", base_lr)
+    _check_lr("gamma", gamma)
+    marks = list(milestones) if isinstance(milestones, Sequence) and not isinstance(milestones, str) else None
+    if marks is None or any(isinstance(m, bool) or not isinstance(m, int) or m < 0 for m in marks) \
+            or marks != sorted(marks):
+        raise ValueError(f"milestones={milestones!r} must be a sorted sequence of ints >= 0, e.g. [50, 75]")
+
+    def lr(step: int) -> float:
+        return base_lr * gamma ** bisect.bisect_right(marks, step)
+
+    return lr
 
 
 def warmup_cosine(
@@ -15,8 +37,7 @@ def warmup_cosine(
     ``min_lr + (base_lr - min_lr) * (1 + cos(pi * p)) / 2`` with ``p = (t - warmup) / (total - warmup)``
     clipped to [0, 1] (steps past ``total_steps`` stay at ``min_lr``)."""
     for name, value in (("base_lr", base_lr), ("min_lr", min_lr)):
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or math.isinf(value):
-            raise ValueError(f"{name}={value!r} must be a finite float >= 0")
+        _check_lr(name, value)
     for name, value in (("total_steps", total_steps), ("warmup_steps", warmup_steps)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{name}={value!r} must be an int >= 0")
