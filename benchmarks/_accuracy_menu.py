@@ -21,7 +21,16 @@ from typing import Any
 
 import torch
 
-from accuracy import BATCH, WEIGHT_DECAY, _accuracy, _schedule, ridge_head, timed_epoch
+from _accuracy_common import (
+    BATCH,
+    TOPOLOGIES,
+    WEIGHT_DECAY,
+    accuracy_of,
+    load_dataset,
+    lr_schedule,
+    ridge_head,
+    timed_epoch,
+)
 
 # the search starts from the first value of each axis: the spec lists the plain recipe first
 MENU_PRESETS = {
@@ -47,7 +56,7 @@ CHOICES = {
 }
 # system -> DAD local rule (None: backprop)
 SYSTEMS: dict[str, str | None] = {"dad": "ce", "dad-predsim": "predsim", "dad-drtp": "drtp", "backprop": None}
-# cell -> (dataset, epochs); the MLP of accuracy.TOPOLOGIES for the dataset, or the conv net in VGG_CELLS
+# cell -> (dataset, epochs); the MLP of _accuracy_common.TOPOLOGIES for the dataset, or the conv net in VGG_CELLS
 CELLS = {
     "mnist-3": ("mnist", 3),
     "mnist-20": ("mnist", 20),
@@ -181,7 +190,7 @@ def train_recipe(job: dict[str, Any], data: dict[str, torch.Tensor], device: tor
     xtr, ytr = data["xtr"], data["ytr"]
     model, features, step = _build(job["system"], recipe, job, device)
     steps_per_epoch = math.ceil(xtr.shape[0] / BATCH)
-    schedule = _schedule({recipe["schedule"]: True}, recipe["lr"], steps_per_epoch * job["epochs"])
+    schedule = lr_schedule({recipe["schedule"]: True}, recipe["lr"], steps_per_epoch * job["epochs"])
     count = itertools.count()
 
     def scheduled(x: torch.Tensor, y: torch.Tensor) -> None:
@@ -197,8 +206,8 @@ def train_recipe(job: dict[str, Any], data: dict[str, torch.Tensor], device: tor
             {
                 "epoch": epoch + 1,
                 "train_s": elapsed,
-                "val_acc": _accuracy(model, data["xval"], data["yval"]),
-                "test_acc": _accuracy(model, data["xte"], data["yte"]),
+                "val_acc": accuracy_of(model, data["xval"], data["yval"]),
+                "test_acc": accuracy_of(model, data["xte"], data["yte"]),
             }
         )
     ridge = ridge_head(features, widths[-1], num_classes, xtr, ytr)
@@ -206,8 +215,8 @@ def train_recipe(job: dict[str, Any], data: dict[str, torch.Tensor], device: tor
     heads = {
         "trained": {"val_acc": last["val_acc"], "test_acc": last["test_acc"]},
         "ridge": {
-            "val_acc": _accuracy(ridge, data["xval"], data["yval"]),
-            "test_acc": _accuracy(ridge, data["xte"], data["yte"]),
+            "val_acc": accuracy_of(ridge, data["xval"], data["yval"]),
+            "test_acc": accuracy_of(ridge, data["xte"], data["yte"]),
         },
     }
     return {"train_s": elapsed, "curve": curve, "heads": heads}
@@ -391,7 +400,6 @@ def study_one(
 def _cache_split(dataset: str, images: bool, args: Any, folder: Path) -> tuple[Path, int, int, int, int] | None:
     """Split ``dataset`` into train / val / test (rows (N, 1, 28, 28) if ``images``), save it in ``folder``;
     ``(file, classes, n_train, n_val, n_test)``, or ``None`` if the dataset is not installed."""
-    from accuracy import load_dataset
 
     try:
         xtr, ytr, xte, yte = load_dataset(dataset, args)
@@ -420,7 +428,6 @@ def prepare_cells(names: list[str], args: Any, folder: Path) -> list[dict[str, A
     """Each cell's dataset split into train / val (a fixed 10% of the training set) / test, cached in
     ``folder`` for the workers. A dataset that is not installed is skipped with a message."""
     import conv
-    from accuracy import TOPOLOGIES
 
     cells: list[dict[str, Any]] = []
     caches: dict[tuple[str, bool], tuple[Path, int, int, int, int] | None] = {}

@@ -44,17 +44,23 @@ from typing import Any
 
 import torch
 
+from _accuracy_common import (
+    BATCH,
+    TOPOLOGIES,
+    WEIGHT_DECAY,
+    accuracy_of,
+    epoch_order,
+    load_dataset,
+    lr_schedule,
+    ridge_accuracy,
+    sync,
+    timed_epoch,
+)
+from _accuracy_menu import CELLS, SYSTEMS, menu_main, parse_menu
+
 HERE = Path(__file__).resolve().parent
-TOPOLOGIES = {
-    "mnist": ("mnist-medium-3", [784, 1024, 512, 256]),
-    "fmnist": ("fmnist-wide-2", [784, 4096, 4096]),
-    "cifar10": ("cifar10-medium-3", [3072, 1024, 512, 256]),
-    "20ng": ("20ng-mlp-2", [4096, 1024, 512]),
-}
 LRS = (3e-4, 1e-3, 3e-3)
 SEEDS = (0, 1, 2)
-WEIGHT_DECAY = 0.01  # DADTrainer's and torch.optim.AdamW's default: the shared recipe
-BATCH = 256
 WHEEL = "wheel-2026.5.24"
 # the grid's base systems, each over the whole lr grid; the others are option variants (--option-lrs)
 CORE_SYSTEMS = ("dad", "dad-predsim", "dad-drtp", "backprop", WHEEL)
@@ -69,106 +75,6 @@ DAD_SYSTEMS: dict[str, dict[str, Any]] = {
     "dad+layernorm": {"local_loss": "ce", "normalize": "layernorm"},
 }
 BACKPROP_SYSTEMS: dict[str, dict[str, Any]] = {"backprop": {}, "backprop+cosine": {"cosine": True}}
-
-
-# ------------------------------------------------------------------------------------------ data
-def load_dataset(name: str, args: argparse.Namespace) -> tuple[torch.Tensor, ...]:
-    """``(x_train, y_train, x_test, y_test)``: float32 standardised features, int64 labels."""
-    from torch_dad import data
-
-    if name == "mnist":
-        (xtr, ytr), (xte, yte) = data.mnist(path=args.mnist_npz)
-    elif name == "fmnist":
-        (xtr, ytr), (xte, yte) = data.fashion_mnist(args.fmnist_dir)
-    elif name == "cifar10":
-        (xtr, ytr), (xte, yte) = data.cifar10(args.cifar)
-    elif name == "20ng":
-        # hashed TF-IDF as wide as the topology's input layer
-        (xtr, ytr), (xte, yte) = data.twenty_newsgroups(args.ng_root, features=TOPOLOGIES["20ng"][1][0])
-    elif name == "synthetic":
-        (xtr, ytr), (xte, yte) = data.synthetic(num_train=4096, num_test=1024, num_features=24, num_classes=10)
-    elif name == "synthetic28":  # 28 x 28 "images" for the conv cells' smoke run
-        (xtr, ytr), (xte, yte) = data.synthetic(num_train=512, num_test=256, num_features=784, num_classes=10)
-    else:
-        raise ValueError(f"unknown dataset {name!r}")
-    return xtr, ytr, xte, yte
-
-
-def _order(n: int, seed: int, epoch: int, device: torch.device) -> torch.Tensor:
-    generator = torch.Generator().manual_seed(seed * 1000 + epoch)
-    return torch.randperm(n, generator=generator).to(device)
-
-
-def _sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed_epoch(
-    step: Callable[[torch.Tensor, torch.Tensor], None], x: torch.Tensor, y: torch.Tensor, seed: int, epoch: int,
-    device: torch.device,
-) -> float:
-    """Wall seconds of ``step(x[idx], y[idx])`` over every batch of the epoch's seeded order (synchronised)."""
-    order = _order(x.shape[0], seed, epoch, device)
-    _sync(device)
-    start = time.perf_counter()
-    for i in range(0, x.shape[0], BATCH):
-        idx = order[i : i + BATCH]
-        step(x[idx], y[idx])
-    _sync(device)
-    return time.perf_counter() - start
-
-
-@torch.no_grad()
-def _accuracy(logits_fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, y: torch.Tensor) -> float:
-    correct = 0
-    for start in range(0, x.shape[0], 4096):
-        correct += int((logits_fn(x[start : start + 4096]).argmax(1) == y[start : start + 4096]).sum())
-    return correct / x.shape[0]
-
-
-@torch.no_grad()
-def ridge_head(
-    features: Callable[[torch.Tensor], torch.Tensor], num_features: int, num_classes: int, x: torch.Tensor,
-    y: torch.Tensor,
-) -> Callable[[torch.Tensor], torch.Tensor]:
-    """``x -> features(x) @ W.T + b``: the closed-form ridge head (GCV lambda) fitted on ``features(x)``.
-
-    What ``solve_head("auto", loader=(x, y))`` would give, without changing the model, so a run's
-    own trajectory (its trained classifier) goes on.
-    """
-    from torch_dad.ridge import GramAccumulator
-
-    stats = GramAccumulator(num_features, num_classes, device=x.device)
-    for i in range(0, x.shape[0], 4096):
-        stats.update(features(x[i : i + 4096]), y[i : i + 4096])
-    solution = stats.solve("auto")
-    weight, bias = solution.weight.float(), solution.bias.float()
-    return lambda inputs: features(inputs).float() @ weight.T + bias
-
-
-def _ridge_accuracy(
-    features: Callable[[torch.Tensor], torch.Tensor], num_features: int, data: tuple[torch.Tensor, ...]
-) -> float:
-    """Test accuracy of :func:`ridge_head` fitted on the training set's ``features``."""
-    xtr, ytr, xte, yte = data
-    return _accuracy(ridge_head(features, num_features, 10, xtr, ytr), xte, yte)
-
-
-#: the step schedule: lr x0.25 at these fractions of training, local-loss' milestones 50/75/89/94 of 100 epochs
-STEP_FRACTIONS, STEP_GAMMA = (0.5, 0.75, 0.89, 0.94), 0.25
-
-
-def _schedule(opts: dict[str, Any], lr: float, steps: int) -> Callable[[int], float] | None:
-    """The per-step lr of ``opts`` ``"cosine"`` or ``"step"`` (``True``) over ``steps`` steps; None: constant."""
-    from torch_dad.training.schedules import multistep, warmup_cosine
-
-    if opts.get("step"):
-        return multistep(lr, [round(f * steps) for f in STEP_FRACTIONS], gamma=STEP_GAMMA)
-    if not opts.get("cosine"):
-        return None
-    # warm-up = 1/20 of training: the first Adam steps run on uncalibrated moments
-    return warmup_cosine(lr, total_steps=steps, warmup_steps=max(1, steps // 20))
 
 
 # ------------------------------------------------------------------------------------------ systems
@@ -188,7 +94,7 @@ def train_dad(job: dict[str, Any], data: tuple[torch.Tensor, ...], device: torch
         dropout=opts.get("dropout", 0.0),
     )
     steps_per_epoch = math.ceil(xtr.shape[0] / BATCH)
-    schedule = _schedule(opts, job["lr"], steps_per_epoch * job["epochs"])
+    schedule = lr_schedule(opts, job["lr"], steps_per_epoch * job["epochs"])
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         trainer.step(x, y, lr=None if schedule is None else schedule(trainer.step_count))
 
@@ -196,15 +102,15 @@ def train_dad(job: dict[str, Any], data: tuple[torch.Tensor, ...], device: torch
     for epoch in range(job["epochs"]):
         elapsed += timed_epoch(step, xtr, ytr, job["seed"], epoch, device)
         model.eval()
-        curve.append({"epoch": epoch + 1, "test_acc": _accuracy(model, xte, yte), "train_s": elapsed,
-                      "test_acc_ridge": _ridge_accuracy(model.features, job["widths"][-1], data)})
+        curve.append({"epoch": epoch + 1, "test_acc": accuracy_of(model, xte, yte), "train_s": elapsed,
+                      "test_acc_ridge": ridge_accuracy(model.features, job["widths"][-1], data)})
         model.train()
     record = {"test_acc": curve[-1]["test_acc"], "train_s": elapsed, "curve": curve}
     # the closed-form head on the final features (one extra no-grad pass, GCV lambda)
     start = time.perf_counter()
     trainer.solve_head("auto", loader=[(xtr[i : i + 4096], ytr[i : i + 4096]) for i in range(0, xtr.shape[0], 4096)])
-    _sync(device)
-    record["test_acc_solve_head"] = _accuracy(model, xte, yte)
+    sync(device)
+    record["test_acc_solve_head"] = accuracy_of(model, xte, yte)
     record["solve_head_s"] = time.perf_counter() - start
     return record
 
@@ -220,7 +126,7 @@ def train_backprop(job: dict[str, Any], data: tuple[torch.Tensor, ...], device: 
     fused = device.type == "cuda"
     opt = torch.optim.AdamW(model.parameters(), lr=job["lr"], weight_decay=WEIGHT_DECAY, fused=fused)
     steps_per_epoch = math.ceil(xtr.shape[0] / BATCH)
-    schedule = _schedule(opts, job["lr"], steps_per_epoch * job["epochs"])
+    schedule = lr_schedule(opts, job["lr"], steps_per_epoch * job["epochs"])
     count = itertools.count()
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
@@ -238,8 +144,8 @@ def train_backprop(job: dict[str, Any], data: tuple[torch.Tensor, ...], device: 
         model.eval()
         # the same closed-form head DAD gets from solve_head("auto"), on backprop's last hidden
         # features, so a gain from the ridge head is not credited to DAD's local learning
-        curve.append({"epoch": epoch + 1, "test_acc": _accuracy(model, xte, yte), "train_s": elapsed,
-                      "test_acc_ridge": _ridge_accuracy(model[:-1], job["widths"][-1], data)})
+        curve.append({"epoch": epoch + 1, "test_acc": accuracy_of(model, xte, yte), "train_s": elapsed,
+                      "test_acc_ridge": ridge_accuracy(model[:-1], job["widths"][-1], data)})
     record = {"test_acc": curve[-1]["test_acc"], "train_s": elapsed, "curve": curve,
               "test_acc_solve_head": curve[-1]["test_acc_ridge"]}
     return record
@@ -353,7 +259,7 @@ def time_to_target(args: argparse.Namespace, data: tuple[torch.Tensor, ...], tar
             reached_ridge, ridge_acc, solve_s = None, None, 0.0
             features = model.features if system == "dad" else model[:-1]
             for epoch in range(args.ttt_max_epochs):
-                order = _order(xtr.shape[0], 0, epoch, device)
+                order = epoch_order(xtr.shape[0], 0, epoch, device)
                 torch.cuda.synchronize()
                 start = time.perf_counter()
                 for i in range(steps):
@@ -365,13 +271,13 @@ def time_to_target(args: argparse.Namespace, data: tuple[torch.Tensor, ...], tar
                 elapsed += time.perf_counter() - start
                 epochs_run = epoch + 1
                 model.eval()
-                acc = _accuracy(model, xte, yte)
+                acc = accuracy_of(model, xte, yte)
                 if reached_ridge is None:
                     # the closed-form head on this epoch's features: its solve (a no-grad pass over
                     # the training set + the GCV solve) is on the clock, its evaluation is not
                     torch.cuda.synchronize()
                     start = time.perf_counter()
-                    ridge_acc = _ridge_accuracy(features, widths[-1], (xtr, ytr, xte, yte))
+                    ridge_acc = ridge_accuracy(features, widths[-1], (xtr, ytr, xte, yte))
                     torch.cuda.synchronize()
                     solve_s = time.perf_counter() - start  # includes its test pass: an upper bound
                     if ridge_acc >= target:
@@ -537,7 +443,6 @@ def main() -> None:
 
 def _menu_mode(args: argparse.Namespace, parser: argparse.ArgumentParser) -> bool:
     """Run ``--menu`` (True: nothing else to do) or, under ``--smoke``, the menu study's smoke run first."""
-    from _accuracy_menu import CELLS, SYSTEMS, menu_main, parse_menu
 
     unknown = (set(args.systems or []) - set(SYSTEMS) if args.menu else set()) | set(args.cells or []) - set(CELLS)
     if unknown:

@@ -17,6 +17,7 @@ from torch_dad import data
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
+from _accuracy_common import lr_schedule, ridge_head  # noqa: E402
 from _accuracy_menu import (  # noqa: E402
     AXES,
     DEFAULTS,
@@ -29,7 +30,6 @@ from _accuracy_menu import (  # noqa: E402
     search,
 )
 from _common import DADMLP, backprop_mlp  # noqa: E402
-from accuracy import _schedule, ridge_head  # noqa: E402
 
 
 def test_parse_menu_presets_and_defaults() -> None:
@@ -114,11 +114,11 @@ def test_recipe_name_lists_what_differs_from_the_plain_recipe() -> None:
 
 def test_menu_schedules_are_constant_cosine_and_local_loss_step_decay() -> None:
     assert parse_menu("full")["schedule"] == ["constant", "cosine", "step"]
-    assert _schedule({"constant": True}, 1e-3, 200) is None
-    step = _schedule({"step": True}, 1e-3, 200)  # milestones at 50/75/89/94 % of the steps, x0.25 each
+    assert lr_schedule({"constant": True}, 1e-3, 200) is None
+    step = lr_schedule({"step": True}, 1e-3, 200)  # milestones at 50/75/89/94 % of the steps, x0.25 each
     assert [step(t) for t in (0, 99, 100, 149, 150, 177, 178, 187, 188, 199)] == pytest.approx(
         [1e-3, 1e-3, 2.5e-4, 2.5e-4, 6.25e-5, 6.25e-5, 1.5625e-5, 1.5625e-5, 3.90625e-6, 3.90625e-6])
-    cosine = _schedule({"cosine": True}, 1e-3, 200)
+    cosine = lr_schedule({"cosine": True}, 1e-3, 200)
     assert cosine(199) < 1e-5 < cosine(100) < 1e-3
 
 
