@@ -436,6 +436,26 @@ def profile_summary(prof: Any, steps: int, wall_s: float, top: int = 12) -> dict
     }
 
 
+def throughput(step_ends: list[float], step_tokens: int) -> dict[str, float | None]:
+    """``tokens_per_s`` and ``step_ms_median`` from consecutive step-end times (None for fewer than two)."""
+    if len(step_ends) < 2:
+        return {"tokens_per_s": None, "step_ms_median": None}
+    gaps = sorted(b - a for a, b in zip(step_ends, step_ends[1:]))
+    return {"tokens_per_s": step_tokens * len(gaps) / (step_ends[-1] - step_ends[0]),
+            "step_ms_median": 1e3 * gaps[len(gaps) // 2]}
+
+
+def model_facts(model: Any, system: str, device: torch.device) -> dict[str, Any]:
+    """Parameter counts and dtypes of the trained model, and the precision setup of the run."""
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    return {
+        "trainable_params": sum(p.numel() for p in trainable), "params": sum(p.numel() for p in model.parameters()),
+        "dtype": "bf16 autocast, fp32 master" if device.type == "cuda" else "fp32",
+        "unsloth_weights": "bf16 (FastLanguageModel dtype)" if system in UNSLOTH_SYSTEMS else None,
+        "param_dtypes": sorted({str(p.dtype) for p in trainable}),
+    }
+
+
 def train_one(system: str, shape_name: str, mode: str, args: argparse.Namespace, tokens: dict[str, Any],
               device: torch.device) -> dict[str, Any]:
     """Build and train one system; its throughput, peak memory, losses and wall time."""
@@ -463,27 +483,20 @@ def train_one(system: str, shape_name: str, mode: str, args: argparse.Namespace,
     # the profiled steps run slower: tokens/s counts the steps after them
     first_timed = args.warmup_steps + args.profile_steps
     timed = clock.ends[first_timed - 1:] if first_timed > 0 else [t_train, *clock.ends]
-    step_tokens = args.batch * args.seq_len
     logs = [h for h in trainer.state.log_history if "loss" in h]
     head = getattr(trainer, "dad_head", None)
     record = {
         "system": system, "shape": shape_name, "mode": mode, "steps": len(clock.ends), "batch": args.batch,
         "seq_len": args.seq_len, "lr": args.lr, "warmup_steps": args.warmup_steps,
-        "tokens_per_s": step_tokens * (len(timed) - 1) / (timed[-1] - timed[0]) if len(timed) > 1 else None,
-        "step_ms_median": 1e3 * sorted(b - a for a, b in zip(timed, timed[1:]))[(len(timed) - 1) // 2]
-        if len(timed) > 1 else None,
+        **throughput(timed, args.batch * args.seq_len),
         "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None,
         "train_s": train_s, "wall_s": time.perf_counter() - t0,
         "loss_steps": [h.get("step") for h in logs], "losses": [h["loss"] for h in logs],
         "mean_token_accuracy": [h.get("mean_token_accuracy") for h in logs],
         "grad_norms": [h.get("grad_norm") for h in logs],
-        "trainable_params": sum(p.numel() for p in trainer.model.parameters() if p.requires_grad),
-        "params": sum(p.numel() for p in trainer.model.parameters()),
-        "optim": str(trainer.args.optim), "dtype": "bf16 autocast, fp32 master" if device.type == "cuda" else "fp32",
-        "unsloth_weights": "bf16 (FastLanguageModel dtype)" if system in UNSLOTH_SYSTEMS else None,
-        "param_dtypes": sorted({str(p.dtype) for p in trainer.model.parameters() if p.requires_grad}),
-        "tokens": tokens.get("tokenizer"), "text": tokens.get("text"), "model_config": shape,
-        "dad_backend": getattr(head, "last_backend", None),
+        **model_facts(trainer.model, system, device),
+        "optim": str(trainer.args.optim), "tokens": tokens.get("tokenizer"), "text": tokens.get("text"),
+        "model_config": shape, "dad_backend": getattr(head, "last_backend", None),
         "dad_chunk_size": args.chunk_size if head is not None else None,
         "dad_weight_chunk_size": args.weight_chunk_size if head is not None else None,
     }

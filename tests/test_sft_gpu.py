@@ -39,3 +39,8 @@ def test_without_profile_steps_there_is_no_profile(tmp_path: Path, monkeypatch: 
     sft_gpu.main()
     (row,) = json.loads(out.read_text())
     assert "profile" not in row and row["steps"] == 6
+
+
+def test_throughput_from_step_end_times() -> None:
+    assert sft_gpu.throughput([0.0, 1.0, 2.0, 4.0], 10) == {"tokens_per_s": 7.5, "step_ms_median": 1000.0}
+    assert sft_gpu.throughput([3.0], 10) == {"tokens_per_s": None, "step_ms_median": None}
