@@ -18,6 +18,9 @@ filling and draining the pipe once).
     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONPATH=src \\
         python3 -m torch.distributed.run --standalone --nproc_per_node=2 benchmarks/distributed.py
     python benchmarks/distributed.py --smoke   # CPU, gloo, world size 1, seconds
+
+``--net vgg``: the VGG-style conv net of ``benchmarks/conv.py`` instead (local-loss' ``vgg8b`` widths, 6
+``DADConv2d`` + 1 ``DADLinear`` on 1 x 28 x 28 inputs; default ``--batch 256 1024`` rows per GPU).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import torch.distributed as dist
 
 import torch_dad as td
 from _common import DADMLP, RESULTS, environment
+from conv import DADVGG
 from torch_dad.training import Batch, DataParallelTrainer, Pipeline
 from torch_dad.training.pipeline import partition_layers
 
@@ -79,10 +83,12 @@ class Timer:
         return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
 
-def data_pool(batch: int, d_in: int, device: torch.device, count: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def data_pool(batch: int, shape: tuple[int, ...], device: torch.device,
+              count: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """``count`` seeded batches of ``batch`` inputs of ``shape`` and labels in [0, 10)."""
     gen = torch.Generator().manual_seed(0)
     return [
-        (torch.randn(batch, d_in, generator=gen).to(device), torch.randint(0, 10, (batch,), generator=gen).to(device))
+        (torch.randn(batch, *shape, generator=gen).to(device), torch.randint(0, 10, (batch,), generator=gen).to(device))
         for _ in range(count)
     ]
 
@@ -131,7 +137,9 @@ def layer_step_seconds(trainer: td.DADTrainer, x: torch.Tensor, y: torch.Tensor,
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run (gloo, world size 1 unless torchrun)")
-    parser.add_argument("--batch", type=int, nargs="+", default=[16384, 65536], help="rows per GPU per step")
+    parser.add_argument("--net", choices=("mlp", "vgg"), default="mlp", help="the deep MLP or the VGG-style conv net")
+    parser.add_argument("--batch", type=int, nargs="+", default=None,
+                        help="rows per GPU per step (default 16384 65536 for the MLP, 256 1024 for the conv net)")
     parser.add_argument("--budget-s", type=float, default=110.0,
                         help="start no new batch size after this many seconds (the whole run must stay < 4 min)")
     parser.add_argument("--width", type=int, default=4096)
@@ -140,6 +148,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default results/distributed.json)")
     args = parser.parse_args()
+    args.batch = args.batch or ([16384, 65536] if args.net == "mlp" else [256, 1024])
     if args.smoke:
         args.batch, args.width, args.depth, args.steps, args.repeats = [32], 24, 3, 3, 2
     if not args.smoke and not torch.cuda.is_available():
@@ -181,12 +190,16 @@ class Bench:
         self.cuda = device.type == "cuda"
         self.d_in = 48 if args.smoke else 3072
         self.widths = [self.d_in] + [args.width] * args.depth
+        # the conv net at a sixteenth of vgg8b's widths in the smoke run, at full width otherwise
+        self.vgg_scale = 16 if args.smoke else 1
+        self.input_shape: tuple[int, ...] = (self.d_in,) if args.net == "mlp" else (1, 28, 28)
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
         self.cpu_group = dist.new_group(backend="gloo")  # barriers that never touch a GPU
         self.amp = torch.bfloat16 if self.cuda else None
         self.warmup = 3 if self.cuda else 1
         self.out = args.out or RESULTS / ("distributed.smoke.json" if args.smoke else "distributed.json")
-        topology = f"{'smoke' if args.smoke else 'cifar'}-{self.d_in}-{args.depth}x{args.width}"
+        topology = (f"{'smoke' if args.smoke else 'cifar'}-{self.d_in}-{args.depth}x{args.width}" if args.net == "mlp"
+                    else f"vgg8b/{self.vgg_scale}-28x28")
         env = {**environment(), "gpu_link": gpu_link() if self.cuda and self.world > 1 else "none"}
         self.common = {"gpus": self.world if self.cuda else 0, "topology": topology, "amp_dtype": str(self.amp), **env}
         self.records: list[dict[str, Any]] = []
@@ -195,7 +208,9 @@ class Bench:
 
     def build(self, trainer_cls: Any = td.DADTrainer, **kw: Any) -> Any:
         torch.manual_seed(0)
-        return trainer_cls(DADMLP(self.widths), device=self.device, lr=1e-3, amp_dtype=self.amp, **kw)
+        model = (DADMLP(self.widths) if self.args.net == "mlp"
+                 else DADVGG(1, 28, self.vgg_scale, 10, grid=4, smoothing=0.0))
+        return trainer_cls(model, device=self.device, lr=1e-3, amp_dtype=self.amp, **kw)
 
     def save(self, record: dict[str, Any]) -> None:
         record = {"backend": "eager", **record, **self.common}
@@ -228,7 +243,7 @@ class Bench:
         if self.rank == 0:
             for backend, kw in [("eager", self.eager)] + ([("default", {})] if self.has_backend else []):
                 trainer = self.build(**kw)
-                pool = data_pool(batch, self.d_in, self.device)
+                pool = data_pool(batch, self.input_shape, self.device)
                 seconds = timed_windows(lambda i, t=trainer, p=pool: t.step(*p[i % len(p)]), self.device,
                                         self.warmup, args.steps, args.repeats)
                 if backend == "eager":
@@ -248,7 +263,7 @@ class Bench:
         variants = ([("default", {})] if self.has_backend else []) + [("eager", self.eager)]
         for backend, kw in variants:
             trainer = self.build(DataParallelTrainer, overlap=True, **kw)
-            pool = data_pool(batch, self.d_in, self.device)
+            pool = data_pool(batch, self.input_shape, self.device)
             seconds = timed_windows(lambda i, t=trainer, p=pool: t.step(*p[i % len(p)]), self.device, self.warmup,
                                     args.steps, args.repeats, group=self.cpu_group)
             self.save({"mode": "data-parallel", "variant": f"overlapped all-reduce ({backend} backend)",
@@ -264,7 +279,7 @@ class Bench:
         trainer = self.build(**kw)
         balance = [b - a for a, b in partition_layers(costs, world)]
         pipe = Pipeline(trainer, balance=balance)
-        pool = data_pool(batch, self.d_in, self.device) if pipe.is_first else []
+        pool = data_pool(batch, self.input_shape, self.device) if pipe.is_first else []
         total = self.warmup + args.steps * args.repeats
         timer = Timer(self.device)
 
