@@ -95,9 +95,10 @@ def make_trainer(args: argparse.Namespace, model: Any, tokenizer: Any, texts: li
 
         peft_config = LoraConfig(r=16, lora_alpha=32, lora_dropout=0.0,
                                  target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+    head = {"lr": args.head_lr or args.lr, "untie_embeddings": True, "weight_chunk_size": args.weight_chunk_size}
     return DADSFTTrainer(
         model=model, args=config, train_dataset=Dataset.from_dict({"text": texts}), processing_class=tokenizer,
-        peft_config=peft_config, dad_head={"lr": args.head_lr or args.lr, "untie_embeddings": True},
+        peft_config=peft_config, dad_head=head,
     )
 
 
@@ -112,6 +113,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-length", type=int, default=512)
     parser.add_argument("--lr", type=float, default=None, help="default 2e-5; --smoke 3e-3")
     parser.add_argument("--head-lr", type=float, default=None, help="the DAD head's AdamW lr (default: --lr)")
+    parser.add_argument("--weight-chunk-size", type=int, default=None,
+                        help="cast the head's weight this many rows at a time instead of holding a bf16 copy of "
+                             "all of it: less memory for large vocabularies (docs/lm_head.md), e.g. 8192")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--save", help="folder for trainer.save_model()")
     args = parser.parse_args(argv)
