@@ -4,7 +4,8 @@ Unsloth needs a CUDA GPU and its own pinned stack (unsloth, unsloth_zoo, bitsand
 test suite does not install. The test suite covers the generic path this function uses, on plain
 transformers causal LMs: :func:`~torch_dad.integrations.causal_lm.replace_lm_head` (see
 ``docs/lm_head.md``). With Unsloth itself, ``benchmarks/sft_gpu.py --systems unsloth unsloth-dad``
-trained a LoRA model on an H200 (``docs/lm_head.md`` has the figures).
+trained a LoRA model on an H200; a full fine-tune (``full_finetuning=True``, pure bf16) failed in
+Unsloth's compiled decoder block with a float32/bf16 dtype error (``docs/lm_head.md`` has both).
 
 How it works: Unsloth patches the *class* forwards of the backbone (fast attention, RoPE, RMSNorm
 kernels) and, for LoRA and QLoRA, of the causal LM. ``patch`` sets an *instance* ``forward`` on the
