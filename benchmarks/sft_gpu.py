@@ -122,6 +122,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -554,7 +555,8 @@ def run_grid(args: argparse.Namespace, device: torch.device) -> list[dict[str, A
                         print(f"skip {system} {shape} {mode}: {exc}")
                         row = {"system": system, "shape": shape, "mode": mode, "skipped": str(exc)}
                     except Exception as exc:  # one failing system must not hide the others' rows
-                        row = {"system": system, "shape": shape, "mode": mode, "error": f"{type(exc).__name__}: {exc}"}
+                        row = {"system": system, "shape": shape, "mode": mode, "error": f"{type(exc).__name__}: {exc}",
+                               "traceback": traceback.format_exc()[-4000:]}  # where it failed, for the record
                         if args.smoke:
                             raise
                 else:
