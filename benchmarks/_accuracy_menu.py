@@ -145,8 +145,9 @@ def _models(
 
 def _build(
     system: str, recipe: dict[str, Any], job: dict[str, Any], device: torch.device
-) -> tuple[torch.nn.Module, Callable[[torch.Tensor], torch.Tensor], Callable[..., None]]:
-    """``(model, features, step(x, y, lr))`` for one system and recipe; ``features`` feeds the ridge head."""
+) -> tuple[torch.nn.Module, Callable[[torch.Tensor], torch.Tensor], Callable[..., None], Callable[[], str]]:
+    """``(model, features, step(x, y, lr), step_kind())`` for one system and recipe; ``features`` feeds the
+    ridge head; ``step_kind()`` names what ran the steps (``"cuda-graph"``, ``"fused"`` or ``"eager"``)."""
     import torch_dad as td
 
     seed, num_classes = job["seed"], job["num_classes"]
@@ -168,7 +169,12 @@ def _build(
         def dad_step(x: torch.Tensor, y: torch.Tensor, lr: float) -> None:
             trainer.step(x, y, lr=lr)
 
-        return dad, dad.features, dad_step
+        def dad_kind() -> str:
+            # backend "auto" runs the eager loop where the engine cannot: the record says which one ran
+            engine = trainer.engine if trainer.uses_engine else None
+            return "eager" if engine is None else "cuda-graph" if engine.graphed else "fused"
+
+        return dad, dad.features, dad_step, dad_kind
     from _gpu_common import GraphedBackprop
 
     shape = (1, 28, 28) if job["topology"].startswith("vgg8b/") else (job["widths"][0],)
@@ -176,7 +182,7 @@ def _build(
         _models(job["topology"], recipe, job["widths"], num_classes, dad=False), shape, BATCH, device,
         lr=recipe["lr"], weight_decay=WEIGHT_DECAY, smoothing=recipe["ls"],
     )
-    return system.model, system.model[:-1], system.step
+    return system.model, system.model[:-1], system.step, lambda: "eager" if system.replay is None else "cuda-graph"
 
 
 def train_recipe(job: dict[str, Any], data: dict[str, torch.Tensor], device: torch.device) -> dict[str, Any]:
@@ -188,7 +194,7 @@ def train_recipe(job: dict[str, Any], data: dict[str, torch.Tensor], device: tor
     """
     recipe, widths, num_classes = job["recipe"], job["widths"], job["num_classes"]
     xtr, ytr = data["xtr"], data["ytr"]
-    model, features, step = _build(job["system"], recipe, job, device)
+    model, features, step, step_kind = _build(job["system"], recipe, job, device)
     steps_per_epoch = math.ceil(xtr.shape[0] / BATCH)
     schedule = lr_schedule({recipe["schedule"]: True}, recipe["lr"], steps_per_epoch * job["epochs"])
     count = itertools.count()
@@ -219,7 +225,7 @@ def train_recipe(job: dict[str, Any], data: dict[str, torch.Tensor], device: tor
             "test_acc": accuracy_of(ridge, data["xte"], data["yte"]),
         },
     }
-    return {"train_s": elapsed, "curve": curve, "heads": heads}
+    return {"train_s": elapsed, "curve": curve, "heads": heads, "step": step_kind()}
 
 
 _LOADED: dict[tuple[str, str], dict[str, torch.Tensor]] = {}

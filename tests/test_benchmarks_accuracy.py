@@ -269,6 +269,8 @@ def test_conv_cell_study_runs_both_systems(tmp_path: Path) -> None:
     summaries = [r for r in records if r["kind"] == "menu_summary"]
     assert [(s["system"], s["topology"]) for s in summaries] == [("dad", "vgg8b/32"), ("backprop", "vgg8b/32")]
     assert all("error" not in r for r in records if r["kind"] == "menu_run")
+    # every run names what ran its steps; off CUDA both systems step op by op
+    assert {r["step"] for r in records if r["kind"] == "menu_run"} == {"eager"}
 
 
 def test_graphed_backprop_off_cuda_is_adamw_with_smoothing():
