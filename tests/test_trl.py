@@ -220,6 +220,12 @@ def test_unsloth_patch_refuses_plain_model_and_works_on_the_generic_path():
     out = model(input_ids=ids, labels=labels)
     out.loss.backward()
     assert head.last_backend == "torch" and not torch.equal(head.weight, w0)
+    # a pure-bf16 trunk without autocast (how Unsloth runs a bf16 full fine-tune): only the head is float32,
+    # and dL/dhidden reaches every trunk parameter in its own dtype
+    trunk = [(n, p) for n, p in model.named_parameters() if not n.startswith("lm_head")]
+    assert head.backprop_gradients
+    assert all(p.dtype == torch.bfloat16 and p.grad is not None and p.grad.dtype == torch.bfloat16 for _, p in trunk)
+    assert all(torch.isfinite(p.grad).all() for _, p in trunk)
     model.eval()
     with torch.no_grad():
         logits = model(input_ids=ids).logits
