@@ -50,7 +50,8 @@ model build and training, stats reset first), every logged loss (``trainer.state
 parameters and the versions of torch, transformers, trl, peft, accelerate, datasets, liger-kernel, unsloth,
 unsloth_zoo, bitsandbytes. ``--profile-steps N`` adds ``profile``: ``torch.profiler`` over the N steps after the
 warm-up (wall and CUDA kernel time per step, kernel launches, the costliest kernels and host operators); those steps
-are left out of tokens/s. On CUDA every run
+are left out of tokens/s. A system that fails leaves a row with ``error``, the end of its ``traceback`` and, when
+training itself raised, the model's facts (``param_dtypes_by_module`` among them). On CUDA every run
 is a fresh subprocess: fresh memory stats, and Liger's patches of transformers' Llama functions do not leak into
 the next system. Writes ``results/sft_gpu.json`` and ``results/sft_gpu.png`` (``--out`` for a part of the grid;
 ``--merge`` joins parts and draws the plot where matplotlib is installed).
@@ -263,6 +264,15 @@ class Skipped(Exception):
     """Raised by a model builder when a system cannot run in this (shape, mode); recorded as ``skipped``."""
 
 
+class TrainingFailed(Exception):
+    """A built system's ``trainer.train()`` raised: the message, its traceback and the model's facts (parameter
+    dtypes per module among them), which the failure row keeps."""
+
+    def __init__(self, error: BaseException, trace: str, facts: dict[str, Any]) -> None:
+        super().__init__(f"{type(error).__name__}: {error}")
+        self.trace, self.facts = trace, facts
+
+
 def sft_config(system: str, args: argparse.Namespace, device: torch.device, out_dir: str) -> Any:
     """The ``SFTConfig`` every system shares; ``liger`` and ``dad-liger`` only add ``use_liger_kernel=True``."""
     import trl
@@ -454,7 +464,18 @@ def model_facts(model: Any, system: str, device: torch.device) -> dict[str, Any]
         "dtype": "bf16 autocast, fp32 master" if device.type == "cuda" else "fp32",
         "unsloth_weights": "bf16 (FastLanguageModel dtype)" if system in UNSLOTH_SYSTEMS else None,
         "param_dtypes": sorted({str(p.dtype) for p in trainable}),
+        "param_dtypes_by_module": param_dtypes_by_module(model),
     }
+
+
+def param_dtypes_by_module(model: Any) -> dict[str, list[str]]:
+    """``{module name without its layer index: sorted dtypes}``, e.g. ``{"embed_tokens": ["torch.bfloat16"]}``:
+    which kinds of module hold which precision (a mixed model shows where the mix is)."""
+    kinds: dict[str, set[str]] = {}
+    for name, p in model.named_parameters():
+        parts = [part for part in name.split(".")[:-1] if not part.isdigit()]
+        kinds.setdefault(parts[-1] if parts else name, set()).add(str(p.dtype))
+    return {k: sorted(v) for k, v in sorted(kinds.items())}
 
 
 def train_one(system: str, shape_name: str, mode: str, args: argparse.Namespace, tokens: dict[str, Any],
@@ -479,7 +500,10 @@ def train_one(system: str, shape_name: str, mode: str, args: argparse.Namespace,
         trainer.add_callback(clock)
         trainer.add_callback(profiler)
         t_train = time.perf_counter()
-        trainer.train()
+        try:
+            trainer.train()
+        except Exception as exc:
+            raise TrainingFailed(exc, traceback.format_exc()[-4000:], model_facts(trainer.model, system, device)) from exc
         train_s = time.perf_counter() - t_train
     # the profiled steps run slower: tokens/s counts the steps after them
     first_timed = args.warmup_steps + args.profile_steps
@@ -554,9 +578,14 @@ def run_grid(args: argparse.Namespace, device: torch.device) -> list[dict[str, A
                     except Skipped as exc:
                         print(f"skip {system} {shape} {mode}: {exc}")
                         row = {"system": system, "shape": shape, "mode": mode, "skipped": str(exc)}
+                    except TrainingFailed as exc:  # where it failed and what the model held, for the record
+                        row = {"system": system, "shape": shape, "mode": mode, "error": str(exc),
+                               "traceback": exc.trace, **exc.facts}
+                        if args.smoke:
+                            raise
                     except Exception as exc:  # one failing system must not hide the others' rows
                         row = {"system": system, "shape": shape, "mode": mode, "error": f"{type(exc).__name__}: {exc}",
-                               "traceback": traceback.format_exc()[-4000:]}  # where it failed, for the record
+                               "traceback": traceback.format_exc()[-4000:]}
                         if args.smoke:
                             raise
                 else:

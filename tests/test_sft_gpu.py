@@ -1,12 +1,14 @@
-"""``benchmarks/sft_gpu.py`` on CPU: the step profile of ``--profile-steps``."""
+"""``benchmarks/sft_gpu.py`` on CPU: the step profile of ``--profile-steps``, and what a failed run records."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
@@ -44,3 +46,35 @@ def test_without_profile_steps_there_is_no_profile(tmp_path: Path, monkeypatch: 
 def test_throughput_from_step_end_times() -> None:
     assert sft_gpu.throughput([0.0, 1.0, 2.0, 4.0], 10) == {"tokens_per_s": 7.5, "step_ms_median": 1000.0}
     assert sft_gpu.throughput([3.0], 10) == {"tokens_per_s": None, "step_ms_median": None}
+
+
+def test_a_failed_run_keeps_its_traceback_and_the_models_dtypes(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A system whose training raises leaves a row with the error, the end of its traceback and the model's
+    parameter dtypes per module, and the grid goes on."""
+    model = torch.nn.ModuleDict({"embed_tokens": torch.nn.Embedding(4, 2),
+                                 "layers": torch.nn.ModuleList([torch.nn.ModuleDict(
+                                     {"norm": torch.nn.LayerNorm(2), "q_proj": torch.nn.Linear(2, 2)})])})
+    model["layers"][0]["q_proj"].to(torch.bfloat16)
+    assert sft_gpu.param_dtypes_by_module(model) == {
+        "embed_tokens": ["torch.float32"], "norm": ["torch.float32"], "q_proj": ["torch.bfloat16"]}
+
+    def failing(system: str, *args: object) -> dict[str, object]:
+        try:
+            raise RuntimeError("expected mat1 and mat2 to have the same dtype")
+        except RuntimeError as exc:
+            facts = sft_gpu.model_facts(model, system, torch.device("cpu"))
+            raise sft_gpu.TrainingFailed(exc, "Traceback: in failing", facts) from exc
+
+    tokens = tmp_path / "tokens.pt"
+    torch.save({"input_ids": torch.zeros(4, dtype=torch.int32)}, tokens)
+    monkeypatch.setattr(sft_gpu, "train_one", failing)
+    monkeypatch.setattr(sft_gpu, "environment", lambda: {})
+    args = argparse.Namespace(smoke=False, shapes=["smollm2-135m"], modes=["full"], systems=["stock", "dad"],
+                              in_process=True, tokens=tokens)
+    rows = sft_gpu.run_grid(args, torch.device("cpu"))
+    assert [r["system"] for r in rows] == ["stock", "dad"]
+    for row in rows:
+        assert row["error"] == "RuntimeError: expected mat1 and mat2 to have the same dtype"
+        assert row["traceback"] == "Traceback: in failing"
+        assert row["param_dtypes_by_module"]["q_proj"] == ["torch.bfloat16"]
