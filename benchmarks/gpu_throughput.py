@@ -17,6 +17,11 @@ rotated over 8 batches), bf16 compute, fp32 master weights, AdamW:
 ``act=leaky_relu,norm=batchnorm,ls=0.1,dropout=0.1``) with ``dad``, ``backprop-eager`` and ``backprop-graphed``
 given the same recipe (backprop's label smoothing in its loss, its dropout from torch's graph-safe generator).
 
+``--deterministic`` runs everything under ``torch.use_deterministic_algorithms(True)`` (``CUBLAS_WORKSPACE_CONFIG``
+``:4096:8`` unless set; ``warn_only``, so an op without a deterministic version still runs) and writes
+``results/gpu_throughput_deterministic.json``: against the same run without it, what the mode costs (the
+local-error kernel then adds every sum once, without atomics).
+
 Timing: CUDA events around 50 steps, median of 5 repeats, in 3 interleaved rounds (median of rounds),
 each preceded by 20 steps and 0.3 s of warm-up (the graph is
 captured during warm-up). Writes ``results/gpu_throughput.json``. ``--smoke``: CPU, tiny sizes.
@@ -136,8 +141,14 @@ def main() -> None:
     parser.add_argument("--batches", default="1024,4096")
     parser.add_argument("--topologies", nargs="+", default=None, help="default: the four of docs/benchmarks.md")
     parser.add_argument("--recipes", nargs="+", default=None, help='recipe specs, e.g. "" "norm=batchnorm,ls=0.1"')
+    parser.add_argument("--deterministic", action="store_true",
+                        help="run under torch.use_deterministic_algorithms(True) (writes gpu_throughput_deterministic)")
     parser.add_argument("--out", default=None, help="also write the JSON here")
     args = parser.parse_args()
+    if args.deterministic:
+        # cuBLAS reads this when its first handle is made, so before any CUDA work
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
     env = environment()
@@ -161,7 +172,7 @@ def main() -> None:
                     records.append({
                         "topology": name, "batch": batch, "system": system, "img_per_s": batch / sec, "peak_mib": peak,
                         "flop_ratio": flop_ratio(*topology), **({} if plain else {"recipe": recipe_name(recipe), **recipe}),
-                        **env,
+                        "deterministic": args.deterministic, **env,
                     })
                     print(json.dumps(records[-1]), flush=True)
     if args.wheel and cuda:
@@ -169,7 +180,8 @@ def main() -> None:
         for row in run_wheel(args.wheel, jobs, args.wheel_timeout):
             records.append({**row, "system": "wheel-2026.5.24", "flop_ratio": flop_ratio(*topologies[row["topology"]]), **env})
             print(json.dumps(records[-1]), flush=True)
-    path = write_records("gpu_throughput" if args.recipes is None else "gpu_throughput_recipes", records, args.smoke)
+    name = "gpu_throughput" if args.recipes is None else "gpu_throughput_recipes"
+    path = write_records(f"{name}_deterministic" if args.deterministic else name, records, args.smoke)
     if args.out:
         Path(args.out).write_text(json.dumps(records, indent=2) + "\n")
     print(f"\n{env['device']}  torch {env['torch']}  -> {path}")
