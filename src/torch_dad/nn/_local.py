@@ -90,9 +90,16 @@ class LocalLayer(nn.Module):
     update: str = "inplace"
     #: the local rules the layer implements (``set_local_loss`` takes one of them)
     local_losses: tuple[str, ...] = ("ce",)
+    #: the rule in use; a layer with more than one (``DADLinear``) sets it per instance
+    local_loss: str = "ce"
     #: with ``update="grad"`` under fp16: the ``torch.amp.GradScaler`` in use
     grad_scaler: Any = None
     _warned_fp16: bool = False
+
+    def set_local_loss(self, local_loss: str) -> None:
+        """Switch the local rule; here only ``"ce"`` exists, so anything else raises ``ValueError``
+        (``DADLinear`` overrides this with its other rules)."""
+        check_choice("local_loss", local_loss, self.local_losses)
 
     # ------------------------------------------------------------------ construction
     def _init_linear(

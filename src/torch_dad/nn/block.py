@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from .._checks import check_choice, check_fraction, check_int, check_num_classes, check_positive_int
+from .._checks import check_fraction, check_int, check_num_classes, check_positive_int
 from ..optim import LocalOptimizerState
 from ._local import LocalLayer
 from .linear import LocalStepResult
@@ -54,8 +54,6 @@ class DADBlock(LocalLayer):
     """
 
     optim_state: LocalOptimizerState
-    #: the only local rule implemented for blocks
-    local_loss = "ce"
     normalize = None
 
     def __init__(
@@ -92,10 +90,6 @@ class DADBlock(LocalLayer):
         """Every parameter of the block that requires grad, then every one of the local head's."""
         modules = (self.block, self.head)
         return [p for module in modules for p in module.parameters() if p.requires_grad]
-
-    def set_local_loss(self, local_loss: str) -> None:
-        """Only ``"ce"`` is implemented for blocks; anything else raises ``ValueError``."""
-        check_choice("local_loss", local_loss, self.local_losses)
 
     def check_input(self, inputs: Tensor, name: str = "inputs") -> None:
         """Blocks take any shape with a batch dimension; the block itself raises on a wrong one."""

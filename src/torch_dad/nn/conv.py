@@ -59,8 +59,6 @@ class DADConv2d(BatchNormLayer):
     head_weight: Tensor
     head_bias: Tensor
     optim_state: LocalOptimizerState
-    #: the only local rule implemented for convolutions
-    local_loss = "ce"
 
     def __init__(
         self,
@@ -132,10 +130,6 @@ class DADConv2d(BatchNormLayer):
             + (f", normalize={self.normalize!r}" if self.normalize else "")
             + (f", groups={self.groups}" if self.groups != 1 else "")
         )
-
-    def set_local_loss(self, local_loss: str) -> None:
-        """Only ``"ce"`` is implemented for convolutions; anything else raises ``ValueError``."""
-        check_choice("local_loss", local_loss, self.local_losses)
 
     def check_input(self, inputs: Tensor, name: str = "inputs") -> None:
         """Raise ``TypeError``/``ValueError`` unless ``inputs`` is a floating (batch, in_channels, H, W) tensor."""
