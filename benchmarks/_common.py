@@ -139,6 +139,15 @@ def backprop_mlp(
     return torch.nn.Sequential(*mods)
 
 
+def cuda_kernel_times(prof: Any) -> dict[str, list[float]]:
+    """``{kernel name: [microseconds of each launch]}`` from a finished ``torch.profiler`` run's CUDA events."""
+    kernels: dict[str, list[float]] = {}
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            kernels.setdefault(event.name, []).append(event.device_time)
+    return kernels
+
+
 def write_records(name: str, records: list[dict[str, Any]], smoke: bool) -> Path:
     """Write ``results/<name>.json`` (or ``<name>.smoke.json`` under ``--smoke``, not committed)."""
     RESULTS.mkdir(parents=True, exist_ok=True)

@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import json
 import sys
-from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from _common import cuda_kernel_times
 from _gpu_common import TOPOLOGIES, backprop_graphed, dad_system, flop_ratio, make_data, time_steps
 
 
@@ -43,10 +43,7 @@ def main() -> None:
             for i in range(n):
                 step(i)
             torch.cuda.synchronize()
-        per_kernel: dict[str, list[float]] = defaultdict(list)
-        for ev in prof.events():
-            if ev.device_type == torch.autograd.DeviceType.CUDA:
-                per_kernel[ev.name].append(ev.device_time if hasattr(ev, "device_time") else ev.cuda_time)
+        per_kernel = cuda_kernel_times(prof)
         count = sum(len(v) for v in per_kernel.values()) / n
         busy = sum(sum(v) for v in per_kernel.values()) / n
         top = sorted(per_kernel.items(), key=lambda kv: -sum(kv[1]))[:12]

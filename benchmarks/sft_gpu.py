@@ -130,7 +130,7 @@ from typing import Any
 
 import torch
 
-from _common import RESULTS, environment, write_records
+from _common import RESULTS, cuda_kernel_times, environment, write_records
 from sft_smollm2 import _package_dir, load_snippets
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -430,10 +430,7 @@ def step_profiler(device: torch.device, first: int, count: int) -> Any:
 
 def profile_summary(prof: Any, steps: int, wall_s: float, top: int = 12) -> dict[str, Any]:
     """Per-step figures of a ``torch.profiler`` run over ``steps`` steps taking ``wall_s`` seconds."""
-    kernels: dict[str, list[float]] = {}
-    for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
-            kernels.setdefault(event.name, []).append(event.device_time)
+    kernels = cuda_kernel_times(prof)
     busy_us = sum(sum(v) for v in kernels.values())
     host = sorted((e for e in prof.key_averages() if e.self_cpu_time_total > 0), key=lambda e: -e.self_cpu_time_total)
     return {

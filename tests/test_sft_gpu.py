@@ -78,3 +78,16 @@ def test_a_failed_run_keeps_its_traceback_and_the_models_dtypes(tmp_path: Path,
         assert row["error"] == "RuntimeError: expected mat1 and mat2 to have the same dtype"
         assert row["traceback"] == "Traceback: in failing"
         assert row["param_dtypes_by_module"]["q_proj"] == ["torch.bfloat16"]
+
+
+def test_cuda_kernel_times_groups_the_cuda_events_by_kernel() -> None:
+    from types import SimpleNamespace
+
+    from _common import cuda_kernel_times
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [SimpleNamespace(device_type=cuda, name="gemm", device_time=3.0),
+              SimpleNamespace(device_type=cpu, name="aten::mm", device_time=0.0),
+              SimpleNamespace(device_type=cuda, name="gemm", device_time=5.0),
+              SimpleNamespace(device_type=cuda, name="copy", device_time=1.0)]
+    assert cuda_kernel_times(SimpleNamespace(events=lambda: events)) == {"gemm": [3.0, 5.0], "copy": [1.0]}
