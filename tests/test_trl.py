@@ -230,3 +230,46 @@ def test_unsloth_patch_refuses_plain_model_and_works_on_the_generic_path():
     with torch.no_grad():
         logits = model(input_ids=ids).logits
     assert logits.dtype == torch.bfloat16 and logits.shape[-1] == head.vocab_size
+
+
+def _unsloth_full_fine_tune_layout(model):
+    """What Unsloth's training preparation does to a bf16 full fine-tune: norms' weights in float32 beside bf16
+    projections, and the class forward wrapped in bf16 autocast (marked as unsloth_zoo marks it)."""
+    model.to(torch.bfloat16)
+    for name, p in model.named_parameters():
+        if "norm" in name:
+            p.data = p.data.float()
+    cls = type(model)
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return cls.forward(self, *args, **kwargs)
+
+    model.__class__ = type(cls.__name__, (cls,), {"forward": forward, "_unsloth_autocast_dtype": torch.bfloat16})
+    model._unsloth_bf16_autocast_wrapped = True
+    return model
+
+
+def test_unsloth_patch_keeps_the_autocast_of_a_full_fine_tune():
+    """Unsloth's bf16 full fine-tune: float32 norms feed bf16 projections only under its autocast, which the patched
+    forward's training path must keep (without it: 'expected mat1 and mat2 to have the same dtype')."""
+    from torch_dad.integrations import unsloth
+
+    model = _unsloth_full_fine_tune_layout(tiny_llama(tied=False))
+    assert unsloth.unsloth_autocast_dtype(model) == torch.bfloat16
+    assert unsloth.unsloth_autocast_dtype(tiny_llama(tied=False)) is None
+    ids, labels = batch()
+    model.train()
+    reference = model(input_ids=ids, labels=labels).loss  # Unsloth's own forward, under its autocast
+    head = unsloth.patch(model, require_unsloth=False, lr=1e-2)
+    w0 = head.weight.detach().clone()
+    loss = model(input_ids=ids, labels=labels).loss
+    torch.testing.assert_close(loss.float(), reference.float(), rtol=2e-2, atol=2e-2)
+    loss.backward()
+    assert not torch.equal(head.weight, w0) and head.weight.dtype == torch.float32
+    trunk = [(n, p) for n, p in model.named_parameters() if not n.startswith("lm_head")]
+    assert all(p.grad is not None and p.grad.dtype == p.dtype and torch.isfinite(p.grad).all() for _, p in trunk)
+    assert {p.dtype for n, p in trunk if "norm" in n} == {torch.float32}
+    model.eval()
+    with torch.no_grad():
+        assert model(input_ids=ids).logits.shape[-1] == head.vocab_size

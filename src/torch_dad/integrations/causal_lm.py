@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import types
 from dataclasses import dataclass
@@ -99,12 +100,13 @@ def trunk_trains(model: nn.Module) -> bool:
     return any(p.requires_grad for p in model.parameters() if id(p) not in head_ids)
 
 
-def replace_lm_head(model: nn.Module, *, untie_embeddings: bool = False, **head_kwargs: Any) -> DADLMHead:
+def replace_lm_head(model: nn.Module, *, untie_embeddings: bool = False, autocast_dtype: torch.dtype | None = None,
+                    **head_kwargs: Any) -> DADLMHead:
     """Replace ``model``'s output embedding (``lm_head``) by a :class:`DADLMHead` with its weights; returns it.
 
     ``head_kwargs`` go to :class:`DADLMHead` (``lr``, ``update``, ``backprop_gradients``, ``backend`` ...).
     A head tied to the input embeddings raises unless ``untie_embeddings=True``, which gives the
-    head its own copy and sets ``config.tie_word_embeddings=False``.
+    head its own copy and sets ``config.tie_word_embeddings=False``. ``autocast_dtype``: see :func:`patch_forward`.
     """
     base: Any = unwrap_model(model)
     get_out = getattr(base, "get_output_embeddings", None)
@@ -134,12 +136,25 @@ def replace_lm_head(model: nn.Module, *, untie_embeddings: bool = False, **head_
     if untie_embeddings:
         _untie_config(base)
     base.set_output_embeddings(head)
-    patch_forward(base)
+    patch_forward(base, autocast_dtype=autocast_dtype)
     return head
 
 
-def patch_forward(model: nn.Module) -> None:
-    """Wrap ``model.forward`` (an instance attribute) to route training losses through the DAD head."""
+def _backbone_autocast(device: torch.device, dtype: torch.dtype | None) -> Any:
+    """``torch.autocast(device.type, dtype)``, or a no-op for ``dtype=None`` or when an autocast is already on."""
+    if dtype is None or torch.is_autocast_enabled(device.type):
+        return contextlib.nullcontext()
+    return torch.autocast(device.type, dtype=dtype)
+
+
+def patch_forward(model: nn.Module, *, autocast_dtype: torch.dtype | None = None) -> None:
+    """Wrap ``model.forward`` (an instance attribute) to route training losses through the DAD head.
+
+    ``autocast_dtype``: the training path runs the backbone under ``torch.autocast(dtype)`` (unless one is already
+    on) and hands the head ``hidden.to(dtype)``. For models whose own class ``forward`` autocasts (Unsloth's bf16
+    full fine-tune keeps float32 norms beside bf16 projections): the instance forward set here shadows that one,
+    and the training path calls the backbone directly.
+    """
     original = model.forward
 
     @functools.wraps(type(model).forward)
@@ -163,9 +178,11 @@ def patch_forward(model: nn.Module) -> None:
         kwargs.pop("logits_to_keep", None)
         kwargs.pop("return_dict", None)
         backbone = getattr(self, self.base_model_prefix)
-        out = backbone(*args, **kwargs)
+        with _backbone_autocast(head.weight.device, autocast_dtype):
+            out = backbone(*args, **kwargs)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-        hidden = hidden.to(head.weight.device)
+        # under autocast the model's own head matmul would run in autocast_dtype; a float32 norm emits float32
+        hidden = hidden.to(head.weight.device, dtype=autocast_dtype or hidden.dtype)
         if shift_labels is not None:
             # labels already shifted (as TRL passes them under context / sequence parallelism)
             result = head.fused_loss(hidden, shift_labels, shift=False, num_items_in_batch=num_items_in_batch,

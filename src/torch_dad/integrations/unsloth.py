@@ -4,14 +4,18 @@ Unsloth needs a CUDA GPU and its own pinned stack (unsloth, unsloth_zoo, bitsand
 test suite does not install. The test suite covers the generic path this function uses, on plain
 transformers causal LMs: :func:`~torch_dad.integrations.causal_lm.replace_lm_head` (see
 ``docs/lm_head.md``). With Unsloth itself, ``benchmarks/sft_gpu.py --systems unsloth unsloth-dad``
-trained a LoRA model on an H200; a full fine-tune (``full_finetuning=True``, pure bf16) failed in
-Unsloth's compiled decoder block with a float32/bf16 dtype error (``docs/lm_head.md`` has both).
+trained a LoRA model and a full fine-tune (``full_finetuning=True``) on an H200 (``docs/lm_head.md``).
 
 How it works: Unsloth patches the *class* forwards of the backbone (fast attention, RoPE, RMSNorm
 kernels) and, for LoRA and QLoRA, of the causal LM. ``patch`` sets an *instance* ``forward`` on the
 causal LM, which in training calls the (Unsloth-patched) backbone for the hidden states and then the
 DAD head's fused step, so Unsloth's fast forward meets the backprop-free head; evaluation and
 generation go through Unsloth's own forward, which reads ``lm_head.weight`` as before.
+
+A bf16 full fine-tune keeps the norms' weights in float32 beside bf16 projections and wraps the model's
+class ``forward`` in ``torch.autocast(bfloat16)``, so that a float32 norm output meets a bf16 matmul
+under autocast. The instance ``forward`` set here shadows that wrapper, so ``patch`` reads its dtype
+and the training path runs the backbone under the same autocast (:func:`unsloth_autocast_dtype`).
 """
 
 from __future__ import annotations
@@ -24,7 +28,7 @@ from torch import nn
 from ..nn.lm_head import DADLMHead
 from .causal_lm import replace_lm_head, trunk_trains, unwrap_model
 
-__all__ = ["patch", "is_unsloth_model"]
+__all__ = ["patch", "is_unsloth_model", "unsloth_autocast_dtype"]
 
 
 def is_unsloth_model(model: nn.Module) -> bool:
@@ -41,6 +45,17 @@ def is_unsloth_model(model: nn.Module) -> bool:
         if forward is not None:
             return "unsloth" in (getattr(forward, "__module__", "") or "")
     return False
+
+
+def unsloth_autocast_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype of the autocast that Unsloth's training preparation wrapped ``model``'s class forward in
+    (unsloth_zoo marks the model ``_unsloth_bf16_autocast_wrapped`` and the class ``_unsloth_autocast_dtype``),
+    else None."""
+    base = unwrap_model(model)
+    if not getattr(base, "_unsloth_bf16_autocast_wrapped", False):
+        return None
+    dtype = getattr(type(base), "_unsloth_autocast_dtype", torch.bfloat16)
+    return dtype if isinstance(dtype, torch.dtype) else None
 
 
 def patch(
@@ -66,7 +81,8 @@ def patch(
     base = unwrap_model(model)
     # without dL/dhidden trainable adapters or a trainable trunk would get no gradient at all
     head_kwargs.setdefault("backprop_gradients", trunk_trains(model))
-    head = replace_lm_head(base, untie_embeddings=untie_embeddings, **head_kwargs)
+    head = replace_lm_head(base, untie_embeddings=untie_embeddings, autocast_dtype=unsloth_autocast_dtype(base),
+                           **head_kwargs)
     if master_dtype is not None and head.weight.dtype != master_dtype:
         head.to(dtype=master_dtype)
     head.weight.requires_grad_(True)  # a backward must reach the head even when PEFT froze it
