@@ -143,7 +143,7 @@ def main() -> None:
     parser.add_argument("--recipes", nargs="+", default=None, help='recipe specs, e.g. "" "norm=batchnorm,ls=0.1"')
     parser.add_argument("--deterministic", action="store_true",
                         help="run under torch.use_deterministic_algorithms(True) (writes gpu_throughput_deterministic)")
-    parser.add_argument("--out", default=None, help="also write the JSON here")
+    parser.add_argument("--out", default=None, help="write the JSON here instead of results/")
     args = parser.parse_args()
     if args.deterministic:
         # cuBLAS reads this when its first handle is made, so before any CUDA work
@@ -181,9 +181,11 @@ def main() -> None:
             records.append({**row, "system": "wheel-2026.5.24", "flop_ratio": flop_ratio(*topologies[row["topology"]]), **env})
             print(json.dumps(records[-1]), flush=True)
     name = "gpu_throughput" if args.recipes is None else "gpu_throughput_recipes"
-    path = write_records(f"{name}_deterministic" if args.deterministic else name, records, args.smoke)
-    if args.out:
-        Path(args.out).write_text(json.dumps(records, indent=2) + "\n")
+    if args.out:  # instead of the default record, which a partial run must not overwrite
+        path = Path(args.out)
+        path.write_text(json.dumps(records, indent=2) + "\n")
+    else:
+        path = write_records(f"{name}_deterministic" if args.deterministic else name, records, args.smoke)
     print(f"\n{env['device']}  torch {env['torch']}  -> {path}")
     print_table(records)
 
