@@ -125,7 +125,7 @@ def test_vocab_range_error_is_clear():
         model(input_ids=ids, labels=labels[:, :-1])
 
 
-def _sft(model, tmp_path, *, peft_config=None, steps=8, dad_head=None, compute_metrics=None):
+def _sft(model, tmp_path, *, peft_config=None, steps=8, dad_head=None, compute_metrics=None, **config):
     trl = pytest.importorskip("trl")
     from datasets import Dataset
 
@@ -136,7 +136,7 @@ def _sft(model, tmp_path, *, peft_config=None, steps=8, dad_head=None, compute_m
     args = trl.SFTConfig(
         output_dir=str(tmp_path), max_steps=steps, per_device_train_batch_size=8, per_device_eval_batch_size=8,
         learning_rate=1e-3, logging_steps=1, report_to=[], save_strategy="no", max_length=16, use_cpu=True,
-        dataloader_num_workers=0, disable_tqdm=True,
+        dataloader_num_workers=0, disable_tqdm=True, **config,
     )
     return DADSFTTrainer(model=model, args=args, train_dataset=ds, eval_dataset=ds.select(range(8)),
                          processing_class=tokenizer(), peft_config=peft_config, compute_metrics=compute_metrics,
@@ -273,3 +273,22 @@ def test_unsloth_patch_keeps_the_autocast_of_a_full_fine_tune():
     model.eval()
     with torch.no_grad():
         assert model(input_ids=ids).logits.shape[-1] == head.vocab_size
+
+
+def test_sft_trainer_gradient_accumulation_warns_for_inplace_and_follows_with_grad(tmp_path):
+    """update="inplace" steps the head at every micro-batch, so gradient accumulation warns; update="grad" hands the
+    head's gradient to the trainer's optimizer, which accumulates it like any other parameter's."""
+    with pytest.warns(UserWarning, match=r"gradient_accumulation_steps=2.*'update': 'grad'"):
+        _sft(tiny_llama(tied=False), tmp_path / "inplace", steps=2, dad_head={"lr": 1e-2}, gradient_accumulation_steps=2)
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        trainer = _sft(tiny_llama(tied=False), tmp_path / "grad", steps=2, dad_head={"update": "grad"},
+                       gradient_accumulation_steps=2)
+    head = trainer.dad_head
+    w0 = head.weight.detach().clone()
+    trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+    assert not torch.equal(head.weight, w0)

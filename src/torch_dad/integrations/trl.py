@@ -14,6 +14,7 @@ Evaluation with ``compute_metrics`` still gets full logits (the model's own forw
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from torch import nn
@@ -41,6 +42,14 @@ def patch_trainer(trainer: Any, **head_kwargs: Any) -> DADLMHead:
         # without dL/dhidden a trainable trunk would get no gradient at all, silently
         head_kwargs["backprop_gradients"] = trunk_trains(model)
     head = replace_lm_head(base, **head_kwargs)
+    accumulation = getattr(getattr(trainer, "args", None), "gradient_accumulation_steps", 1) or 1
+    if head.update == "inplace" and accumulation > 1:
+        warnings.warn(
+            f"gradient_accumulation_steps={accumulation}: the DAD head (update='inplace') takes its AdamW step at "
+            f"every micro-batch, {accumulation} per optimizer step of the rest of the model; pass "
+            "dad_head={'update': 'grad'} for the trainer's optimizer to step it with the accumulated gradient",
+            UserWarning, stacklevel=2,
+        )
     if head.update == "inplace":
         # the head updates itself in backward; it must require grad to get a backward at all,
         # and holds no .grad, so the trainer's optimizer (built later, lazily) skips it
