@@ -44,8 +44,9 @@ into one stream and stored as int32 (332k tokens, 1.3 MB); training cuts the str
 tokens than it holds, about 2.5 passes at the defaults). ``llama-1b`` sees the same SmolLM2 ids (all < 49152): its
 larger vocabulary only costs memory and head FLOPs, which is what a speed and memory comparison needs.
 
-Recorded per system / shape / mode: ``tokens_per_s`` (``batch * seq_len`` tokens per step over the steps after
-``--warmup-steps``, from CUDA-synchronised step-end times), ``peak_mib`` (``torch.cuda.max_memory_allocated`` over
+Recorded per system / shape / mode: ``tokens_per_s`` (``batch * seq_len * gradient_accumulation_steps`` tokens per
+step, the last set to 1 for every system, over the steps after ``--warmup-steps``, from CUDA-synchronised step-end
+times), ``peak_mib`` (``torch.cuda.max_memory_allocated`` over
 model build and training, stats reset first), every logged loss (``trainer.state.log_history``), wall time, trainable
 parameters and the versions of torch, transformers, trl, peft, accelerate, datasets, liger-kernel, unsloth,
 unsloth_zoo, bitsandbytes. ``--profile-steps N`` adds ``profile``: ``torch.profiler`` over the N steps after the
@@ -285,6 +286,8 @@ def sft_config(system: str, args: argparse.Namespace, device: torch.device, out_
         # TRL turns checkpointing on by default; both shapes fit without it, and recomputing the trunk would only
         # add the same time to every system (the Unsloth systems keep Unsloth's own checkpointing)
         gradient_checkpointing=False,
+        # explicit, because Unsloth's patched SFTConfig defaults to 2: every system trains batch rows a step
+        gradient_accumulation_steps=1,
         disable_tqdm=True, seed=0, use_liger_kernel=system in LIGER_SYSTEMS,
     )
 
@@ -510,7 +513,8 @@ def train_one(system: str, shape_name: str, mode: str, args: argparse.Namespace,
     record = {
         "system": system, "shape": shape_name, "mode": mode, "steps": len(clock.ends), "batch": args.batch,
         "seq_len": args.seq_len, "lr": args.lr, "warmup_steps": args.warmup_steps,
-        **throughput(timed, args.batch * args.seq_len),
+        "gradient_accumulation_steps": trainer.args.gradient_accumulation_steps,
+        **throughput(timed, args.batch * args.seq_len * trainer.args.gradient_accumulation_steps),
         "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None,
         "train_s": train_s, "wall_s": time.perf_counter() - t0,
         "loss_steps": [h.get("step") for h in logs], "losses": [h["loss"] for h in logs],

@@ -40,7 +40,24 @@ def test_without_profile_steps_there_is_no_profile(tmp_path: Path, monkeypatch: 
                                       "--out", str(out)])
     sft_gpu.main()
     (row,) = json.loads(out.read_text())
-    assert "profile" not in row and row["steps"] == 6
+    assert "profile" not in row and row["steps"] == 6 and row["gradient_accumulation_steps"] == 1
+
+
+def test_every_system_trains_one_micro_batch_a_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Unsloth's patched SFTConfig defaults gradient_accumulation_steps to 2 (twice the rows a step); the shared
+    config sets 1 explicitly, so tokens/s counts the same work for every system."""
+    trl = pytest.importorskip("trl")
+    stock = trl.SFTConfig
+
+    class UnslothLikeConfig(stock):  # type: ignore[misc, valid-type]
+        def __init__(self, *args, gradient_accumulation_steps=2, **kwargs):
+            super().__init__(*args, gradient_accumulation_steps=gradient_accumulation_steps, **kwargs)
+
+    monkeypatch.setattr(trl, "SFTConfig", UnslothLikeConfig)
+    args = argparse.Namespace(steps=2, batch=2, lr=1e-3, max_grad_norm=0.0, seq_len=8)
+    assert UnslothLikeConfig(output_dir=str(tmp_path), use_cpu=True).gradient_accumulation_steps == 2
+    for system in sft_gpu.SYSTEMS:
+        assert sft_gpu.sft_config(system, args, torch.device("cpu"), str(tmp_path)).gradient_accumulation_steps == 1
 
 
 def test_throughput_from_step_end_times() -> None:
