@@ -71,7 +71,9 @@ def patch(
     ``master_dtype`` keeps the head's weights and AdamW moments in float32 (Unsloth loads the head in
     bf16/fp16; the fused step still computes in the activations' dtype). ``backprop_gradients`` defaults
     to whether anything below the head trains (LoRA adapters, or a full fine-tune), so it keeps learning.
-    ``require_unsloth=False`` allows any transformers causal LM.
+    ``require_unsloth=False`` allows any transformers causal LM. Unsloth's ``SFTConfig`` defaults to
+    ``gradient_accumulation_steps=2``; the head (``update="inplace"``) then steps at every micro-batch, and
+    ``update="grad"`` leaves its gradient to the trainer's optimizer instead.
     """
     if require_unsloth and not is_unsloth_model(model):
         raise ValueError(
