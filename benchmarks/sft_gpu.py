@@ -274,6 +274,13 @@ class TrainingFailed(Exception):
         self.trace, self.facts = trace, facts
 
 
+def failure_row(exc: Exception) -> dict[str, Any]:
+    """``error`` and ``traceback`` of a failed system; for a :class:`TrainingFailed`, also the model's facts."""
+    if isinstance(exc, TrainingFailed):
+        return {"error": str(exc), "traceback": exc.trace, **exc.facts}
+    return {"error": f"{type(exc).__name__}: {exc}", "traceback": traceback.format_exc()[-4000:]}
+
+
 def sft_config(system: str, args: argparse.Namespace, device: torch.device, out_dir: str) -> Any:
     """The ``SFTConfig`` every system shares; ``liger`` and ``dad-liger`` only add ``use_liger_kernel=True``."""
     import trl
@@ -579,16 +586,10 @@ def run_grid(args: argparse.Namespace, device: torch.device) -> list[dict[str, A
                     except Skipped as exc:
                         print(f"skip {system} {shape} {mode}: {exc}")
                         row = {"system": system, "shape": shape, "mode": mode, "skipped": str(exc)}
-                    except TrainingFailed as exc:  # where it failed and what the model held, for the record
-                        row = {"system": system, "shape": shape, "mode": mode, "error": str(exc),
-                               "traceback": exc.trace, **exc.facts}
-                        if args.smoke:
-                            raise
                     except Exception as exc:  # one failing system must not hide the others' rows
-                        row = {"system": system, "shape": shape, "mode": mode, "error": f"{type(exc).__name__}: {exc}",
-                               "traceback": traceback.format_exc()[-4000:]}
                         if args.smoke:
                             raise
+                        row = {"system": system, "shape": shape, "mode": mode, **failure_row(exc)}
                 else:
                     row = run_isolated(system, shape, mode, args)
                 records.append({**row, **env})
