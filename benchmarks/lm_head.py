@@ -15,7 +15,8 @@ bf16 compute. Systems per shape, each without and with ``dL/dhidden`` (``+dh``, 
   over the ``V x D`` float32 weight, each timed alone; their sum bounds any implementation of the step.
 
 ``--sweep`` adds ``dad-fused-<backend>[-c<rows>][-w<rows>][+dh]`` for each available backend, chunk size and
-``--weight-chunks`` size (first shape only).
+``--weight-chunks`` size (first shape only); ``--sweeps tokens vocab`` adds ``dad-fused-<order>[-w<rows>][+dh]``,
+the head with ``sweep=<order>`` (each row records the ``sweep`` that ran).
 ``peak_mib`` = ``torch.cuda.max_memory_allocated`` during one step after warm-up (static weights, moments and data
 included); ``step_ms`` = median of CUDA-event timed steps after warm-up (p20/p80 too). ``loss_30``: every system
 starts from the same weights and trains ``--loss-steps`` steps over the same 4 cycled batches; the loss of the last
@@ -167,13 +168,13 @@ def peer_adamw(library: str, data: Data, dtype: torch.dtype, grad_hidden: bool) 
 
 def dad_fused(
     data: Data, dtype: torch.dtype, grad_hidden: bool, backend: str = "auto", chunk: int | None = None,
-    weight_chunk: int | None = None,
+    weight_chunk: int | None = None, sweep: str = "auto",
 ) -> tuple[Step, DADLMHead]:
     """One DAD head step: fused loss forward, in-place AdamW in backward; ``y`` is already shifted."""
     vocab, hidden = data.init.shape
     head = DADLMHead(hidden, vocab, lr=1e-3, weight_decay=0.01, backend=backend, chunk_size=chunk,
                      weight_chunk_size=weight_chunk, backprop_gradients=grad_hidden, compute_dtype=dtype,
-                     device=data.h.device)
+                     device=data.h.device, sweep=sweep)
     with torch.no_grad():
         head.weight.copy_(data.init)
     x = _input(data, grad_hidden)
@@ -213,10 +214,11 @@ def loss_after(step: Step, data: Data, steps: int) -> float:
 
 
 def systems_for(data: Data, dtype: torch.dtype, device: torch.device, sweep: dict[str, list[int]],
-                weight_chunks: Sequence[int] = ()) -> list[tuple[str, Callable[[], Any]]]:
+                weight_chunks: Sequence[int] = (), orders: Sequence[str] = ()) -> list[tuple[str, Callable[[], Any]]]:
     """``(name, build)`` of every system of one shape; ``build()`` returns ``(step, head or None)``.
     ``weight_chunks``: also the DAD head casting its weight that many rows at a time (``-w<rows>``),
-    at the default chunk and at every chunk of the sweep."""
+    at the default chunk and at every chunk of the sweep. ``orders``: also the DAD head with
+    ``sweep=<order>`` (``-<order>``), alone and with each of ``weight_chunks``."""
     systems: list[tuple[str, Callable[[], Any]]] = []
     for dh in (False, True):
         tag = "+dh" if dh else ""
@@ -229,6 +231,11 @@ def systems_for(data: Data, dtype: torch.dtype, device: torch.device, sweep: dic
         systems += [(f"dad-fused{tag}", lambda dh=dh: dad_fused(data, dtype, dh))]
         systems += [(f"dad-fused-w{w}{tag}", lambda dh=dh, w=w: dad_fused(data, dtype, dh, weight_chunk=w))
                     for w in weight_chunks]
+        for order in orders:
+            systems += [(f"dad-fused-{order}{tag}", lambda dh=dh, order=order: dad_fused(data, dtype, dh, sweep=order))]
+            systems += [(f"dad-fused-{order}-w{w}{tag}",
+                         lambda dh=dh, w=w, order=order: dad_fused(data, dtype, dh, weight_chunk=w, sweep=order))
+                        for w in weight_chunks]
     for backend, chunks in sweep.items():
         for dh, tag in ((False, ""), (True, "+dh")):
             name = f"dad-fused-{backend}"
@@ -290,6 +297,7 @@ def run_system(name: str, build: Callable[[], Any], data: Data, device: torch.de
         if profile and device.type == "cuda":
             stats["kernels_ms"] = kernel_profile(step)
         backend = None if head is None else head.last_backend
+        order = None if head is None else head.last_sweep
         del step, head
         fresh, _ = build()
         stats["loss_30"] = loss_after(fresh, data, loss_steps)
@@ -297,7 +305,7 @@ def run_system(name: str, build: Callable[[], Any], data: Data, device: torch.de
     except Exception as exc:  # a library kernel failing on this machine must not hide the other rows
         print(f"{name:24s} FAILED: {type(exc).__name__}: {exc}")
         return {"system": name, "error": f"{type(exc).__name__}: {exc}"}
-    return {"system": name, "backend": backend, **stats}
+    return {"system": name, "backend": backend, "sweep": order, **stats}
 
 
 def main() -> None:
@@ -312,6 +320,8 @@ def main() -> None:
     parser.add_argument("--triton-chunks", type=int, nargs="*", default=[512, 1024, 2048])
     parser.add_argument("--weight-chunks", type=int, nargs="*", default=[],
                         help="also the DAD head with weight_chunk_size=ROWS (no V x D copy in the compute dtype)")
+    parser.add_argument("--sweeps", nargs="*", default=[], choices=["tokens", "vocab", "recompute"],
+                        help="also the DAD head with sweep=ORDER (the default is 'auto')")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default results/lm_head.json)")
     parser.add_argument("--plot", type=Path, default=None,
                         help="only draw RESULTS.json's step time against peak memory into RESULTS.png")
@@ -332,7 +342,7 @@ def main() -> None:
     records = []
     for index, (shape, (vocab, hidden, tokens)) in enumerate(shapes.items()):
         data = Data(vocab, hidden, tokens, dtype, device)
-        systems = systems_for(data, dtype, device, sweep if index == 0 else {}, args.weight_chunks)
+        systems = systems_for(data, dtype, device, sweep if index == 0 else {}, args.weight_chunks, args.sweeps)
         rows = [run_system(name, build, data, device, warmup, repeats, args.loss_steps, args.profile)
                 for name, build in systems]
         rows += [{"system": f"floor{tag}", **floor(data, dtype, dh, warmup, repeats)} for dh, tag in ((False, ""), (True, "+dh"))]

@@ -20,6 +20,7 @@ from torch_dad.ops.linear_cross_entropy import (
     linear_cross_entropy,
     resolve_backend,
     shift_labels,
+    vocab_slice_backward,
 )
 
 TOL = {torch.float64: 1e-10, torch.float32: 1e-5}
@@ -536,3 +537,147 @@ def test_fused_loss_scores_every_position_or_only_the_valid_ones_alike(shift):
     want = torch.where(valid, log_p.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1), 0.0)
     assert torch.allclose(out.log_probs, want, atol=1e-12)
     assert torch.allclose(out.loss, -want.sum() / valid.sum(), atol=1e-12)
+
+
+# ---------------------------------------------------------------- sweep="vocab": dL/dlogits, then weight slices
+@pytest.mark.parametrize("compute, tol", [(torch.float64, 1e-10), (torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("slice_rows", [None, 1, 40, 500])
+def test_vocab_slice_backward_is_the_oracle_gradient(compute, tol, bias, slice_rows):
+    # float32 master weights: every slice is cast (1 row, uneven 101 = 2 x 40 + 21, larger than the vocabulary)
+    h, w, b, y = make(37, 23, 101, torch.float32, bias, seed=13)
+    h = h.to(compute)
+    res = linear_cross_entropy(h, w, y, b, reduction="sum", grad_weight=False, grad_input=False, grad_logits=True,
+                               backend="torch", compute_dtype=compute, weight_chunk_size=slice_rows, token_stats=True)
+    ref, gi, tok, ent, _ = reference(h, w, b, y)
+    assert res.grad_weight is None and res.grad_input is None and res.grad_logits.shape == (37, 101)
+    assert res.grad_logits.dtype == compute and not res.grad_logits[y == -100].any()
+    assert abs(float(res.loss) / res.num_valid - float(ref.loss)) <= tol * abs(float(ref.loss))
+    assert rel(res.log_probs, tok) <= tol and rel(res.entropy, ent) <= tol
+    seen, gw, gb = [], torch.zeros_like(ref.grad_weight), torch.zeros(101, dtype=torch.float64)
+
+    def on_slice(start, stop, grad_weight, grad_bias):
+        seen.append((start, stop))
+        gw[start:stop] = grad_weight
+        if bias:
+            gb[start:stop] = grad_bias
+
+    scale = 1.0 / res.num_valid  # the oracle's mean reduction
+    stored = dict(grad_logits=res.grad_logits)
+    recomputed = dict(log_sum_exp=res.log_sum_exp if res.log_sum_exp is not None else linear_cross_entropy(
+        h, w, y, b, grad_weight=False, grad_input=False, log_sum_exp=True, backend="torch", compute_dtype=compute,
+    ).log_sum_exp, target=y)
+    for given in (stored, recomputed):
+        seen.clear()
+        gh = vocab_slice_backward(h, w, on_slice, bias=b, grad_input=True, weight_scale=scale, slice_rows=slice_rows,
+                                  **given)
+        rows = min(slice_rows or 101, 101)
+        assert seen == [(s, min(s + rows, 101)) for s in range(0, 101, rows)]
+        assert rel(gw, ref.grad_weight) <= tol and rel(gh * scale, gi) <= tol
+        assert gh.dtype == (torch.float64 if compute == torch.float64 else torch.float32)
+        if bias:
+            assert rel(gb, ref.grad_bias) <= tol
+
+
+def test_vocab_slice_backward_reads_each_slice_before_its_update():
+    # on_slice changes W[s] in place at once: dL/dh must still be that of the weights before the step
+    h, w, _, y = make(29, 11, 53, torch.float64, seed=17)
+    res = linear_cross_entropy(h, w, y, reduction="sum", grad_weight=False, grad_input=False, grad_logits=True,
+                               backend="torch")
+    _, gi, _, _, _ = reference(h, w, None, y)
+    w_work = w.clone()
+
+    def on_slice(start, stop, grad_weight, grad_bias):
+        w_work[start:stop] -= 100.0 * grad_weight
+
+    gh = vocab_slice_backward(h, w_work, on_slice, grad_logits=res.grad_logits, grad_input=True, slice_rows=10)
+    assert rel(gh / res.num_valid, gi) <= 1e-10
+    assert not torch.equal(w_work, w)
+    lse = linear_cross_entropy(h, w, y, grad_weight=False, grad_input=False, log_sum_exp=True).log_sum_exp
+    assert rel(lse, torch.logsumexp(h @ w.T, 1)) <= 1e-12
+    w_work = w.clone()
+    gh = vocab_slice_backward(h, w_work, on_slice, log_sum_exp=lse, target=y, grad_input=True, slice_rows=10)
+    assert rel(gh / res.num_valid, gi) <= 1e-10
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [({"grad_logits": True}, "grad_weight=False"), ({"grad_logits": True, "grad_weight": False}, "grad_input=False")],
+)
+def test_grad_logits_refuses_other_gradients(kwargs, match):
+    h, w, _, y = make(6, 5, 17, torch.float32)
+    with pytest.raises(ValueError, match=match):
+        linear_cross_entropy(h, w, y, backend="torch", **kwargs)
+
+
+def test_vocab_slice_backward_bad_input():
+    h, w, _, y = make(6, 5, 17, torch.float32)
+    with pytest.raises(ValueError, match=r"expected \(6, 17\)"):
+        vocab_slice_backward(h, w, lambda *a: None, grad_logits=torch.zeros(6, 16))
+    with pytest.raises(ValueError, match="log_sum_exp and target"):
+        vocab_slice_backward(h, w, lambda *a: None, log_sum_exp=torch.zeros(6))
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
+@pytest.mark.parametrize("bias", [False, True])
+def test_head_vocab_sweep_trains_like_the_token_sweep(optimizer, bias):
+    """sweep='vocab' applies each weight slice's step in turn: the same AdamW/SGD step of the whole weight,
+    the same pre-update dL/dhidden, the step counter advanced once per step."""
+    from torch_dad.optim import OptimizerConfig
+
+    d, v = 12, 41
+    sweeps = ("tokens", "vocab", "recompute")
+    heads = [DADLMHead(d, v, bias=bias, lr=0.05, weight_decay=0.1, backprop_gradients=True, sweep=sweep,
+                       weight_chunk_size=7, dtype=torch.float64) for sweep in sweeps]
+    for head in heads[1:]:
+        head.load_state_dict(heads[0].state_dict())
+    for head in heads:
+        head.config = OptimizerConfig(name=optimizer, lr=0.05, weight_decay=0.1)
+    for step in range(3):
+        hidden, labels = lm_batch(seed=step)
+        grads = []
+        for head in heads:
+            x = hidden.clone().requires_grad_(True)
+            out = head.fused_loss(torch.tanh(x), labels, token_stats=True)
+            (-(out.log_probs * torch.linspace(0.5, 2.0, out.log_probs.numel()).view_as(out.log_probs)).sum()).backward()
+            grads.append(x.grad)
+        assert tuple(h.last_sweep for h in heads) == sweeps
+        for head, grad in zip(heads[1:], grads[1:]):
+            assert rel(grad, grads[0]) < 1e-12
+            for name, value in heads[0].state_dict().items():
+                assert torch.allclose(head.state_dict()[name], value, rtol=1e-12, atol=1e-15), name
+    assert all(float(h.optim_state.step) == 3.0 and h.weight.grad is None for h in heads)
+
+
+@pytest.mark.parametrize("sweep", ["vocab", "recompute"])
+def test_head_vocab_sweep_all_ignored_and_frozen_leave_state_unchanged(sweep):
+    head = DADLMHead(12, 41, sweep=sweep, dtype=torch.float64)
+    hidden, labels = lm_batch()
+    head.fused_loss(hidden, labels).loss.backward()
+    before = {k: v.clone() for k, v in head.state_dict().items()}
+    head.fused_loss(hidden, torch.full_like(labels, -100)).loss.backward()
+    head.weight.requires_grad_(False)  # a frozen head: the token sweep's forward, nothing updated
+    out = head.fused_loss(hidden.clone().requires_grad_(True), labels)
+    out.loss.backward()
+    assert head.last_sweep == "tokens"
+    for k, v in head.state_dict().items():
+        assert torch.equal(v, before[k]), k
+
+
+def test_head_auto_sweep_keeps_tokens_off_triton():
+    # on CPU the backend is the torch twin, whose float32 softmax copy of N x V would cost more than it saves
+    head = DADLMHead(12, 41, dtype=torch.float64)
+    hidden, labels = lm_batch()
+    head.fused_loss(hidden, labels).loss.backward()
+    assert head.sweep == "auto" and head.last_sweep == "tokens"
+
+
+@pytest.mark.parametrize(
+    "kwargs,match",
+    [({"sweep": "rows"}, "sweep='rows'"), ({"sweep": "vocab", "update": "grad"}, "update='inplace'"),
+     ({"sweep": "vocab", "backend": "liger"}, "backend='triton'"), ({"sweep": "recompute", "update": "grad"},
+                                                                    "update='inplace'")],
+)
+def test_head_bad_sweep(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        DADLMHead(12, 41, **kwargs)

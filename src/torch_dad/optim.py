@@ -60,14 +60,17 @@ def adamw_(
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
+    advance_step: bool = True,
 ) -> None:
-    """One AdamW step in place, identical to ``torch.optim.AdamW`` (``step`` is incremented).
+    """One AdamW step in place, identical to ``torch.optim.AdamW`` (``step`` is incremented first
+    unless ``advance_step`` is False: another part of the same step already did).
 
     ``p -= lr * wd * p; m = b1 m + (1-b1) g; v = b2 v + (1-b2) g^2;
     p -= lr * m / (1-b1^t) / (sqrt(v / (1-b2^t)) + eps)``.
     ``step`` is a float32 0-dim tensor shared by the group, so no host sync is needed.
     """
-    step.add_(1)
+    if advance_step:
+        step.add_(1)
     params, grads = list(params), list(grads)
     if _fused_available(params[0].device) and all(p.dtype == g.dtype for p, g in zip(params, grads)):
         torch._fused_adamw_(
@@ -108,9 +111,12 @@ def sgd_(
     lr: float | Tensor,
     momentum: float,
     weight_decay: float,
+    advance_step: bool = True,
 ) -> None:
-    """SGD with momentum and decoupled weight decay: ``p -= lr*wd*p; m = mu m + g; p -= lr m``."""
-    step.add_(1)
+    """SGD with momentum and decoupled weight decay: ``p -= lr*wd*p; m = mu m + g; p -= lr m``
+    (``step`` counts the steps; incremented unless ``advance_step`` is False)."""
+    if advance_step:
+        step.add_(1)
     if isinstance(lr, Tensor):
         lr = float(lr)
     for p, g, m in zip(params, grads, momentum_buffers):
@@ -150,26 +156,36 @@ class LocalOptimizerState(torch.nn.Module):
         lr: float | Tensor | None = None,
     ) -> None:
         """Update ``params`` in place from ``grads`` with this state and ``config``."""
+        self._update(params, grads, self.moments("exp_avg"), self.moments("exp_avg_sq"), config, lr, True)
+
+    def apply_rows_(
+        self,
+        params: Sequence[Tensor],
+        grads: Sequence[Tensor],
+        config: OptimizerConfig,
+        start: int,
+        stop: int,
+        *,
+        advance_step: bool,
+        lr: float | Tensor | None = None,
+    ) -> None:
+        """:meth:`apply_` on rows ``start:stop`` (the leading dim) of the full ``params`` and their
+        moments, from those rows' gradients ``grads``; the step counter advances only with ``advance_step``.
+
+        Both optimizers act elementwise, so updating a tensor slice by slice, the counter advanced
+        with the first slice only, is one :meth:`apply_` of the whole.
+        """
+        rows = [t[start:stop] for t in params]
+        moments = [[t[start:stop] for t in self.moments(kind)] for kind in ("exp_avg", "exp_avg_sq")]
+        self._update(rows, grads, moments[0], moments[1], config, lr, advance_step)
+
+    def _update(self, params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: list[Tensor],
+               exp_avg_sqs: list[Tensor], config: OptimizerConfig, lr: float | Tensor | None,
+               advance_step: bool) -> None:
         lr = config.lr if lr is None else lr
         if config.name == "adamw":
-            adamw_(
-                params,
-                grads,
-                self.moments("exp_avg"),
-                self.moments("exp_avg_sq"),
-                self.step,
-                lr=lr,
-                betas=config.betas,
-                eps=config.eps,
-                weight_decay=config.weight_decay,
-            )
+            adamw_(params, grads, exp_avgs, exp_avg_sqs, self.step, lr=lr, betas=config.betas, eps=config.eps,
+                   weight_decay=config.weight_decay, advance_step=advance_step)
         else:
-            sgd_(
-                params,
-                grads,
-                self.moments("exp_avg"),
-                self.step,
-                lr=lr,
-                momentum=config.momentum,
-                weight_decay=config.weight_decay,
-            )
+            sgd_(params, grads, exp_avgs, self.step, lr=lr, momentum=config.momentum,
+                 weight_decay=config.weight_decay, advance_step=advance_step)

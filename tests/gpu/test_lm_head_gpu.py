@@ -8,7 +8,7 @@ import torch.nn.functional as TF
 
 from torch_dad import functional
 from torch_dad.nn.lm_head import DADLMHead
-from torch_dad.ops.linear_cross_entropy import linear_cross_entropy, resolve_backend
+from torch_dad.ops.linear_cross_entropy import linear_cross_entropy, resolve_backend, vocab_slice_backward
 from torch_dad.optim import OptimizerConfig
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
@@ -91,11 +91,42 @@ def test_bf16_within_reference_error(backend, shape):
     assert rel(res.log_probs.cpu(), lp) <= 1e-2
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_head_step_on_cuda_applies_the_reference_gradient(backend):
+@pytest.mark.parametrize("backend", [b for b in BACKENDS if b in ("torch", "triton")])
+@pytest.mark.parametrize("shape", [(1031, 96, 5003), (4097, 576, 49152)])
+def test_vocab_sweep_bf16_within_reference_error(backend, shape):
+    # dL/dlogits of all rows, then the weight in slices of 1000 rows (uneven last slice), cast from float32
+    h, w, y = case(*shape, seed=4)
+    ref, gi = truth(h, w, y)
+    hc, wc, yc = h.float().cuda(), w.float().cuda(), y.cuda()
+    hb, wb = hc.bfloat16().requires_grad_(True), wc.bfloat16().requires_grad_(True)
+    gh_u, gw_u = torch.autograd.grad(TF.cross_entropy((hb @ wb.T).float(), yc), (hb, wb))
+    res = linear_cross_entropy(hc.bfloat16(), wc, yc, backend=backend, compute_dtype=torch.bfloat16,
+                               grad_weight=False, grad_input=False, grad_logits=True, weight_chunk_size=1000)
+    assert res.backend == backend and res.grad_logits.dtype == torch.bfloat16
+    gw = torch.empty_like(wc)
+
+    def on_slice(start, stop, grad_weight, grad_bias):
+        gw[start:stop] = grad_weight
+
+    lse = linear_cross_entropy(hc.bfloat16(), wc, yc, backend=backend, compute_dtype=torch.bfloat16,
+                               grad_weight=False, grad_input=False, log_sum_exp=True).log_sum_exp
+    assert abs(float(res.loss) - float(ref.loss)) <= 1e-2 * float(ref.loss)
+    # the summed CE's gradient from the log-sum-exp, recomputed per slice; scaled to the mean here
+    for given in (dict(grad_logits=res.grad_logits), dict(log_sum_exp=lse, target=yc)):
+        gh = vocab_slice_backward(hc.bfloat16(), wc, on_slice, grad_input=True, slice_rows=1000, backend=backend,
+                                  weight_scale=1.0 if "grad_logits" in given else 1.0 / res.num_valid, **given)
+        gh = gh if "grad_logits" in given else gh / res.num_valid
+        assert rel(gw.cpu(), ref.grad_weight) <= rel(gw_u.cpu(), ref.grad_weight) + 1e-2
+        assert rel(gh.cpu(), gi) <= rel(gh_u.cpu(), gi) + 1e-2
+
+
+@pytest.mark.parametrize("backend,sweep", [(b, "tokens") for b in BACKENDS]
+                         + [(b, s) for b in BACKENDS if b in ("torch", "triton") for s in ("vocab", "recompute")])
+def test_head_step_on_cuda_applies_the_reference_gradient(backend, sweep):
     d, v, lr = 96, 5003, 100.0  # large: the update must dwarf float32 rounding of w
     h, w, y = case(512, d, v, seed=2)
-    head = DADLMHead(d, v, backend=backend, compute_dtype=torch.bfloat16, device="cuda")
+    head = DADLMHead(d, v, backend=backend, compute_dtype=torch.bfloat16, device="cuda", sweep=sweep,
+                     weight_chunk_size=None if sweep == "tokens" else 1000)
     assert not head.backprop_gradients  # so backend 'cce' is allowed (no bf16 dL/dhidden)
     # plain SGD (no momentum, no decay): the update is exactly -lr * dL/dW, so it can be compared
     head.config = OptimizerConfig(name="sgd", lr=lr, momentum=0.0, weight_decay=0.0)
@@ -104,7 +135,7 @@ def test_head_step_on_cuda_applies_the_reference_gradient(backend):
     out = head.fused_loss(h.float().cuda(), y.cuda(), shift=False)
     out.loss.backward()
     ref, _ = truth(h, w, y)
-    assert head.last_backend == backend and head.weight.grad is None
+    assert head.last_backend == backend and head.last_sweep == sweep and head.weight.grad is None
     delta = head.weight.detach().cpu().double() - w
     assert rel(delta, -lr * ref.grad_weight) <= 1e-2
 
@@ -146,3 +177,14 @@ def test_uninitialised_gradient_buffers_are_never_read(monkeypatch, backend, sli
     dirty = linear_cross_entropy(h, w, y, **kwargs)
     assert torch.equal(dirty.grad_weight, clean.grad_weight) and torch.equal(dirty.grad_input, clean.grad_input)
     assert torch.isfinite(clean.grad_weight).all()
+
+
+@pytest.mark.parametrize("tokens, sweep", [(2 * 96, "vocab"), (2 * 96 + 1, "tokens")])
+def test_auto_sweep_holds_the_smaller_gradient(tokens, sweep):
+    # bf16 dL/dlogits (tokens x V x 2 bytes) against the float32 V x D gradient (4 D bytes per vocabulary row)
+    if "triton" not in BACKENDS:
+        pytest.skip("triton not usable here")
+    head = DADLMHead(96, 5003, compute_dtype=torch.bfloat16, device="cuda", backprop_gradients=True)
+    x = torch.randn(tokens, 96, device="cuda", requires_grad=True)
+    head.fused_loss(x, torch.randint(0, 5003, (tokens,), device="cuda"), shift=False).loss.backward()
+    assert head.last_backend == "triton" and head.last_sweep == sweep and x.grad is not None

@@ -15,7 +15,12 @@ from tests.gpu.conftest import DEVICE, requires_kernels
 from tests.test_lm_head import make, reference, rel
 from torch_dad.nn.lm_head import DADLMHead
 from torch_dad.ops import cross_entropy as CE
-from torch_dad.ops.linear_cross_entropy import default_chunk_size, linear_cross_entropy, resolve_backend
+from torch_dad.ops.linear_cross_entropy import (
+    default_chunk_size,
+    linear_cross_entropy,
+    resolve_backend,
+    vocab_slice_backward,
+)
 
 pytestmark = requires_kernels
 
@@ -135,3 +140,36 @@ def test_head_step_matches_torch_backend():
         grads.append(xx.grad)
     assert rel(heads[1].weight, heads[0].weight) <= 1e-6 and rel(heads[1].bias, heads[0].bias) <= 1e-6
     assert rel(grads[1], grads[0]) <= 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, LOW])
+@pytest.mark.parametrize("bias", [False, True])
+def test_grad_logits_and_vocab_slices_match_float64(dtype, bias):
+    # sweep="vocab"'s two halves on the Triton row kernel: dL/dlogits of all rows, then the weight in slices of 40
+    n, d, v = 37, 23, 101
+    h, w, b, y = make(n, d, v, torch.float32, bias, seed=19 + int(bias))
+    ref, gi, tok, _, _ = reference(h, w, b, y)
+    hh, ww, bb, yy = _to(h, w, b, y)
+    res = linear_cross_entropy(hh.to(dtype), ww, yy, bb, reduction="sum", compute_dtype=dtype, backend="triton",
+                               grad_weight=False, grad_input=False, grad_logits=True, weight_chunk_size=40)
+    assert res.backend == "triton" and res.grad_logits.dtype == dtype
+    gw, gb = torch.empty_like(ww), torch.empty(v, device=ww.device)
+
+    def on_slice(start, stop, grad_weight, grad_bias):
+        gw[start:stop] = grad_weight
+        if bias:
+            gb[start:stop] = grad_bias
+
+    lse = linear_cross_entropy(hh.to(dtype), ww, yy, bb, compute_dtype=dtype, backend="triton", grad_weight=False,
+                               grad_input=False, log_sum_exp=True, chunk_size=16).log_sum_exp
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    assert abs(float(res.loss) / res.num_valid - float(ref.loss)) <= tol * float(ref.loss)
+    assert rel(res.log_probs.cpu(), tok) <= tol
+    assert rel(lse.cpu(), torch.logsumexp(ref.logits, 1)) <= tol
+    # the stored dL/dlogits, then the same recomputed per slice from the log-sum-exp by the Triton kernel
+    for given in (dict(grad_logits=res.grad_logits), dict(log_sum_exp=lse, target=yy)):
+        gh = vocab_slice_backward(hh.to(dtype), ww, on_slice, bias=bb, grad_input=True, backend="triton",
+                                  weight_scale=1.0 / res.num_valid, slice_rows=40, **given)
+        assert rel(gw.cpu(), ref.grad_weight) <= tol and rel(gh.cpu() / res.num_valid, gi) <= tol
+        if bias:
+            assert rel(gb.cpu(), ref.grad_bias) <= tol

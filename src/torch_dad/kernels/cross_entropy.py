@@ -10,13 +10,14 @@ import triton.language as tl
 
 @triton.jit
 def ce_rows_kernel(
-    x_ptr, y_ptr, logp_ptr, ent_ptr, top1_ptr,
+    x_ptr, y_ptr, logp_ptr, ent_ptr, top1_ptr, lse_ptr,
     V, stride_row, scale, ignore_index,
-    BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr, ENTROPY: tl.constexpr, TOP1: tl.constexpr,
+    BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr, ENTROPY: tl.constexpr, TOP1: tl.constexpr, LSE: tl.constexpr,
 ):
     """One program per row ``x`` of logits with target ``y``: ``log p(y) = x[y] - logsumexp(x)``;
     ``x <- (softmax(x) - onehot(y)) * scale`` if WRITE_GRAD; ``entropy = lse - sum p * x`` if
-    ENTROPY; ``argmax(x) == y`` if TOP1. Ignored rows (``y == ignore_index``) get zeros."""
+    ENTROPY; ``argmax(x) == y`` if TOP1; ``logsumexp(x)`` itself if LSE. Ignored rows
+    (``y == ignore_index``) get zeros (``logsumexp`` is written for every row)."""
     row = tl.program_id(0).to(tl.int64)
     x_row = x_ptr + row * stride_row
     y = tl.load(y_ptr + row).to(tl.int64)
@@ -40,6 +41,8 @@ def ce_rows_kernel(
     m = tl.max(m_vec, axis=0)
     s = tl.sum(s_vec * tl.exp(m_vec - m), axis=0)
     lse = m + tl.log(s)
+    if LSE:
+        tl.store(lse_ptr + row, lse)
     x_y = tl.load(x_row + y_safe).to(tl.float32)
     tl.store(logp_ptr + row, tl.where(valid, x_y - lse, 0.0))
     if TOP1:
@@ -61,3 +64,21 @@ def ce_rows_kernel(
                 tl.store(x_row + cols, g.to(x_ptr.dtype.element_ty), mask=inside)
         if ENTROPY:
             tl.store(ent_ptr + row, tl.where(valid, lse - tl.sum(px_vec, axis=0), 0.0))
+
+
+@triton.jit
+def ce_grad_from_lse_kernel(
+    x_ptr, y_ptr, lse_ptr, V, stride_row, col_offset, ignore_index, BLOCK_V: tl.constexpr,
+):
+    """Program ``(row, block)``: ``x[row, cols] <- exp(x - lse[row]) - (cols + col_offset == y[row])``
+    over one block of columns of a vocabulary slice that starts at ``col_offset``; 0 on ignored rows."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_V + tl.arange(0, BLOCK_V)
+    inside = cols < V
+    y = tl.load(y_ptr + row).to(tl.int64)
+    lse = tl.load(lse_ptr + row)
+    ptrs = x_ptr + row * stride_row + cols
+    x = tl.load(ptrs, mask=inside, other=0.0).to(tl.float32)
+    g = tl.exp(x - lse) - tl.where(cols + col_offset == y, 1.0, 0.0)
+    g = tl.where(y != ignore_index, g, 0.0)
+    tl.store(ptrs, g.to(x_ptr.dtype.element_ty), mask=inside)

@@ -22,12 +22,17 @@ from ..ops.linear_cross_entropy import (
     autocast_dtype,
     check_token_labels,
     linear_cross_entropy,
+    resolve_backend,
     shift_labels,
+    vocab_slice_backward,
 )
 from ..optim import OptimizerConfig
 from ._local import LocalLayer, check_update
 
-__all__ = ["DADLMHead", "LMHeadOutput", "linear_cross_entropy"]
+__all__ = ["SWEEPS", "DADLMHead", "LMHeadOutput", "linear_cross_entropy"]
+
+#: ``sweep=`` of :class:`DADLMHead`: how a training step walks the tokens x vocabulary product
+SWEEPS: tuple[str, ...] = ("auto", "tokens", "vocab", "recompute")
 
 
 @dataclass
@@ -71,14 +76,20 @@ class _DADLMHeadFunction(torch.autograd.Function):
         token_stats: bool,
     ) -> tuple[Tensor, Tensor, Tensor]:
         want_gi = bool(ctx.needs_input_grad[0]) and head.backprop_gradients
+        sweep = head._sweep_for(hidden, want_gi, token_stats)
+        dtype = head._compute_dtype(hidden) or torch.promote_types(hidden.dtype, weight.dtype)
+        tokens = sweep == "tokens"
         res = linear_cross_entropy(
             hidden, weight, target, bias, ignore_index=head.ignore_index, reduction="sum",
-            grad_weight=head._trains(), grad_input=want_gi, token_stats=token_stats, chunk_size=head.chunk_size,
-            weight_chunk_size=head.weight_chunk_size,
-            backend=head.backend, compute_dtype=head._compute_dtype(hidden), num_valid=target.numel(),
+            grad_weight=head._trains() and tokens, grad_input=want_gi and tokens, grad_logits=sweep == "vocab",
+            log_sum_exp=sweep == "recompute", token_stats=token_stats, chunk_size=head.chunk_size,
+            weight_chunk_size=head.weight_chunk_size, backend=head.backend, compute_dtype=dtype,
+            num_valid=target.numel(),
         )
-        ctx.head, ctx.res, ctx.used = head, res, False
-        head.last_backend = res.backend
+        ctx.head, ctx.res, ctx.used, ctx.want_gi = head, res, False, want_gi
+        # what the vocabulary sweeps read again in backward
+        ctx.sliced = None if tokens else (hidden.to(dtype), target)
+        head.last_backend, head.last_sweep = res.backend, sweep
         log_probs = res.log_probs
         assert log_probs is not None
         entropy = res.entropy if res.entropy is not None else torch.zeros_like(log_probs)
@@ -97,6 +108,11 @@ class _DADLMHeadFunction(torch.autograd.Function):
                 "Run a fresh forward before each backward"
             )
         ctx.used = True
+        if ctx.sliced is not None:
+            hidden, target = ctx.sliced
+            grad_hidden = _vocab_sweep_backward(head, res, hidden, target, grad_log_probs, ctx.want_gi)
+            ctx.res = ctx.sliced = None
+            return grad_hidden, None, None, None, None, None
         grad_hidden = None
         if res.grad_input is not None:
             # d log p_t / d h_t = -(p_t - onehot_t) @ W = -grad_input_t (summed reduction)
@@ -113,6 +129,43 @@ class _DADLMHeadFunction(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
+def _vocab_sweep_backward(head: DADLMHead, res: LinearCrossEntropyResult, hidden: Tensor, target: Tensor,
+                          grad_log_probs: Tensor, want_gi: bool) -> Tensor | None:
+    """The backward of ``sweep="vocab"`` / ``"recompute"`` (``hidden`` in the compute dtype): each vocabulary
+    slice's weight gradient (mean CE over the batch's tokens, as ``update="inplace"`` always uses) is applied
+    as soon as it is final; returns ``dL/dhidden`` (pre-update weights) scaled by the incoming per-token
+    gradient, or ``None``."""
+    if not res.num_valid:
+        return None
+
+    def on_slice(start: int, stop: int, grad_weight: Tensor, grad_bias: Tensor | None) -> None:
+        grads = [grad_weight] if grad_bias is None else [grad_weight, grad_bias]
+        head._local_update_rows(start, stop, grads, first=start == 0)
+
+    grad_hidden = vocab_slice_backward(
+        hidden, head.weight.detach(), on_slice, grad_logits=res.grad_logits, log_sum_exp=res.log_sum_exp,
+        target=target, bias=None if head.bias is None else head.bias.detach(), ignore_index=head.ignore_index,
+        grad_input=want_gi, weight_scale=1.0 / res.num_valid, slice_rows=head.weight_chunk_size, backend=res.backend,
+    )
+    if grad_hidden is None:
+        return None
+    # d log p_t / d h_t = -(p_t - onehot_t) @ W (summed reduction)
+    return grad_hidden.mul_((-grad_log_probs).to(grad_hidden.dtype).unsqueeze(1)).to(hidden.dtype)
+
+
+def _check_sweep(sweep: object, update: str, backend: str) -> str:
+    """``sweep`` if it is one of :data:`SWEEPS` and can run with ``update`` and ``backend``, else ``ValueError``."""
+    check_choice("sweep", sweep, SWEEPS, " ('tokens': token chunks, one V x D gradient; 'vocab', 'recompute': "
+                 "weight slices)")
+    if sweep in ("vocab", "recompute") and update != "inplace":
+        raise ValueError(f"sweep={sweep!r} applies each weight slice's gradient in backward and keeps no V x D "
+                         "gradient, so it needs update='inplace'; use sweep='tokens' (or 'auto') with update='grad'")
+    if sweep in ("vocab", "recompute") and backend not in ("auto", "triton", "torch"):
+        raise ValueError(f"sweep={sweep!r} runs its own softmax over weight slices, which backend={backend!r} does "
+                         "not; use backend='triton' (or 'auto'), or sweep='tokens'")
+    return str(sweep)
+
+
 class DADLMHead(LocalLayer):
     """A causal LM's ``lm_head``: ``logits = hidden @ weight.T (+ bias)`` that trains itself.
 
@@ -124,7 +177,13 @@ class DADLMHead(LocalLayer):
     returns the true ``dL/dhidden`` (pre-update weights) so LoRA adapters or the backbone train.
     ``backend`` picks the fused step's implementation and ``chunk_size`` / ``weight_chunk_size`` its
     memory (see :func:`~torch_dad.ops.linear_cross_entropy.linear_cross_entropy`); ``last_backend``
-    says which backend ran.
+    says which backend ran (``last_sweep``: which sweep). ``sweep`` orders the step: ``"tokens"``, token
+    chunks that sum one float32 V x D gradient, applied at once; ``"vocab"`` (``update="inplace"``), the
+    batch's ``dL/dlogits`` (N x V, compute dtype) held from forward to backward, where each slice of
+    ``weight_chunk_size`` vocabulary rows gets its final gradient and its AdamW step in turn: no V x D
+    gradient and no V x D copy of the weight; ``"recompute"`` (``update="inplace"``), the same slices with
+    each slice's logits recomputed in backward from the forward's log-sum-exp (one more GEMM; nothing of
+    size N x V or V x D held); ``"auto"``, ``"vocab"`` where that holds less (see :meth:`_sweep_for`).
     """
 
     def __init__(
@@ -143,6 +202,7 @@ class DADLMHead(LocalLayer):
         chunk_size: int | None = None,
         weight_chunk_size: int | None = None,
         backend: str = "auto",
+        sweep: str = "auto",
         compute_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -154,6 +214,7 @@ class DADLMHead(LocalLayer):
         self.backprop_gradients = check_bool("backprop_gradients", backprop_gradients)
         self.ignore_index = check_int("ignore_index", ignore_index)
         self.backend = check_choice("backend", backend, BACKENDS)
+        self.sweep = _check_sweep(sweep, update, backend)
         for name, value in (("chunk_size", chunk_size), ("weight_chunk_size", weight_chunk_size)):
             if value is not None:
                 check_positive_int(name, value)
@@ -162,6 +223,7 @@ class DADLMHead(LocalLayer):
         self.chunk_size, self.weight_chunk_size, self.compute_dtype = chunk_size, weight_chunk_size, compute_dtype
         self.config = OptimizerConfig(lr=lr, weight_decay=weight_decay, betas=tuple(betas), eps=eps)  # type: ignore[arg-type]
         self.last_backend: str | None = None
+        self.last_sweep: str | None = None
         self._init_linear(in_features, vocab_size, bias, device, dtype)
         self.reset_parameters()
         self.optim_state = self._new_optim_state() if update == "inplace" else None
@@ -174,12 +236,30 @@ class DADLMHead(LocalLayer):
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, vocab_size={self.vocab_size}, bias={self.bias is not None}, "
-                f"update={self.update!r}, backprop_gradients={self.backprop_gradients}, backend={self.backend!r}")
+                f"update={self.update!r}, backprop_gradients={self.backprop_gradients}, backend={self.backend!r}, "
+                f"sweep={self.sweep!r}")
 
     @property
     def out_features(self) -> int:
         """``vocab_size``, as ``nn.Linear`` names it."""
         return self.vocab_size
+
+    def _sweep_for(self, hidden: Tensor, want_gi: bool, token_stats: bool) -> str:
+        """The sweep this training step runs: ``sweep`` if given; ``"tokens"`` for a head that does not
+        train in place. Under ``"auto"``, ``"vocab"`` when the Triton row kernel runs (it turns the N x V
+        logits into their gradient in place) and that gradient is no larger than the float32 V x D weight
+        gradient it replaces (``N * itemsize <= 4 * D``), else ``"tokens"``."""
+        if not self._trains():
+            return "tokens"
+        if self.sweep != "auto":
+            return self.sweep
+        if self.update != "inplace" or hidden.shape[0] == 0:
+            return "tokens"
+        dtype = self._compute_dtype(hidden) or torch.promote_types(hidden.dtype, self.weight.dtype)
+        backend = resolve_backend(self.backend, hidden.device, bias=self.bias is not None, token_stats=token_stats,
+                                  grad_input=want_gi, dtype=dtype)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return "vocab" if backend == "triton" and hidden.shape[0] * itemsize <= 4 * self.in_features else "tokens"
 
     def _compute_dtype(self, hidden: Tensor) -> torch.dtype | None:
         """``compute_dtype``, else the autocast dtype, else bf16/fp16 if ``hidden`` is (mixed precision

@@ -8,6 +8,10 @@ per row (the chunk body of :func:`torch_dad.ops.linear_cross_entropy.linear_cros
     x       <- (softmax(x) - onehot(y)) * scale          (in place; 0 on ignored rows)
     entropy  = -sum softmax(x) * log softmax(x)          (optional, 0 on ignored rows)
     is_top1  = argmax(x) == y                            (optional, False on ignored rows)
+    lse                                                  (optional output, every row)
+
+:func:`logit_grad_from_lse_` is the second half alone, for a slice of the vocabulary whose rows'
+``lse`` is already known: ``x <- exp(x - lse) - onehot(y)`` in place (scale 1; 0 on ignored rows).
 
 The Triton kernel (:mod:`torch_dad.kernels.cross_entropy`) is one launch, one program per row: a
 first loop over V in blocks keeps a per-lane running max and sum of exponentials (online softmax,
@@ -33,7 +37,7 @@ from torch import Tensor
 
 from ..kernels import next_pow2, use_triton
 
-__all__ = ["cross_entropy_rows_"]
+__all__ = ["cross_entropy_rows_", "logit_grad_from_lse_"]
 
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # vocabulary elements per block of the row loops: 4096 bf16 = 8 KiB a step, 16 a thread at 8 warps
@@ -51,6 +55,7 @@ class _Rows:
     write_grad: bool
     entropy: Tensor | None
     is_top1: Tensor | None
+    lse: Tensor | None = None
 
     def fits_kernel(self, logits: Tensor) -> bool:
         """Whether the Triton kernel can take these tensors (dtype, strides)."""
@@ -61,6 +66,7 @@ class _Rows:
             and self.log_probs.is_contiguous()
             and (self.entropy is None or (self.entropy.dtype == torch.float32 and self.entropy.is_contiguous()))
             and (self.is_top1 is None or self.is_top1.is_contiguous())
+            and (self.lse is None or (self.lse.dtype == torch.float32 and self.lse.is_contiguous()))
         )
 
 
@@ -74,9 +80,10 @@ def cross_entropy_rows_(
     write_grad: bool = True,
     entropy: Tensor | None = None,
     is_top1: Tensor | None = None,
+    lse: Tensor | None = None,
     backend: str = "auto",
 ) -> None:
-    """Fill ``log_probs`` (R,) (and ``entropy``, ``is_top1``) and, if ``write_grad``, overwrite
+    """Fill ``log_probs`` (R,) (and ``entropy``, ``is_top1``, ``lse``) and, if ``write_grad``, overwrite
     ``logits`` (R, V) with ``(softmax - onehot(target)) * scale`` (zero on ignored rows).
 
     ``target`` holds ids in ``[0, V)`` or ``ignore_index``. ``backend="auto"`` runs the Triton
@@ -88,7 +95,7 @@ def cross_entropy_rows_(
             f"logits {tuple(logits.shape)}, target {tuple(target.shape)} and log_probs {tuple(log_probs.shape)} "
             "must be (R, V), (R,), (R,)"
         )
-    rows = _Rows(target, log_probs, ignore_index, scale, write_grad, entropy, is_top1)
+    rows = _Rows(target, log_probs, ignore_index, scale, write_grad, entropy, is_top1, lse)
     fits = rows.fits_kernel(logits)
     if backend == "triton" and not fits:
         raise ValueError(
@@ -110,6 +117,8 @@ def _cross_entropy_rows_torch(logits: Tensor, rows: _Rows) -> None:
     valid = rows.target != rows.ignore_index
     t = torch.where(valid, rows.target, torch.zeros_like(rows.target)).unsqueeze(1)
     lse = torch.logsumexp(wide, dim=1)
+    if rows.lse is not None:
+        rows.lse.copy_(lse)
     rows.log_probs.copy_((wide.gather(1, t).squeeze(1) - lse).masked_fill_(~valid, 0))
     if rows.is_top1 is not None:
         rows.is_top1.copy_((wide.argmax(1) == t.squeeze(1)) & valid)
@@ -126,17 +135,45 @@ def _cross_entropy_rows_torch(logits: Tensor, rows: _Rows) -> None:
             logits.copy_(probs)
 
 
+def logit_grad_from_lse_(
+    logits: Tensor, target: Tensor, lse: Tensor, *, col_offset: int, ignore_index: int, backend: str = "auto"
+) -> None:
+    """Overwrite ``logits`` (R, S), columns ``col_offset .. col_offset + S`` of the vocabulary, with
+    ``exp(logits - lse[:, None]) - onehot(target - col_offset)``; 0 on rows whose target is ``ignore_index``.
+
+    ``lse`` (R,) float32 is each row's log-sum-exp over the whole vocabulary (``cross_entropy_rows_(lse=...)``),
+    so each slice of a row gets its share of ``softmax - onehot`` without the rest of the row.
+    """
+    if logits.dim() != 2 or target.shape != (logits.shape[0],) or lse.shape != (logits.shape[0],):
+        raise ValueError(f"logits {tuple(logits.shape)}, target {tuple(target.shape)} and lse {tuple(lse.shape)} "
+                         "must be (R, S), (R,), (R,)")
+    fits = logits.dtype in _TRITON_DTYPES and logits.stride(1) == 1 and lse.dtype == torch.float32
+    if logits.numel() and use_triton(logits, backend) and fits:
+        block = min(_MAX_BLOCK_V, max(16, next_pow2(logits.shape[1])))
+        _kernels().ce_grad_from_lse_kernel[(logits.shape[0], -(-logits.shape[1] // block))](
+            logits, target.contiguous(), lse.contiguous(), logits.shape[1], logits.stride(0), int(col_offset),
+            int(ignore_index), BLOCK_V=block, num_warps=8 if block >= 2048 else 4,
+        )
+        return
+    valid = target != ignore_index
+    probs = (logits.to(torch.promote_types(logits.dtype, torch.float32)) - lse.unsqueeze(1)).exp_()
+    local = target - col_offset
+    hit = (valid & (local >= 0) & (local < logits.shape[1])).nonzero().squeeze(1)
+    probs[hit, local[hit]] -= 1.0
+    logits.copy_(probs.masked_fill_(~valid.unsqueeze(1), 0.0))
+
+
 # ---------------------------------------------------------------------------------- Triton
 @functools.lru_cache(maxsize=1)
-def _kernel() -> Any:
+def _kernels() -> Any:
     from ..kernels import cross_entropy as kernels  # imports triton: only on the first launch
 
-    return kernels.ce_rows_kernel
+    return kernels
 
 
 def _cross_entropy_rows_triton(logits: Tensor, rows: _Rows) -> None:
     """Launch :func:`torch_dad.kernels.cross_entropy.ce_rows_kernel`, one program per row."""
-    kernel = _kernel()
+    kernel = _kernels().ce_rows_kernel
     n_rows, vocab = logits.shape
     block = min(_MAX_BLOCK_V, max(16, next_pow2(vocab)))
     log_probs, entropy, is_top1 = rows.log_probs, rows.entropy, rows.is_top1
@@ -145,7 +182,9 @@ def _cross_entropy_rows_triton(logits: Tensor, rows: _Rows) -> None:
         logits, rows.target.contiguous(), log_probs,
         log_probs if entropy is None else entropy,
         log_probs if top1 is None else top1,
+        log_probs if rows.lse is None else rows.lse,
         vocab, logits.stride(0), float(rows.scale), int(rows.ignore_index),
         BLOCK_V=block, WRITE_GRAD=bool(rows.write_grad), ENTROPY=entropy is not None, TOP1=top1 is not None,
+        LSE=rows.lse is not None,
         num_warps=8 if block >= 2048 else 4,
     )

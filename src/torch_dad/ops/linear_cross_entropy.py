@@ -20,12 +20,21 @@ tests compare with); here it is rearranged per chunk::
 are :func:`torch_dad.ops.cross_entropy.cross_entropy_rows_`: a Triton row kernel
 (``backend="triton"``) or its PyTorch twin (``backend="torch"``), in one shared chunk loop.
 ``backend="liger"`` / ``"cce"`` hand the whole step to another library (:mod:`.external`).
+
+Two more orders never hold a V x D gradient. :func:`vocab_slice_backward` sweeps the vocabulary
+``R`` rows at a time, where ``dL/dW[s] = d[:, s].T @ h`` is final per slice and can be applied at
+once. It takes ``d`` either whole, from ``grad_logits=True`` (this function stops after the middle
+lines, all rows in one chunk: N x V held in the compute dtype, the smaller of the two when
+``N * itemsize <= 4 * D``), or recomputes each slice from ``lse``, which ``log_sum_exp=True`` returns
+(one more logits GEMM, and nothing of size N x V or V x D held)::
+
+    d[:, s] = exp(h @ W[s].T + b[s] - lse) - onehot(y)[:, s]
 """
 
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 import torch
@@ -34,7 +43,7 @@ from torch import Tensor
 from .. import functional
 from .._checks import HALF_DTYPES
 from . import external
-from .cross_entropy import cross_entropy_rows_
+from .cross_entropy import cross_entropy_rows_, logit_grad_from_lse_
 
 __all__ = [
     "BACKENDS",
@@ -47,9 +56,11 @@ __all__ = [
     "autocast_dtype",
     "check_token_labels",
     "default_chunk_size",
+    "default_slice_rows",
     "linear_cross_entropy",
     "resolve_backend",
     "shift_labels",
+    "vocab_slice_backward",
 ]
 
 BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", *external.LIBRARIES)
@@ -65,6 +76,10 @@ CHUNK_BYTES = 64 * 2**20
 # 1/6 of the unfused step's 5,773 MiB (H200, `python benchmarks/lm_head.py`, which also times 512
 # and 1024 rows).
 TRITON_CHUNK_BYTES = 192 * 2**20
+# Bytes of one float32 weight-gradient slice of vocab_slice_backward (its bf16 weight cast is half of
+# that): 8192 rows at D=4096, the whole vocabulary at D=576. Each slice is a GEMM of 8192 x N x D,
+# large enough to run at full rate, and the slices' temporaries stay small next to d.
+SLICE_BYTES = 128 * 2**20
 # Preference on CUDA when backend="auto". "triton" (ours) and liger-kernel both keep the logits
 # chunk in the compute dtype and turn it into the gradient in place with one row kernel (two
 # reads, one write); ours uses 2048-row chunks (large GEMMs) where liger picks ~128 rows. The
@@ -81,7 +96,9 @@ class LinearCrossEntropyResult:
     ``loss`` = ``scale * sum_valid CE`` (float32, 0-dim). ``grad_weight``/``grad_bias`` are
     float32 (float64 for float64 inputs); ``grad_input`` has ``hidden``'s dtype. The
     per-token fields are float32 (``is_top1`` bool) over all rows, 0 on ignored rows.
-    ``backend`` names the implementation that ran.
+    ``backend`` names the implementation that ran. ``grad_logits`` (asked for with
+    ``grad_logits=True``): ``dL/dlogits`` (N, V) in the compute dtype, 0 on ignored rows.
+    ``log_sum_exp`` (``log_sum_exp=True``): each row's ``logsumexp(logits)``, float32 (float64 for float64).
     """
 
     loss: Tensor
@@ -93,6 +110,18 @@ class LinearCrossEntropyResult:
     is_top1: Tensor | None
     num_valid: int
     backend: str
+    grad_logits: Tensor | None = None
+    log_sum_exp: Tensor | None = None
+
+
+def default_slice_rows(hidden: int, recompute_tokens: int = 0, itemsize: int = 2) -> int:
+    """Vocabulary rows per slice of :func:`vocab_slice_backward` (multiple of 16): the float32
+    gradient slice ``rows x hidden`` fits :data:`SLICE_BYTES`, and where the slice's logits of
+    ``recompute_tokens`` rows are recomputed, they (``itemsize`` bytes each) fit half of it."""
+    rows = SLICE_BYTES // (4 * hidden)
+    if recompute_tokens:
+        rows = min(rows, SLICE_BYTES // 2 // (recompute_tokens * itemsize))
+    return max(16, rows // 16 * 16)
 
 
 def default_chunk_size(vocab: int, compute_dtype: torch.dtype, token_stats: bool = False,
@@ -279,6 +308,8 @@ class _Step:
     scale: float
     want_gw: bool
     want_gi: bool
+    want_gl: bool
+    want_lse: bool
     token_stats: bool
     dtype: torch.dtype
     num_valid: int
@@ -300,6 +331,8 @@ def linear_cross_entropy(
     compute_dtype: torch.dtype | None = None,
     num_valid: int | None = None,
     weight_chunk_size: int | None = None,
+    grad_logits: bool = False,
+    log_sum_exp: bool = False,
 ) -> LinearCrossEntropyResult:
     """Loss and gradients of ``CE(hidden @ weight.T + bias, target)`` without the full logits.
 
@@ -312,8 +345,14 @@ def linear_cross_entropy(
     itself: it skips the range check and its host sync. ``weight_chunk_size`` (``"torch"`` and
     ``"triton"`` backends, when ``weight`` is not in the compute dtype): cast that many rows of
     ``weight`` at a time into one buffer instead of making one V x D copy in the compute dtype, which
-    saves that copy's memory and costs a cast per token chunk. Runs without autograd; the inputs are
-    not modified.
+    saves that copy's memory and costs a cast per token chunk. ``grad_logits`` (``"torch"`` and
+    ``"triton"``; ``grad_weight``/``grad_input`` must be False): return ``dL/dlogits`` of all rows
+    (one chunk, the weight cast :func:`default_slice_rows` rows at a time unless ``weight_chunk_size``
+    says otherwise) for :func:`vocab_slice_backward`. ``log_sum_exp`` (``"torch"`` and ``"triton"``):
+    also return each row's log-sum-exp, for :func:`vocab_slice_backward` to recompute ``d`` from; the
+    default chunk then holds no more logits than ``3 * D`` bytes a row (``hidden`` D), so that with the
+    weight's compute-dtype copy this pass stays under the float32 V x D gradient plus that copy, what the
+    one-pass order holds. Runs without autograd; the inputs are not modified.
     """
     _check_hidden_weight(hidden, weight, bias)
     _check_options(reduction, chunk_size, compute_dtype, weight_chunk_size)
@@ -329,9 +368,17 @@ def linear_cross_entropy(
     dtype = compute_dtype or autocast_dtype(hidden.device) or torch.promote_types(hidden.dtype, weight.dtype)
     name = resolve_backend(backend, hidden.device, bias=bias is not None, token_stats=token_stats,
                            grad_input=grad_input, dtype=dtype)
+    if grad_logits:
+        name = _grad_logits_backend(backend, name, grad_weight or grad_input)
+        weight_chunk_size = weight_chunk_size or default_slice_rows(weight.shape[1])
+    if log_sum_exp:
+        name = name if name in ("torch", "triton") else "torch"
+        if chunk_size is None and name == "triton":
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            chunk_size = max(16, 3 * weight.shape[1] // itemsize // 16 * 16)
     scale = (1.0 / num_valid if num_valid else 0.0) if reduction == "mean" else 1.0
-    step = _Step(hidden, weight, target, bias, ignore_index, scale, grad_weight, grad_input, token_stats, dtype,
-                 num_valid)
+    step = _Step(hidden, weight, target, bias, ignore_index, scale, grad_weight, grad_input, grad_logits, log_sum_exp,
+                 token_stats, dtype, num_valid)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         if name == "torch":
             return _chunked(step, "torch", chunk_size, weight_chunk_size)
@@ -348,19 +395,31 @@ def linear_cross_entropy(
         return _chunked(step, "torch", chunk_size, weight_chunk_size)
 
 
-def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor, first: bool = False) -> None:
-    """``acc += a @ b`` (``acc = a @ b`` if ``first``) with ``acc`` kept in its (wider) dtype."""
+def _grad_logits_backend(backend: str, name: str, other_grads: bool) -> str:
+    """The backend of a ``grad_logits=True`` call: ours only (the libraries never hand out ``dL/dlogits``)."""
+    if other_grads:
+        raise ValueError("grad_logits=True returns dL/dlogits in place of dL/dW and dL/dhidden; pass "
+                         "grad_weight=False and grad_input=False and get them from vocab_slice_backward")
+    if name in ("torch", "triton"):
+        return name
+    if backend != "auto":
+        raise ValueError(f"backend={backend!r} cannot return dL/dlogits; use backend='triton' or 'torch'")
+    return "torch"
+
+
+def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor, first: bool = False, alpha: float = 1.0) -> None:
+    """``acc += alpha * a @ b`` (``acc = alpha * a @ b`` if ``first``) with ``acc`` kept in its (wider) dtype."""
     # beta=0 never reads acc: the first product needs no zeroed buffer, so a V x D gradient costs no
     # memset and no extra read per step (addmm ignores NaN/Inf in self when beta is 0)
     beta = 0 if first else 1
     if a.dtype == acc.dtype:
-        acc.addmm_(a, b, beta=beta)
+        acc.addmm_(a, b, beta=beta, alpha=alpha)
     elif acc.is_cuda and hasattr(torch.ops.aten.addmm, "dtype_out"):
         # cuBLAS reads bf16/fp16 and accumulates into the float32 buffer directly: no
         # parameter-sized temporary per chunk (torch >= 2.8)
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, beta=beta, out=acc)
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, beta=beta, alpha=alpha, out=acc)
     else:
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), beta=beta)
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), beta=beta, alpha=alpha)
 
 
 def _uninitialized(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
@@ -406,24 +465,30 @@ class _ComputeWeight:
         self.weight, self.dtype = weight, dtype
         self.full: Tensor | None = None
         self.buffer: Tensor | None = None
-        if weight.dtype == dtype or slice_rows is None or slice_rows >= weight.shape[0]:
+        self.slice_rows = min(slice_rows or weight.shape[0], weight.shape[0])
+        if weight.dtype == dtype or self.slice_rows == weight.shape[0]:
             self.full = weight if weight.dtype == dtype else weight.to(dtype)
         else:
-            self.buffer = torch.empty(slice_rows, weight.shape[1], dtype=dtype, device=weight.device)
+            self.buffer = torch.empty(self.slice_rows, weight.shape[1], dtype=dtype, device=weight.device)
 
-    def _slices(self) -> Iterator[tuple[int, int, Tensor]]:
-        assert self.buffer is not None
-        rows, vocab = self.buffer.shape[0], self.weight.shape[0]
-        for start in range(0, vocab, rows):
-            stop = min(start + rows, vocab)
-            yield start, stop, self.buffer[: stop - start].copy_(self.weight[start:stop])
+    def slices(self) -> Iterator[tuple[int, int, Tensor]]:
+        """``(start, stop, W[start:stop])`` in the compute dtype, ``slice_rows`` rows at a time (views of the
+        copy, or cast into the one buffer: each yielded slice is overwritten by the next)."""
+        vocab = self.weight.shape[0]
+        for start in range(0, vocab, self.slice_rows):
+            stop = min(start + self.slice_rows, vocab)
+            if self.full is not None:
+                yield start, stop, self.full[start:stop]
+            else:
+                assert self.buffer is not None
+                yield start, stop, self.buffer[: stop - start].copy_(self.weight[start:stop])
 
     def logits(self, h: Tensor, bias: Tensor | None) -> Tensor:
         """``h @ W.T + b`` (N_c, V) in the compute dtype."""
         if self.full is not None:
             return h @ self.full.T if bias is None else torch.addmm(bias, h, self.full.T)
         out = torch.empty(h.shape[0], self.weight.shape[0], dtype=self.dtype, device=h.device)
-        for start, stop, w in self._slices():
+        for start, stop, w in self.slices():
             if bias is None:
                 torch.mm(h, w.T, out=out[:, start:stop])
             else:
@@ -436,7 +501,7 @@ class _ComputeWeight:
             return d @ self.full
         acc = _uninitialized((d.shape[0], self.weight.shape[1]), torch.promote_types(d.dtype, torch.float32),
                              d.device)
-        for start, stop, w in self._slices():
+        for start, stop, w in self.slices():
             _accumulate_mm(acc, d[:, start:stop], w, first=start == 0)
         return acc
 
@@ -460,35 +525,109 @@ def _chunked(step: _Step, backend: str, chunk_size: int | None,
     dtype = step.dtype
     rows = chunk_size or default_chunk_size(step.weight.shape[0], dtype, step.token_stats, backend,
                                              hidden=step.weight.shape[1])
+    if step.want_gl:  # dL/dlogits of every row is the result: one chunk
+        rows = max(step.hidden.shape[0], 1)
     # backend="triton" still runs the twin where the kernel does not apply (float64 logits)
     rows_backend = "auto" if backend == "triton" else "torch"
     w = _ComputeWeight(step.weight, dtype, weight_chunk_size)
     target = step.target.contiguous()
-    need_grad = (step.want_gw or step.want_gi) and step.num_valid > 0
+    need_grad = (step.want_gw or step.want_gi or step.want_gl) and step.num_valid > 0
     sums = _ChunkSums.allocate(step, torch.float64 if dtype == torch.float64 else torch.float32, need_grad)
+    grad_logits = None
+    lse = torch.empty_like(sums.log_probs) if step.want_lse else None
     for start, stop, h, logits in _chunk_logits(step.hidden, w, step.bias, rows, dtype):
         cross_entropy_rows_(
             logits, target[start:stop], sums.log_probs[start:stop], ignore_index=step.ignore_index,
             scale=step.scale, write_grad=need_grad, backend=rows_backend,
             entropy=None if sums.entropy is None else sums.entropy[start:stop],
             is_top1=None if sums.is_top1 is None else sums.is_top1[start:stop],
+            lse=None if lse is None else lse[start:stop],
         )
-        if not need_grad:
-            continue
         # logits now holds d_c = (softmax - onehot) * scale, 0 on ignored rows
-        if sums.grad_weight is not None:
-            _accumulate_mm(sums.grad_weight, logits.T, h, first=start == 0)
-            if sums.grad_bias is not None:
-                sums.grad_bias += logits.sum(0, dtype=sums.grad_bias.dtype)
-        if sums.grad_input is not None:
-            sums.grad_input[start:stop] = w.left_mul(logits)
+        if need_grad and step.want_gl:
+            grad_logits = logits
+        elif need_grad:
+            _chunk_gradients(sums, logits, h, w, start, stop)
+        # dropped before the generator makes the next chunk: else two chunks would be alive at once
         del logits
     loss = -sums.log_probs.sum() * step.scale
     return LinearCrossEntropyResult(
         loss=loss if loss.dtype == torch.float64 else loss.float(), grad_weight=sums.grad_weight,
         grad_bias=sums.grad_bias, grad_input=sums.grad_input, log_probs=sums.log_probs, entropy=sums.entropy,
-        is_top1=sums.is_top1, num_valid=step.num_valid, backend=backend,
+        is_top1=sums.is_top1, num_valid=step.num_valid, backend=backend, grad_logits=grad_logits, log_sum_exp=lse,
     )
+
+
+def _chunk_gradients(sums: _ChunkSums, grad_logits: Tensor, h: Tensor, w: _ComputeWeight, start: int,
+                     stop: int) -> None:
+    """One chunk's share: ``dW += d_c.T @ h_c``, ``db += d_c.sum(0)``, ``dh_c = d_c @ W``."""
+    if sums.grad_weight is not None:
+        _accumulate_mm(sums.grad_weight, grad_logits.T, h, first=start == 0)
+        if sums.grad_bias is not None:
+            sums.grad_bias += grad_logits.sum(0, dtype=sums.grad_bias.dtype)
+    if sums.grad_input is not None:
+        sums.grad_input[start:stop] = w.left_mul(grad_logits)
+
+
+def vocab_slice_backward(
+    hidden: Tensor,
+    weight: Tensor,
+    on_slice: Callable[[int, int, Tensor, Tensor | None], None],
+    *,
+    grad_logits: Tensor | None = None,
+    log_sum_exp: Tensor | None = None,
+    target: Tensor | None = None,
+    bias: Tensor | None = None,
+    ignore_index: int = functional.IGNORE_INDEX,
+    grad_input: bool = False,
+    weight_scale: float = 1.0,
+    slice_rows: int | None = None,
+    backend: str = "auto",
+) -> Tensor | None:
+    """The weight and hidden gradients of the logits' gradient ``d`` (N, V), one vocabulary slice at a time.
+
+    ``d`` is ``grad_logits`` (from ``linear_cross_entropy(grad_logits=True)``), or, given ``log_sum_exp``
+    and ``target`` instead, recomputed per slice in ``hidden``'s dtype: ``d[:, s] = exp(hidden @ W[s].T +
+    bias[s] - log_sum_exp) - onehot(target)[:, s]`` (the summed CE's gradient; 0 on ignored rows).
+    For each slice ``s`` of ``slice_rows`` rows (default :func:`default_slice_rows`), in order:
+    ``dh += d[:, s] @ W[s]`` (if ``grad_input``), then ``on_slice(start, stop, gw, gb)`` with
+    ``gw = weight_scale * d[:, s].T @ hidden`` and ``gb = weight_scale * d[:, s].sum(0)`` (``None``
+    without ``bias``), float32 (float64 for float64). ``gw`` is final: ``on_slice`` may update
+    ``W[s]`` in place, since ``dh`` has already read it, and must not keep ``gw`` (its buffer is reused).
+    ``backend`` (``"auto"``, ``"triton"``, ``"torch"``) runs the recomputed slice's softmax.
+    Returns ``dh`` (N, D) in that float dtype, or ``None``. No V x D tensor is allocated.
+    """
+    (n, d), vocab = hidden.shape, weight.shape[0]
+    recompute = grad_logits is None
+    if recompute and (log_sum_exp is None or target is None):
+        raise ValueError("vocab_slice_backward needs grad_logits, or log_sum_exp and target to recompute it from")
+    if grad_logits is not None and grad_logits.shape != (n, vocab):
+        raise ValueError(f"grad_logits has shape {tuple(grad_logits.shape)}; expected ({n}, {vocab}) "
+                         "(tokens of hidden, rows of weight)")
+    dtype = hidden.dtype if grad_logits is None else grad_logits.dtype
+    acc = torch.promote_types(dtype, torch.float32)
+    h = hidden if hidden.dtype == dtype else hidden.to(dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    w = _ComputeWeight(weight, dtype, slice_rows or default_slice_rows(d, n if recompute else 0, itemsize))
+    b = None if bias is None else bias.to(dtype)
+    grad_hidden = _uninitialized((n, d), acc, hidden.device) if grad_input else None
+    grad_slice = _uninitialized((w.slice_rows, d), acc, hidden.device)
+    with torch.no_grad():
+        for start, stop, w_slice in w.slices():
+            if grad_logits is not None:
+                d_slice = grad_logits[:, start:stop]
+            else:
+                assert log_sum_exp is not None and target is not None
+                d_slice = h @ w_slice.T if b is None else torch.addmm(b[start:stop], h, w_slice.T)
+                logit_grad_from_lse_(d_slice, target, log_sum_exp, col_offset=start, ignore_index=ignore_index,
+                                     backend=backend)
+            if grad_hidden is not None:
+                _accumulate_mm(grad_hidden, d_slice, w_slice, first=start == 0)
+            gw = grad_slice[: stop - start]
+            _accumulate_mm(gw, d_slice.T, h, first=True, alpha=weight_scale)
+            gb = None if bias is None else d_slice.sum(0, dtype=acc).mul_(weight_scale)
+            on_slice(start, stop, gw, gb)
+    return grad_hidden
 
 
 def _library(step: _Step, name: str) -> LinearCrossEntropyResult:
