@@ -394,7 +394,7 @@ def plot_tradeoff(records: list[dict[str, Any]], out: Path) -> Path | None:
                 and r["system"].endswith(tag) and (tag or not r["system"].endswith("+dh"))]
         _tradeoff_panel(ax, rows, tag, targets(cell, tag), matplotlib.patches.Rectangle)
         ax.set_title(f"{shape}{' with dL/dh' if tag else ''}", fontsize=9)
-    fig.suptitle("DAD head settings (blue: c = rows per chunk, w = weight rows per cast) and peers (red); "
+    fig.suptitle("DAD head settings (blue: sweep, c = rows per chunk, w = weight rows per cast) and peers (red); "
                  "green: both targets met", fontsize=9)
     fig.tight_layout()
     fig.savefig(out, dpi=120)
