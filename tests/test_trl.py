@@ -63,10 +63,11 @@ def test_unsupported_logit_transform_is_refused():
         replace_lm_head(model)
 
 
-def test_training_forward_matches_hf_loss_and_updates_in_backward():
+@pytest.mark.parametrize("sweep", ["auto", "vocab", "recompute"])
+def test_training_forward_matches_hf_loss_and_updates_in_backward(sweep):
     ref = tiny_llama(tied=False, seed=1)
     model = tiny_llama(tied=False, seed=1)
-    head = replace_lm_head(model, lr=1e-2, backprop_gradients=True)
+    head = replace_lm_head(model, lr=1e-2, backprop_gradients=True, sweep=sweep)
     ids, labels = batch()
     model.train()
     ref.train()
@@ -78,6 +79,11 @@ def test_training_forward_matches_hf_loss_and_updates_in_backward():
     out.loss.backward()
     expected.loss.backward()
     assert head.weight.grad is None and not torch.equal(head.weight, w0)
+    assert head.last_sweep == ("tokens" if sweep == "auto" else sweep)  # auto: the vocabulary sweeps need triton
+    # the head's step is AdamW's first step on HF's head gradient: lr * sign(g) where g is not tiny
+    g = ref.lm_head.weight.grad
+    moved = (head.weight.detach() - w0)[g.abs() > 1e-4]
+    assert torch.allclose(moved, -1e-2 * torch.sign(g[g.abs() > 1e-4]), rtol=1e-3, atol=1e-5)
     # backprop_gradients=True: the backbone receives exactly backprop's gradient
     for (name, p), q in zip(model.model.named_parameters(), ref.model.parameters()):
         assert torch.allclose(p.grad, q.grad, rtol=1e-4, atol=1e-6), name

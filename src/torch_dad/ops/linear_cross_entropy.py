@@ -368,11 +368,14 @@ def linear_cross_entropy(
     dtype = compute_dtype or autocast_dtype(hidden.device) or torch.promote_types(hidden.dtype, weight.dtype)
     name = resolve_backend(backend, hidden.device, bias=bias is not None, token_stats=token_stats,
                            grad_input=grad_input, dtype=dtype)
+    if grad_logits and (grad_weight or grad_input):
+        raise ValueError("grad_logits=True returns dL/dlogits in place of dL/dW and dL/dhidden; pass "
+                         "grad_weight=False and grad_input=False and get them from vocab_slice_backward")
+    if grad_logits or log_sum_exp:
+        name = _own_backend(backend, name, "grad_logits=True" if grad_logits else "log_sum_exp=True")
     if grad_logits:
-        name = _grad_logits_backend(backend, name, grad_weight or grad_input)
         weight_chunk_size = weight_chunk_size or default_slice_rows(weight.shape[1])
     if log_sum_exp:
-        name = name if name in ("torch", "triton") else "torch"
         if chunk_size is None and name == "triton":
             itemsize = torch.empty((), dtype=dtype).element_size()
             chunk_size = max(16, 3 * weight.shape[1] // itemsize // 16 * 16)
@@ -395,15 +398,13 @@ def linear_cross_entropy(
         return _chunked(step, "torch", chunk_size, weight_chunk_size)
 
 
-def _grad_logits_backend(backend: str, name: str, other_grads: bool) -> str:
-    """The backend of a ``grad_logits=True`` call: ours only (the libraries never hand out ``dL/dlogits``)."""
-    if other_grads:
-        raise ValueError("grad_logits=True returns dL/dlogits in place of dL/dW and dL/dhidden; pass "
-                         "grad_weight=False and grad_input=False and get them from vocab_slice_backward")
+def _own_backend(backend: str, name: str, option: str) -> str:
+    """The backend of a call with ``option`` (``grad_logits`` / ``log_sum_exp``): ours only, since the
+    libraries hand out neither ``dL/dlogits`` nor the log-sum-exp; ``"auto"`` falls back to the twin."""
     if name in ("torch", "triton"):
         return name
     if backend != "auto":
-        raise ValueError(f"backend={backend!r} cannot return dL/dlogits; use backend='triton' or 'torch'")
+        raise ValueError(f"backend={backend!r} cannot run {option}; use backend='triton' or 'torch'")
     return "torch"
 
 
