@@ -10,7 +10,7 @@ bf16 compute. Systems per shape, each without and with ``dL/dhidden`` (``+dh``, 
 - ``liger-adamw``: ``LigerFusedLinearCrossEntropyLoss`` on a bf16 copy of ``W`` (its gradient flows back into the
   float32 master), then fused AdamW; Liger always computes ``dL/dhidden``, so its two rows do the same work;
 - ``cce-adamw``: cut-cross-entropy's ``linear_cross_entropy`` the same way;
-- ``dad-fused``: ``DADLMHead`` on backend ``auto``: chunked fused loss, update in backward, no full logits;
+- ``dad-fused``: ``DADLMHead`` on backend and sweep ``auto``: fused loss, update in backward, no full logits;
 - ``floor``: the bare bf16 GEMMs of the step (logits, ``dL/dW``, and ``dL/dh`` for ``+dh``) and one fused AdamW
   over the ``V x D`` float32 weight, each timed alone; their sum bounds any implementation of the step.
 
