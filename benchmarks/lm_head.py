@@ -15,7 +15,7 @@ bf16 compute. Systems per shape, each without and with ``dL/dhidden`` (``+dh``, 
   over the ``V x D`` float32 weight, each timed alone; their sum bounds any implementation of the step.
 
 ``--sweep`` adds ``dad-fused-<backend>[-c<rows>][-w<rows>][+dh]`` for each available backend, chunk size and
-``--weight-chunks`` size (first shape only); ``--sweeps tokens vocab`` adds ``dad-fused-<order>[-w<rows>][+dh]``,
+``--weight-chunks`` size (first shape only); ``--sweeps tokens vocab recompute`` adds ``dad-fused-<order>[-w<rows>][+dh]``,
 the head with ``sweep=<order>`` (each row records the ``sweep`` that ran).
 ``peak_mib`` = ``torch.cuda.max_memory_allocated`` during one step after warm-up (static weights, moments and data
 included); ``step_ms`` = median of CUDA-event timed steps after warm-up (p20/p80 too). ``loss_30``: every system
