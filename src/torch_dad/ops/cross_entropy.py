@@ -35,7 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from ..kernels import next_pow2, use_triton
+from ..kernels import cdiv, next_pow2, use_triton
 
 __all__ = ["cross_entropy_rows_", "logit_grad_from_lse_"]
 
@@ -147,10 +147,12 @@ def logit_grad_from_lse_(
     if logits.dim() != 2 or target.shape != (logits.shape[0],) or lse.shape != (logits.shape[0],):
         raise ValueError(f"logits {tuple(logits.shape)}, target {tuple(target.shape)} and lse {tuple(lse.shape)} "
                          "must be (R, S), (R,), (R,)")
+    if logits.numel() == 0:
+        return
     fits = logits.dtype in _TRITON_DTYPES and logits.stride(1) == 1 and lse.dtype == torch.float32
-    if logits.numel() and use_triton(logits, backend) and fits:
+    if use_triton(logits, backend) and fits:
         block = min(_MAX_BLOCK_V, max(16, next_pow2(logits.shape[1])))
-        _kernels().ce_grad_from_lse_kernel[(logits.shape[0], -(-logits.shape[1] // block))](
+        _kernels().ce_grad_from_lse_kernel[(logits.shape[0], cdiv(logits.shape[1], block))](
             logits, target.contiguous(), lse.contiguous(), logits.shape[1], logits.stride(0), int(col_offset),
             int(ignore_index), BLOCK_V=block, num_warps=8 if block >= 2048 else 4,
         )
@@ -158,8 +160,9 @@ def logit_grad_from_lse_(
     valid = target != ignore_index
     probs = (logits.to(torch.promote_types(logits.dtype, torch.float32)) - lse.unsqueeze(1)).exp_()
     local = target - col_offset
-    hit = (valid & (local >= 0) & (local < logits.shape[1])).nonzero().squeeze(1)
-    probs[hit, local[hit]] -= 1.0
+    inside = (valid & (local >= 0) & (local < logits.shape[1])).to(probs.dtype).unsqueeze(1)
+    # - onehot on the rows whose target falls in this slice, as a scatter: no host sync to find them
+    probs.scatter_add_(1, local.clamp(0, logits.shape[1] - 1).unsqueeze(1), -inside)
     logits.copy_(probs.masked_fill_(~valid.unsqueeze(1), 0.0))
 
 
