@@ -15,7 +15,7 @@ from tests.conftest import relative_error
 from tests.gpu.conftest import DEVICE, requires_kernels
 from torch_dad import functional
 from torch_dad.ops.local_error import FUSED_ACTIVATIONS
-from torch_dad.optim import adamw_
+from torch_dad.optim import LocalOptimizerState, OptimizerConfig, adamw_
 from torch_dad.ridge import GramAccumulator
 
 pytestmark = requires_kernels
@@ -224,6 +224,31 @@ def test_adamw_kernel_matches_fused_adamw(sizes, shadow):  # type: ignore[no-unt
     for s, q in zip(shadows, p):
         if s is not None:
             assert torch.equal(s, q.to(shadow))
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_row_slices_on_the_kernel_match_one_fused_adamw(bias):  # type: ignore[no-untyped-def]
+    # LocalOptimizerState.apply_rows_ on the device runs the Triton kernel slice by slice (the counter advanced
+    # once); the reference is one torch AdamW step of the whole tensors on the CPU
+    shapes = [(101, 7), (101,)] if bias else [(101, 7)]
+    g = torch.Generator(device="cpu").manual_seed(11)
+    params = [torch.randn(s, generator=g) for s in shapes]
+    grads = [torch.randn(s, generator=g) for s in shapes]
+    config = OptimizerConfig(lr=3e-3, weight_decay=0.05)
+    states = [LocalOptimizerState([p.shape for p in params]) for _ in range(2)]
+    for state in states:  # a second step, so the moments are not zero
+        state.apply_([p.clone() for p in params], [gr * 0.5 for gr in grads], config)
+    want = [p.clone() for p in params]
+    states[0].apply_(want, grads, config)
+    state = states[1].to(DEVICE)
+    got = [p.to(DEVICE) for p in params]
+    for start in range(0, 101, 40):
+        state.apply_rows_(got, [gr[start:start + 40].to(DEVICE) for gr in grads], config, start, start + 40,
+                          advance_step=start == 0)
+    assert float(state.step) == float(states[0].step) == 2.0
+    for a, b in zip(got + state.moments("exp_avg") + state.moments("exp_avg_sq"),
+                    want + states[0].moments("exp_avg") + states[0].moments("exp_avg_sq")):
+        assert relative_error(a.cpu(), b) <= 1e-6
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, LOW])
