@@ -173,3 +173,49 @@ def test_grad_logits_and_vocab_slices_match_float64(dtype, bias):
         assert rel(gw.cpu(), ref.grad_weight) <= tol and rel(gh.cpu() / res.num_valid, gi) <= tol
         if bias:
             assert rel(gb.cpu(), ref.grad_bias) <= tol
+
+
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("grad_input", [False, True])
+def test_tiled_recompute_matches_float64(bias, grad_input):
+    # sweep="recompute" on the GEMM-epilogue kernels: the log-sum-exp from tile partials (no logits), then each
+    # slice's dL/dlogits written by the GEMM. Sizes span several tiles with ragged edges on every axis (hidden
+    # not a multiple of BLOCK_K, vocabulary and slices not of BLOCK_N, tokens not of BLOCK_M)
+    n, d, v = 300, 80, 700
+    h, w, b, y = make(n, d, v, torch.float32, bias, seed=31 + int(bias))
+    ref, gi, tok, _, _ = reference(h, w, b, y)
+    hh, ww, bb, yy = _to(h, w, b, y)
+    res = linear_cross_entropy(hh.to(LOW), ww, yy, bb, reduction="sum", compute_dtype=LOW, backend="triton",
+                               grad_weight=False, grad_input=False, log_sum_exp=True)
+    chunked = linear_cross_entropy(hh.to(LOW), ww, yy, bb, reduction="sum", compute_dtype=LOW, backend="triton",
+                                   grad_weight=False, grad_input=False, log_sum_exp=True, chunk_size=64)
+    tol = 2e-2
+    assert res.grad_weight is None and res.grad_logits is None and res.num_valid == int((y != -100).sum())
+    assert abs(float(res.loss) / res.num_valid - float(ref.loss)) <= tol * float(ref.loss)
+    assert rel(res.log_probs.cpu(), tok) <= tol and float(res.log_probs[yy == -100].abs().sum()) == 0.0
+    assert rel(res.log_sum_exp.cpu(), torch.logsumexp(ref.logits, 1)) <= 1e-3
+    # the same values by another route: the tiles reduce float32 logits, the chunks their LOW rounding
+    assert rel(res.log_sum_exp, chunked.log_sum_exp) <= 1e-3 and not torch.equal(res.log_sum_exp, chunked.log_sum_exp)
+    gw, gb = torch.full_like(ww, float("nan")), torch.full((v,), float("nan"), device=ww.device)
+
+    def on_slice(start, stop, grad_weight, grad_bias):
+        gw[start:stop] = grad_weight
+        if bias:
+            gb[start:stop] = grad_bias
+
+    gh = vocab_slice_backward(hh.to(LOW), ww, on_slice, log_sum_exp=res.log_sum_exp, target=yy, bias=bb,
+                              grad_input=grad_input, backend="triton", weight_scale=1.0 / res.num_valid,
+                              slice_rows=272)
+    assert rel(gw.cpu(), ref.grad_weight) <= tol
+    assert (gh is None) != grad_input
+    if grad_input:
+        assert rel(gh.cpu() / res.num_valid, gi) <= tol
+    if bias:
+        assert rel(gb.cpu(), ref.grad_bias) <= tol
+
+
+def test_tiled_log_sum_exp_of_no_rows():
+    hh, ww, _, yy = _to(*make(0, 8, 30, torch.float32))
+    res = linear_cross_entropy(hh.to(LOW), ww, yy, reduction="sum", compute_dtype=LOW, backend="triton",
+                               grad_weight=False, grad_input=False, log_sum_exp=True)
+    assert res.log_sum_exp.shape == (0,) and float(res.loss) == 0.0
