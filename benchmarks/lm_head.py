@@ -18,9 +18,10 @@ bf16 compute. Systems per shape, each without and with ``dL/dhidden`` (``+dh``, 
 ``--weight-chunks`` size (first shape only); ``--sweeps tokens vocab recompute`` adds ``dad-fused-<order>[-w<rows>][+dh]``,
 the head with ``sweep=<order>`` (each row records the ``sweep`` that ran).
 ``peak_mib`` = ``torch.cuda.max_memory_allocated`` during one step after warm-up (static weights, moments and data
-included); ``step_ms`` = median of CUDA-event timed steps after warm-up (p20/p80 too). ``loss_30``: every system
-starts from the same weights and trains ``--loss-steps`` steps over the same 4 cycled batches; the loss of the last
-step. ``--profile`` adds ``kernels_ms``: each system's CUDA kernel time per step by category (GEMMs, cross-entropy,
+included); ``step_ms`` = median of CUDA-event timed steps after warm-up (p20/p80 too); ``host_ms`` = median host
+time of a step started on an idle GPU (a step with ``host_ms`` near ``step_ms`` is bound by its launches).
+``loss_30``: every system starts from the same weights and trains ``--loss-steps`` steps over the same 4 cycled
+batches; the loss of the last step. ``--profile`` adds ``kernels_ms``: each system's CUDA kernel time per step by category (GEMMs, cross-entropy,
 AdamW, casts and copies, reductions and fills, other; ``torch.profiler``). Writes ``results/lm_head.json`` (or
 ``--out``).
 
@@ -71,7 +72,18 @@ def measure(step: Callable[[], None], device: torch.device, warmup: int, repeats
             t0 = time.perf_counter()
             step()
             samples.append((time.perf_counter() - t0) * 1e3)
+    host = []
+    for _ in range(5 if device.type == "cuda" else 0):
+        # the host's own time per step: from an idle device to step() returning (CPU work and launches;
+        # the step's label check then waits for nothing)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        step()
+        host.append((time.perf_counter() - t0) * 1e3)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
     return {
+        "host_ms": statistics.median(host) if host else None,
         "peak_mib": None if peak is None else peak / 2**20,
         "base_mib": None if base is None else base / 2**20,
         "step_ms": statistics.median(samples),

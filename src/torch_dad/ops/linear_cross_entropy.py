@@ -29,26 +29,19 @@ lines, all rows in one chunk: N x V held in the compute dtype, the smaller of th
 (one more logits GEMM, and nothing of size N x V or V x D held)::
 
     d[:, s] = exp(h @ W[s].T + b[s] - lse) - onehot(y)[:, s]
-
-With the Triton backend in fp16/bf16 both passes of that order run as GEMMs whose epilogue is the
-softmax (:mod:`torch_dad.kernels.linear_cross_entropy`): the log-sum-exp pass writes no logits, only
-per-tile row maxima and sums, and each slice's ``d`` comes out of its GEMM without a logits pass.
 """
 
 from __future__ import annotations
 
-import functools
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from .. import functional
 from .._checks import HALF_DTYPES
-from ..kernels import cdiv, use_triton
 from . import external
 from .cross_entropy import cross_entropy_rows_, logit_grad_from_lse_
 
@@ -356,12 +349,10 @@ def linear_cross_entropy(
     ``"triton"``; ``grad_weight``/``grad_input`` must be False): return ``dL/dlogits`` of all rows
     (one chunk, the weight cast :func:`default_slice_rows` rows at a time unless ``weight_chunk_size``
     says otherwise) for :func:`vocab_slice_backward`. ``log_sum_exp`` (``"torch"`` and ``"triton"``):
-    also return each row's log-sum-exp, for :func:`vocab_slice_backward` to recompute ``d`` from. Asked
-    for alone (no gradient, no ``token_stats``, ``chunk_size`` None) on ``"triton"`` in fp16/bf16, it is one
-    tiled launch that holds no logits at all; otherwise the default chunk holds no more logits than
-    ``3 * D`` bytes a row (``hidden`` D), so that with the weight's compute-dtype copy this pass stays under
-    the float32 V x D gradient plus that copy, what the one-pass order holds. Runs without autograd; the
-    inputs are not modified.
+    also return each row's log-sum-exp, for :func:`vocab_slice_backward` to recompute ``d`` from; the
+    default chunk then holds no more logits than ``3 * D`` bytes a row (``hidden`` D), so that with the
+    weight's compute-dtype copy this pass stays under the float32 V x D gradient plus that copy, what the
+    one-pass order holds. Runs without autograd; the inputs are not modified.
     """
     _check_hidden_weight(hidden, weight, bias)
     _check_options(reduction, chunk_size, compute_dtype, weight_chunk_size)
@@ -384,9 +375,6 @@ def linear_cross_entropy(
         name = _own_backend(backend, name, "grad_logits=True" if grad_logits else "log_sum_exp=True")
     if grad_logits:
         weight_chunk_size = weight_chunk_size or default_slice_rows(weight.shape[1])
-    # the log-sum-exp alone needs no logits: one tiled launch (else chunks of the compute-dtype logits)
-    tiled = log_sum_exp and chunk_size is None and not (grad_weight or grad_input or token_stats) \
-        and _tiles_run(hidden, dtype, name)
     if log_sum_exp:
         if chunk_size is None and name == "triton":
             itemsize = torch.empty((), dtype=dtype).element_size()
@@ -397,8 +385,6 @@ def linear_cross_entropy(
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
         if name == "torch":
             return _chunked(step, "torch", chunk_size, weight_chunk_size)
-        if tiled:
-            return _log_sum_exp_by_tiles(step)
         try:
             if name == "triton":
                 return _chunked(step, "triton", chunk_size, weight_chunk_size)
@@ -609,8 +595,7 @@ def vocab_slice_backward(
     ``gw = weight_scale * d[:, s].T @ hidden`` and ``gb = weight_scale * d[:, s].sum(0)`` (``None``
     without ``bias``), float32 (float64 for float64). ``gw`` is final: ``on_slice`` may update
     ``W[s]`` in place, since ``dh`` has already read it, and must not keep ``gw`` (its buffer is reused).
-    ``backend`` (``"auto"``, ``"triton"``, ``"torch"``) runs the recomputed slice's softmax; on Triton in
-    fp16/bf16 its GEMM writes ``d[:, s]`` directly.
+    ``backend`` (``"auto"``, ``"triton"``, ``"torch"``) runs the recomputed slice's softmax.
     Returns ``dh`` (N, D) in that float dtype, or ``None``. No V x D tensor is allocated.
     """
     (n, d), vocab = hidden.shape, weight.shape[0]
@@ -624,120 +609,26 @@ def vocab_slice_backward(
     acc = torch.promote_types(dtype, torch.float32)
     h = hidden if hidden.dtype == dtype else hidden.to(dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    rows = slice_rows or default_slice_rows(d, n if recompute else 0, itemsize)
+    w = _ComputeWeight(weight, dtype, slice_rows or default_slice_rows(d, n if recompute else 0, itemsize))
+    b = None if bias is None else bias.to(dtype)
     grad_hidden = _uninitialized((n, d), acc, hidden.device) if grad_input else None
-    grad_slice = _uninitialized((min(rows, vocab), d), acc, hidden.device)
+    grad_slice = _uninitialized((w.slice_rows, d), acc, hidden.device)
     with torch.no_grad():
-        if grad_logits is not None:
-            slices = _stored_slices(grad_logits, weight, dtype, rows)
-        else:
-            assert log_sum_exp is not None and target is not None
-            slices = _recomputed_slices(h, weight, bias, target, log_sum_exp, rows, ignore_index, backend)
-        for start, stop, d_slice, w_slice in slices:
+        for start, stop, w_slice in w.slices():
+            if grad_logits is not None:
+                d_slice = grad_logits[:, start:stop]
+            else:
+                assert log_sum_exp is not None and target is not None
+                d_slice = h @ w_slice.T if b is None else torch.addmm(b[start:stop], h, w_slice.T)
+                logit_grad_from_lse_(d_slice, target, log_sum_exp, col_offset=start, ignore_index=ignore_index,
+                                     backend=backend)
             if grad_hidden is not None:
-                assert w_slice is not None
                 _accumulate_mm(grad_hidden, d_slice, w_slice, first=start == 0)
             gw = grad_slice[: stop - start]
             _accumulate_mm(gw, d_slice.T, h, first=True, alpha=weight_scale)
             gb = None if bias is None else d_slice.sum(0, dtype=acc).mul_(weight_scale)
             on_slice(start, stop, gw, gb)
     return grad_hidden
-
-
-SliceGrads = Iterator[tuple[int, int, Tensor, Tensor | None]]
-
-
-def _stored_slices(grad_logits: Tensor, weight: Tensor, dtype: torch.dtype, rows: int) -> SliceGrads:
-    """``(start, stop, d[:, start:stop], W[start:stop])`` from the whole ``d``, the weight in ``dtype``."""
-    for start, stop, w_slice in _ComputeWeight(weight, dtype, rows).slices():
-        yield start, stop, grad_logits[:, start:stop], w_slice
-
-
-def _recomputed_slices(h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, log_sum_exp: Tensor,
-                       rows: int, ignore_index: int, backend: str) -> SliceGrads:
-    """``(start, stop, d[:, start:stop], W[start:stop])`` with ``d[:, s] = exp(h @ W[s].T + b[s] - lse)
-    - onehot(y)[:, s]`` recomputed per slice, all in ``h``'s dtype. Where :func:`_tiles_run`, one tiled launch per slice writes ``d`` straight from the GEMM
-    (no logits pass), else a cuBLAS GEMM and ``logit_grad_from_lse_``."""
-    vocab = weight.shape[0]
-    if _tiles_run(h, h.dtype, backend):
-        h = h.contiguous()
-        out = torch.empty(h.shape[0], min(rows, vocab), dtype=h.dtype, device=h.device)
-        for start, stop, w_slice in _ComputeWeight(weight, h.dtype, rows).slices():
-            d_slice = out[:, : stop - start]
-            _logit_grad_by_tiles(h, w_slice, None if bias is None else bias[start:stop], target, log_sum_exp, start,
-                                 ignore_index, d_slice)
-            yield start, stop, d_slice, w_slice
-        return
-    b = None if bias is None else bias.to(h.dtype)
-    for start, stop, w_slice in _ComputeWeight(weight, h.dtype, rows).slices():
-        d_slice = h @ w_slice.T if b is None else torch.addmm(b[start:stop], h, w_slice.T)
-        logit_grad_from_lse_(d_slice, target, log_sum_exp, col_offset=start, ignore_index=ignore_index,
-                             backend=backend)
-        yield start, stop, d_slice, w_slice
-
-
-# Tile of the GEMM-epilogue kernels (:mod:`torch_dad.kernels.linear_cross_entropy`): 128 tokens x 256
-# vocabulary rows a program, the hidden dim 64 at a time, 8 row blocks a group along the vocabulary.
-TILE: dict[str, int] = {"BLOCK_M": 128, "BLOCK_N": 256, "BLOCK_K": 64, "GROUP_M": 8, "num_warps": 8,
-                        "num_stages": 3}
-
-
-def _tiles_run(hidden: Tensor, dtype: torch.dtype, backend: str) -> bool:
-    """Whether the GEMM-epilogue kernels take a recomputing step: Triton backend, fp16/bf16 compute
-    (the kernels multiply in ``dtype`` with float32 accumulation, as cuBLAS does there)."""
-    return backend in ("auto", "triton") and dtype in HALF_DTYPES and use_triton(hidden, backend)
-
-
-@functools.lru_cache(maxsize=1)
-def _tile_kernels() -> Any:
-    from ..kernels import linear_cross_entropy as kernels  # imports triton: on the first launch only
-
-    return kernels
-
-
-def _log_sum_exp_by_tiles(step: _Step) -> LinearCrossEntropyResult:
-    """``log_sum_exp=True`` alone (no gradient) without logits: one launch reduces every ``(N, V)`` tile to
-    its rows' max ``m_b`` and ``s_b = sum exp(x - m_b)`` over the tile's ``BLOCK_N`` columns, then
-    ``lse = M + log sum_b s_b exp(m_b - M)`` with ``M = max_b m_b``; ``log p = x[y] - lse``."""
-    h = step.hidden.to(step.dtype).contiguous()
-    weight = step.weight.to(step.dtype).contiguous()
-    (n, d), vocab = h.shape, weight.shape[0]
-    blocks = cdiv(vocab, TILE["BLOCK_N"])
-    maxes = torch.empty(blocks, n, dtype=torch.float32, device=h.device)
-    sums = torch.empty_like(maxes)
-    target_logit = torch.zeros(n, dtype=torch.float32, device=h.device)
-    target = step.target.contiguous()
-    if n:
-        tile = dict(TILE)
-        grid = (cdiv(n, tile["BLOCK_M"]) * blocks,)
-        _tile_kernels().lse_partials_kernel[grid](
-            h, weight, weight if step.bias is None else step.bias, target, maxes, sums, target_logit,
-            n, vocab, h.stride(0), weight.stride(0), K=d, HAS_BIAS=step.bias is not None, **tile,
-        )
-    top = maxes.amax(0)
-    lse = (maxes - top).exp_().mul_(sums).sum(0).log_().add_(top)
-    log_probs = torch.where(target != step.ignore_index, target_logit - lse, 0.0)
-    return LinearCrossEntropyResult(
-        loss=-log_probs.sum() * step.scale, grad_weight=None, grad_bias=None, grad_input=None, log_probs=log_probs,
-        entropy=None, is_top1=None, num_valid=step.num_valid, backend="triton", log_sum_exp=lse,
-    )
-
-
-def _logit_grad_by_tiles(h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, log_sum_exp: Tensor,
-                         col_offset: int, ignore_index: int, out: Tensor) -> None:
-    """``out = exp(h @ weight.T + bias - lse[:, None]) - onehot(target - col_offset)`` (0 on ignored rows) in one
-    tiled launch; ``weight`` (in ``h``'s dtype) holds vocabulary rows ``col_offset ..``."""
-    (n, d), width = h.shape, weight.shape[0]
-    if not n or not width:
-        return
-    weight = weight.contiguous()
-    tile = dict(TILE)
-    grid = (cdiv(n, tile["BLOCK_M"]) * cdiv(width, tile["BLOCK_N"]),)
-    _tile_kernels().logit_grad_kernel[grid](
-        h, weight, weight if bias is None else bias, target.contiguous(), log_sum_exp.contiguous(), out,
-        n, width, h.stride(0), weight.stride(0), out.stride(0), col_offset, ignore_index,
-        K=d, HAS_BIAS=bias is not None, **tile,
-    )
 
 
 def _library(step: _Step, name: str) -> LinearCrossEntropyResult:
