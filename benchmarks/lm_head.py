@@ -21,9 +21,9 @@ the head with ``sweep=<order>`` (each row records the ``sweep`` that ran).
 included); ``step_ms`` = median of CUDA-event timed steps after warm-up (p20/p80 too); ``host_ms`` = median host
 time of a step started on an idle GPU (a step with ``host_ms`` near ``step_ms`` is bound by its launches).
 ``loss_30``: every system starts from the same weights and trains ``--loss-steps`` steps over the same 4 cycled
-batches; the loss of the last step. ``--profile`` adds ``kernels_ms``: each system's CUDA kernel time per step by category (GEMMs, cross-entropy,
-AdamW, casts and copies, reductions and fills, other; ``torch.profiler``). Writes ``results/lm_head.json`` (or
-``--out``).
+batches; the loss of the last step. ``--profile`` adds ``kernels_ms``: each system's CUDA kernel time per step by
+category (GEMMs, cross-entropy, AdamW, casts and copies, reductions and fills, other; ``torch.profiler``). Writes
+``results/lm_head.json`` (or ``--out``).
 
     python benchmarks/lm_head.py                 # H200, both shapes
     python benchmarks/lm_head.py --smoke         # CPU, seconds, tiny shapes (CI): the CUDA-only peers are skipped
