@@ -106,6 +106,16 @@ def cuda_step_memory(step: Callable[[], Any]) -> tuple[int, int]:
     return static, torch.cuda.max_memory_allocated()
 
 
+def graph_pool_slack() -> int:
+    """Bytes that CUDA-graph memory pools hold reserved but not allocated right now, on the current device.
+
+    A graph's replays write into its pool's blocks even while the allocator counts them as free, so
+    ``max_memory_allocated`` misses them; a step's true peak is its allocated peak plus this.
+    """
+    return sum(segment["total_size"] - segment["allocated_size"] for segment in torch.cuda.memory_snapshot()
+               if tuple(segment.get("segment_pool_id", (0, 0))) != (0, 0))
+
+
 def backprop_mlp(
     widths: Sequence[int],
     num_classes: int = 10,

@@ -16,10 +16,12 @@ bf16 compute. Systems per shape, each without and with ``dL/dhidden`` (``+dh``, 
 
 ``--sweep`` adds ``dad-fused-<backend>[-c<rows>][-w<rows>][+dh]`` for each available backend, chunk size and
 ``--weight-chunks`` size (first shape only); ``--sweeps tokens vocab recompute`` adds ``dad-fused-<order>[-w<rows>][+dh]``,
-the head with ``sweep=<order>`` (each row records the ``sweep`` that ran).
+the head with ``sweep=<order>`` (each row records the ``sweep`` that ran); ``recompute-graphs`` is ``sweep="recompute"``
+with ``cuda_graphs=True``.
 ``peak_mib`` = ``torch.cuda.max_memory_allocated`` during one step after warm-up (static weights, moments and data
-included); ``step_ms`` = median of CUDA-event timed steps after warm-up (p20/p80 too); ``host_ms`` = median host
-time of a step started on an idle GPU (a step with ``host_ms`` near ``step_ms`` is bound by its launches).
+included) plus ``graph_pool_slack_mib``, the CUDA-graph pools' reserved but unallocated memory (replays write
+there); ``step_ms`` = median of CUDA-event timed steps after warm-up (p20/p80 too); ``host_ms`` = median host time of
+a step started on an idle GPU (a step with ``host_ms`` near ``step_ms`` is bound by its launches).
 ``loss_30``: every system starts from the same weights and trains ``--loss-steps`` steps over the same 4 cycled
 batches; the loss of the last step. ``--profile`` adds ``kernels_ms``: each system's CUDA kernel time per step by
 category (GEMMs, cross-entropy, AdamW, casts and copies, reductions and fills, other; ``torch.profiler``). Writes
@@ -32,6 +34,7 @@ category (GEMMs, cross-entropy, AdamW, casts and copies, reductions and fills, o
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import statistics
 import sys
@@ -42,7 +45,7 @@ from typing import Any
 
 import torch
 
-from _common import cuda_step_memory, environment, write_records
+from _common import cuda_step_memory, environment, graph_pool_slack, write_records
 from torch_dad.nn.lm_head import DADLMHead
 from torch_dad.ops.linear_cross_entropy import resolve_backend
 
@@ -56,9 +59,11 @@ def measure(step: Callable[[], None], device: torch.device, warmup: int, repeats
     """Peak memory of one step after warm-up and the median step time (CUDA events on GPU)."""
     for _ in range(warmup):
         step()
-    peak = base = None
+    peak = base = slack = None
     if device.type == "cuda":
         base, peak = cuda_step_memory(step)
+        slack = graph_pool_slack()
+        peak += slack
     samples = []
     for _ in range(repeats):
         if device.type == "cuda":
@@ -86,6 +91,7 @@ def measure(step: Callable[[], None], device: torch.device, warmup: int, repeats
         "host_ms": statistics.median(host) if host else None,
         "peak_mib": None if peak is None else peak / 2**20,
         "base_mib": None if base is None else base / 2**20,
+        "graph_pool_slack_mib": None if slack is None else slack / 2**20,
         "step_ms": statistics.median(samples),
         "step_ms_p20": _percentile(samples, 0.2),
         "step_ms_p80": _percentile(samples, 0.8),
@@ -180,13 +186,13 @@ def peer_adamw(library: str, data: Data, dtype: torch.dtype, grad_hidden: bool) 
 
 def dad_fused(
     data: Data, dtype: torch.dtype, grad_hidden: bool, backend: str = "auto", chunk: int | None = None,
-    weight_chunk: int | None = None, sweep: str = "auto",
+    weight_chunk: int | None = None, sweep: str = "auto", cuda_graphs: bool = False,
 ) -> tuple[Step, DADLMHead]:
     """One DAD head step: fused loss forward, in-place AdamW in backward; ``y`` is already shifted."""
     vocab, hidden = data.init.shape
     head = DADLMHead(hidden, vocab, lr=1e-3, weight_decay=0.01, backend=backend, chunk_size=chunk,
                      weight_chunk_size=weight_chunk, backprop_gradients=grad_hidden, compute_dtype=dtype,
-                     device=data.h.device, sweep=sweep)
+                     device=data.h.device, sweep=sweep, cuda_graphs=cuda_graphs)
     with torch.no_grad():
         head.weight.copy_(data.init)
     x = _input(data, grad_hidden)
@@ -244,9 +250,11 @@ def systems_for(data: Data, dtype: torch.dtype, device: torch.device, sweep: dic
         systems += [(f"dad-fused-w{w}{tag}", lambda dh=dh, w=w: dad_fused(data, dtype, dh, weight_chunk=w))
                     for w in weight_chunks]
         for order in orders:
-            systems += [(f"dad-fused-{order}{tag}", lambda dh=dh, order=order: dad_fused(data, dtype, dh, sweep=order))]
+            # "recompute-graphs": sweep="recompute" with cuda_graphs=True
+            options = {"sweep": order.removesuffix("-graphs"), "cuda_graphs": order.endswith("-graphs")}
+            systems += [(f"dad-fused-{order}{tag}", lambda dh=dh, options=options: dad_fused(data, dtype, dh, **options))]
             systems += [(f"dad-fused-{order}-w{w}{tag}",
-                         lambda dh=dh, w=w, order=order: dad_fused(data, dtype, dh, weight_chunk=w, sweep=order))
+                         lambda dh=dh, w=w, options=options: dad_fused(data, dtype, dh, weight_chunk=w, **options))
                         for w in weight_chunks]
     for backend, chunks in sweep.items():
         for dh, tag in ((False, ""), (True, "+dh")):
@@ -301,6 +309,7 @@ def run_system(name: str, build: Callable[[], Any], data: Data, device: torch.de
                loss_steps: int, profile: bool = False) -> dict[str, Any]:
     """Time one system, then retrain a fresh copy from the shared weights for the loss-agreement column
     (with ``profile``, also its kernel time by category on CUDA)."""
+    gc.collect()  # the last system's head and graphs (autograd keeps reference cycles) before its memory is counted
     if device.type == "cuda":
         torch.cuda.empty_cache()
     try:
@@ -332,8 +341,9 @@ def main() -> None:
     parser.add_argument("--triton-chunks", type=int, nargs="*", default=[512, 1024, 2048])
     parser.add_argument("--weight-chunks", type=int, nargs="*", default=[],
                         help="also the DAD head with weight_chunk_size=ROWS (no V x D copy in the compute dtype)")
-    parser.add_argument("--sweeps", nargs="*", default=[], choices=["tokens", "vocab", "recompute"],
-                        help="also the DAD head with sweep=ORDER (the default is 'auto')")
+    parser.add_argument("--sweeps", nargs="*", default=[], choices=["tokens", "vocab", "recompute", "recompute-graphs"],
+                        help="also the DAD head with sweep=ORDER (the default is 'auto'; 'recompute-graphs': "
+                        "sweep='recompute', cuda_graphs=True)")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default results/lm_head.json)")
     parser.add_argument("--plot", type=Path, default=None,
                         help="only draw RESULTS.json's step time against peak memory into RESULTS.png")

@@ -579,6 +579,22 @@ def test_vocab_slice_backward_is_the_oracle_gradient(compute, tol, bias, slice_r
             assert rel(gb, ref.grad_bias) <= tol
 
 
+@pytest.mark.parametrize("compute, tol", [(torch.float64, 1e-10), (torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("slice_rows", [None, 1, 40, 500])
+def test_log_sum_exp_pass_over_vocabulary_slices_is_the_oracle(compute, tol, bias, slice_rows):
+    # log_sum_exp alone walks weight slices: each row's lse merged over the slices, each target's logit
+    # taken from the slice it falls in (uneven slices, ignored rows, bias)
+    h, w, b, y = make(37, 23, 101, torch.float32, bias, seed=21)
+    res = linear_cross_entropy(h.to(compute), w, y, b, reduction="sum", grad_weight=False, grad_input=False,
+                               log_sum_exp=True, backend="torch", compute_dtype=compute, weight_chunk_size=slice_rows)
+    ref, _, tok, _, _ = reference(h, w, b, y)
+    assert res.grad_weight is None and res.grad_input is None and res.grad_logits is None
+    assert rel(res.log_sum_exp, torch.logsumexp(ref.logits, 1)) <= tol
+    assert rel(res.log_probs, tok) <= tol and not res.log_probs[y == -100].any()
+    assert abs(float(res.loss) / res.num_valid - float(ref.loss)) <= tol * abs(float(ref.loss))
+
+
 def test_vocab_slice_backward_reads_each_slice_before_its_update():
     # on_slice changes W[s] in place at once: dL/dh must still be that of the weights before the step
     h, w, _, y = make(29, 11, 53, torch.float64, seed=17)
@@ -681,3 +697,45 @@ def test_head_auto_sweep_keeps_tokens_off_triton():
 def test_head_bad_sweep(kwargs, match):
     with pytest.raises(ValueError, match=match):
         DADLMHead(12, 41, **kwargs)
+
+
+@pytest.mark.parametrize("kwargs,exc,match", [({"cuda_graphs": "yes"}, TypeError, "cuda_graphs"),
+                                              ({"cuda_graphs": True, "sweep": "vocab"}, ValueError, "sweep='recompute'"),
+                                              ({"cuda_graphs": True, "sweep": "tokens"}, ValueError, "cuda_graphs=False")])
+def test_head_bad_cuda_graphs(kwargs, exc, match):
+    with pytest.raises(exc, match=match):
+        DADLMHead(12, 41, **kwargs)
+
+
+def test_head_cuda_graphs_off_cuda_run_eagerly_and_copy():
+    """On a CPU ``cuda_graphs=True`` changes nothing; a head with it deep-copies and pickles (without graphs)."""
+    import copy
+    import pickle
+
+    heads = [DADLMHead(12, 41, sweep="recompute", cuda_graphs=graphs, backprop_gradients=True, dtype=torch.float64)
+             for graphs in (False, True)]
+    heads[1].load_state_dict(heads[0].state_dict())
+    for step in range(3):
+        hidden, labels = lm_batch(seed=step)
+        grads = []
+        for head in heads:
+            x = hidden.clone().requires_grad_(True)
+            head.fused_loss(x, labels).loss.backward()
+            grads.append(x.grad)
+        assert torch.equal(grads[0], grads[1])
+    assert torch.equal(heads[0].weight, heads[1].weight) and heads[1].num_cuda_graphs == 0
+    for clone in (copy.deepcopy(heads[1]), pickle.loads(pickle.dumps(heads[1]))):
+        assert clone.cuda_graphs and clone.num_cuda_graphs == 0 and torch.equal(clone.weight, heads[1].weight)
+
+
+def test_sgd_reads_a_tensor_lr_like_a_float():
+    from torch_dad.optim import sgd_
+
+    g = torch.Generator().manual_seed(0)
+    p, grad = torch.randn(5, 3, generator=g), torch.randn(5, 3, generator=g)
+    results = []
+    for lr in (0.1, torch.tensor(0.1)):
+        q, m = p.clone(), torch.zeros_like(p)
+        sgd_([q], [grad], [m], torch.zeros(()), lr=lr, momentum=0.9, weight_decay=0.01)
+        results.append(q)
+    assert torch.allclose(results[0], results[1], rtol=1e-6, atol=1e-7)

@@ -135,13 +135,14 @@ def sgd_(
     (``step`` counts the steps; incremented unless ``advance_step`` is False)."""
     if advance_step:
         step.add_(1)
-    if isinstance(lr, Tensor):
-        lr = float(lr)
     for p, g, m in zip(params, grads, momentum_buffers):
         if weight_decay:
             p.mul_(1 - lr * weight_decay)
         m.mul_(momentum).add_(g.to(p.dtype))
-        p.add_(m, alpha=-lr)
+        if isinstance(lr, Tensor):  # read on the device: no host sync, and a CUDA graph replays the current lr
+            p.addcmul_(m, lr, value=-1)
+        else:
+            p.add_(m, alpha=-lr)
 
 
 class LocalOptimizerState(torch.nn.Module):

@@ -27,6 +27,7 @@ from ..ops.linear_cross_entropy import (
     vocab_slice_backward,
 )
 from ..optim import OptimizerConfig
+from ._lm_head_graphs import RecomputeGraphs
 from ._local import LocalLayer, check_update
 
 __all__ = ["SWEEPS", "DADLMHead", "LMHeadOutput", "linear_cross_entropy"]
@@ -66,8 +67,8 @@ class _DADLMHeadFunction(torch.autograd.Function):
     """``log p(y_t)`` per valid token; backward = the head's update (+ ``dL/dhidden`` if asked).
 
     ``apply(hidden, weight, bias, head, target, token_stats)`` with ``hidden`` (n, D) holding only
-    valid rows. Forward runs the fused step once (loss, summed ``dW``, per-row ``dh``) and keeps the
-    gradients on ``ctx``; backward scales them by the incoming per-token gradient.
+    valid rows. Forward runs the fused step once (loss, summed ``dW``, per-row ``dh``, or what the vocabulary
+    sweeps keep) and keeps it on ``ctx``; backward scales the gradients by the incoming per-token gradient.
     """
 
     @staticmethod
@@ -78,23 +79,38 @@ class _DADLMHeadFunction(torch.autograd.Function):
         want_gi = bool(ctx.needs_input_grad[0]) and head.backprop_gradients
         sweep = head._sweep_for(hidden, want_gi, token_stats)
         dtype = head._compute_dtype(hidden) or torch.promote_types(hidden.dtype, weight.dtype)
-        tokens = sweep == "tokens"
-        res = linear_cross_entropy(
-            hidden, weight, target, bias, ignore_index=head.ignore_index, reduction="sum",
-            grad_weight=head._trains() and tokens, grad_input=want_gi and tokens, grad_logits=sweep == "vocab",
-            log_sum_exp=sweep == "recompute", token_stats=token_stats, chunk_size=head.chunk_size,
-            weight_chunk_size=head.weight_chunk_size, backend=head.backend, compute_dtype=dtype,
-            num_valid=target.numel(),
-        )
-        ctx.head, ctx.res, ctx.used, ctx.want_gi = head, res, False, want_gi
-        # what the vocabulary sweeps read again in backward
-        ctx.sliced = None if tokens else (hidden.to(dtype), target)
+        ctx.head, ctx.used, ctx.want_gi, ctx.graphed, ctx.graph_key = head, False, want_gi, None, None
+
+        def run(rows: Tensor, ids: Tensor) -> LinearCrossEntropyResult:
+            tokens = sweep == "tokens"
+            return linear_cross_entropy(
+                rows, weight, ids, bias, ignore_index=head.ignore_index, reduction="sum",
+                grad_weight=head._trains() and tokens, grad_input=want_gi and tokens, grad_logits=sweep == "vocab",
+                log_sum_exp=sweep == "recompute", token_stats=token_stats, chunk_size=head.chunk_size,
+                weight_chunk_size=head.weight_chunk_size, backend=head.backend, compute_dtype=dtype,
+                num_valid=ids.numel(),
+            )
+
+        if sweep == "recompute" and head.cuda_graphs and hidden.is_cuda and hidden.shape[0]:
+            ctx.graph_key = head._graph_key(hidden, dtype, want_gi, token_stats)
+            ctx.graphed = head._graphs.forward(ctx.graph_key, hidden, target, dtype, run)
+        if ctx.graphed is not None:
+            step = ctx.graphed[0]
+            res = step.outputs
+            ctx.sliced = (step.hidden, step.target)
+            # the graph's buffers are overwritten by its next replay: autograd gets copies
+            log_probs, entropy, top1 = (None if t is None else t.clone() for t in (res.log_probs, res.entropy,
+                                                                                    res.is_top1))
+        else:
+            res = run(hidden, target)
+            # what the vocabulary sweeps read again in backward
+            ctx.sliced = None if sweep == "tokens" else (hidden.to(dtype), target)
+            log_probs, entropy, top1 = res.log_probs, res.entropy, res.is_top1
+        ctx.res = res
         head.last_backend, head.last_sweep = res.backend, sweep
-        log_probs = res.log_probs
         assert log_probs is not None
-        entropy = res.entropy if res.entropy is not None else torch.zeros_like(log_probs)
-        top1 = res.is_top1 if res.is_top1 is not None else torch.zeros(log_probs.shape, dtype=torch.bool,
-                                                                         device=log_probs.device)
+        entropy = entropy if entropy is not None else torch.zeros_like(log_probs)
+        top1 = top1 if top1 is not None else torch.zeros(log_probs.shape, dtype=torch.bool, device=log_probs.device)
         ctx.mark_non_differentiable(entropy, top1)
         return log_probs, entropy.to(log_probs.dtype), top1
 
@@ -109,9 +125,8 @@ class _DADLMHeadFunction(torch.autograd.Function):
             )
         ctx.used = True
         if ctx.sliced is not None:
-            hidden, target = ctx.sliced
-            grad_hidden = _vocab_sweep_backward(head, res, hidden, target, grad_log_probs, ctx.want_gi)
-            ctx.res = ctx.sliced = None
+            grad_hidden = _vocab_sweep_backward(head, ctx, grad_log_probs)
+            ctx.res = ctx.sliced = ctx.graphed = None
             return grad_hidden, None, None, None, None, None
         grad_hidden = None
         if res.grad_input is not None:
@@ -129,28 +144,44 @@ class _DADLMHeadFunction(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None, None
 
 
-def _vocab_sweep_backward(head: DADLMHead, res: LinearCrossEntropyResult, hidden: Tensor, target: Tensor,
-                          grad_log_probs: Tensor, want_gi: bool) -> Tensor | None:
-    """The backward of ``sweep="vocab"`` / ``"recompute"`` (``hidden`` in the compute dtype): each vocabulary
-    slice's weight gradient (mean CE over the batch's tokens, as ``update="inplace"`` always uses) is applied
-    as soon as it is final; returns ``dL/dhidden`` (pre-update weights) scaled by the incoming per-token
-    gradient, or ``None``."""
+def _slice_sweep(head: DADLMHead, res: LinearCrossEntropyResult, hidden: Tensor, target: Tensor, want_gi: bool,
+                 lr: Tensor | None = None) -> Tensor | None:
+    """The weight updates of ``sweep="vocab"`` / ``"recompute"`` (``hidden`` in the compute dtype): each vocabulary
+    slice's gradient (mean CE over the batch's tokens, as ``update="inplace"`` always uses) is applied as soon as it
+    is final, with ``lr`` (default ``config.lr``). Returns ``-d sum_t log p_t / dh`` (pre-update weights, float32),
+    or ``None``."""
     if not res.num_valid:
         return None
 
     def on_slice(start: int, stop: int, grad_weight: Tensor, grad_bias: Tensor | None) -> None:
         grads = [grad_weight] if grad_bias is None else [grad_weight, grad_bias]
-        head._local_update_rows(start, stop, grads, first=start == 0)
+        head._local_update_rows(start, stop, grads, first=start == 0, lr=lr)
 
-    grad_hidden = vocab_slice_backward(
+    return vocab_slice_backward(
         hidden, head.weight.detach(), on_slice, grad_logits=res.grad_logits, log_sum_exp=res.log_sum_exp,
         target=target, bias=None if head.bias is None else head.bias.detach(), ignore_index=head.ignore_index,
         grad_input=want_gi, weight_scale=1.0 / res.num_valid, slice_rows=head.weight_chunk_size, backend=res.backend,
     )
+
+
+def _vocab_sweep_backward(head: DADLMHead, ctx: Any, grad_log_probs: Tensor) -> Tensor | None:
+    """The backward of the vocabulary sweeps, eager or replayed from the head's graphs: the updates of
+    :func:`_slice_sweep`, then ``dL/dhidden`` scaled by the incoming per-token gradient, or ``None``."""
+    hidden, target = ctx.sliced
+    if ctx.graphed is not None:
+        step = ctx.graphed[0]
+        grad_hidden = head._graphs.backward(step, head.config.lr,
+                                            lambda s: _slice_sweep(head, s.outputs, s.hidden, s.target, ctx.want_gi,
+                                                                   lr=s.lr))
+    else:
+        grad_hidden = _slice_sweep(head, ctx.res, hidden, target, ctx.want_gi)
+        if ctx.graph_key is not None:
+            head._graphs.mark_warm(ctx.graph_key)
     if grad_hidden is None:
         return None
-    # d log p_t / d h_t = -(p_t - onehot_t) @ W (summed reduction)
-    return grad_hidden.mul_((-grad_log_probs).to(grad_hidden.dtype).unsqueeze(1)).to(hidden.dtype)
+    # d log p_t / d h_t = -(p_t - onehot_t) @ W (summed reduction); a graph's buffer is copied out
+    grad_hidden = grad_hidden.mul_((-grad_log_probs).to(grad_hidden.dtype).unsqueeze(1))
+    return grad_hidden.to(hidden.dtype, copy=ctx.graphed is not None)
 
 
 def _check_sweep(sweep: object, update: str, backend: str) -> str:
@@ -203,6 +234,7 @@ class DADLMHead(LocalLayer):
         weight_chunk_size: int | None = None,
         backend: str = "auto",
         sweep: str = "auto",
+        cuda_graphs: bool = False,
         compute_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -215,6 +247,11 @@ class DADLMHead(LocalLayer):
         self.ignore_index = check_int("ignore_index", ignore_index)
         self.backend = check_choice("backend", backend, BACKENDS)
         self.sweep = _check_sweep(sweep, update, backend)
+        self.cuda_graphs = check_bool("cuda_graphs", cuda_graphs)
+        if cuda_graphs and sweep not in ("auto", "recompute"):
+            raise ValueError(f"cuda_graphs=True captures the recomputing sweep, not sweep={sweep!r}; pass "
+                             "sweep='recompute', or cuda_graphs=False")
+        self._graphs = RecomputeGraphs()
         for name, value in (("chunk_size", chunk_size), ("weight_chunk_size", weight_chunk_size)):
             if value is not None:
                 check_positive_int(name, value)
@@ -237,7 +274,7 @@ class DADLMHead(LocalLayer):
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, vocab_size={self.vocab_size}, bias={self.bias is not None}, "
                 f"update={self.update!r}, backprop_gradients={self.backprop_gradients}, backend={self.backend!r}, "
-                f"sweep={self.sweep!r}")
+                f"sweep={self.sweep!r}, cuda_graphs={self.cuda_graphs}")
 
     @property
     def out_features(self) -> int:
@@ -260,6 +297,20 @@ class DADLMHead(LocalLayer):
                                   grad_input=want_gi, dtype=dtype)
         itemsize = torch.empty((), dtype=dtype).element_size()
         return "vocab" if backend == "triton" and hidden.shape[0] * itemsize <= 4 * self.in_features else "tokens"
+
+    @property
+    def num_cuda_graphs(self) -> int:
+        """CUDA graphs captured and kept by ``cuda_graphs=True`` (a forward and a backward per token count)."""
+        return self._graphs.num_graphs
+
+    def _graph_key(self, hidden: Tensor, dtype: torch.dtype, want_gi: bool, token_stats: bool) -> tuple[Any, ...]:
+        """What a captured step depends on: input layout, options, and the addresses the graphs read and write
+        (a moved or reassigned weight or optimizer state gets new graphs)."""
+        state = [self.weight, self.bias, *([] if self.optim_state is None else self.optim_state.buffers())]
+        config = self.config
+        return (tuple(hidden.shape), hidden.dtype, hidden.device, dtype, want_gi, token_stats, self.chunk_size,
+                self.weight_chunk_size, self.backend, self.ignore_index, config.name, config.betas, config.eps,
+                config.weight_decay, tuple(None if t is None else t.data_ptr() for t in state))
 
     def _compute_dtype(self, hidden: Tensor) -> torch.dtype | None:
         """``compute_dtype``, else the autocast dtype, else bf16/fp16 if ``hidden`` is (mixed precision

@@ -349,10 +349,12 @@ def linear_cross_entropy(
     ``"triton"``; ``grad_weight``/``grad_input`` must be False): return ``dL/dlogits`` of all rows
     (one chunk, the weight cast :func:`default_slice_rows` rows at a time unless ``weight_chunk_size``
     says otherwise) for :func:`vocab_slice_backward`. ``log_sum_exp`` (``"torch"`` and ``"triton"``):
-    also return each row's log-sum-exp, for :func:`vocab_slice_backward` to recompute ``d`` from; the
-    default chunk then holds no more logits than ``3 * D`` bytes a row (``hidden`` D), so that with the
-    weight's compute-dtype copy this pass stays under the float32 V x D gradient plus that copy, what the
-    one-pass order holds. Runs without autograd; the inputs are not modified.
+    also return each row's log-sum-exp, for :func:`vocab_slice_backward` to recompute ``d`` from. Asked
+    for alone (no gradient, no ``token_stats``) the pass walks vocabulary slices of ``weight_chunk_size``
+    rows (default :func:`default_slice_rows`) over all tokens: one slice's logits at a time and no V x D
+    copy of the weight. Otherwise the default chunk holds no more logits than ``3 * D`` bytes a row
+    (``hidden`` D), so that with the weight's compute-dtype copy this pass stays under the float32 V x D
+    gradient plus that copy, what the one-pass order holds. Runs without autograd; the inputs are not modified.
     """
     _check_hidden_weight(hidden, weight, bias)
     _check_options(reduction, chunk_size, compute_dtype, weight_chunk_size)
@@ -383,6 +385,8 @@ def linear_cross_entropy(
     step = _Step(hidden, weight, target, bias, ignore_index, scale, grad_weight, grad_input, grad_logits, log_sum_exp,
                  token_stats, dtype, num_valid)
     with torch.no_grad(), torch.autocast(hidden.device.type, enabled=False):
+        if log_sum_exp and not (grad_weight or grad_input or grad_logits or token_stats):
+            return _sliced_log_sum_exp(step, name, weight_chunk_size)
         if name == "torch":
             return _chunked(step, "torch", chunk_size, weight_chunk_size)
         try:
@@ -559,6 +563,46 @@ def _chunked(step: _Step, backend: str, chunk_size: int | None,
     )
 
 
+def _sliced_log_sum_exp(step: _Step, backend: str, slice_rows: int | None) -> LinearCrossEntropyResult:
+    """``log_sum_exp=True`` alone, over vocabulary slices of all rows at once: per slice ``s`` the row kernel
+    takes ``logsumexp(h @ W[s].T + b[s])`` of every row; ``lse`` = the ``logsumexp`` over slices, and
+    ``log p(y) = (h . W[y] + b[y]) - lse``, each target's logit from its own weight row. One slice's logits exist
+    at a time (:func:`default_slice_rows`, the slices :func:`vocab_slice_backward` recomputes) and no V x D copy
+    of the weight: token chunks would hold a chunk of every vocabulary row plus that copy."""
+    dtype, target, ignore = step.dtype, step.target, step.ignore_index
+    (n, d), acc = step.hidden.shape, torch.promote_types(step.dtype, torch.float32)
+    h = step.hidden if step.hidden.dtype == dtype else step.hidden.to(dtype)
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    w = _ComputeWeight(step.weight, dtype, slice_rows or default_slice_rows(d, n, itemsize))
+    b = None if step.bias is None else step.bias.to(dtype)
+    valid = target != ignore
+    ids = torch.where(valid, target, 0)
+    # the target logit as the GEMM gives it: compute-dtype operands, a wider sum, rounded to the compute dtype;
+    # the gathered weight rows in chunks no larger than a slice's logits
+    target_logit = torch.empty(n, dtype=dtype, device=h.device)
+    rows = max(1, n * w.slice_rows // (d * (step.weight.element_size() + itemsize)))
+    for r in range(0, n, rows):
+        gathered = step.weight.index_select(0, ids[r:r + rows]).to(dtype)
+        torch.bmm(h[r:r + rows].unsqueeze(1), gathered.unsqueeze(2), out=target_logit[r:r + rows].view(-1, 1, 1))
+    if b is not None:
+        target_logit += b.index_select(0, ids)
+    # every row "ignored": the kernel writes each row's log-sum-exp and nothing else of use
+    unscored, scratch = torch.full_like(target, ignore), torch.empty(n, dtype=acc, device=h.device)
+    slice_lse = torch.empty(-(-w.weight.shape[0] // w.slice_rows), n, dtype=acc, device=h.device)
+    for k, (start, stop, w_slice) in enumerate(w.slices()):
+        logits = h @ w_slice.T if b is None else torch.addmm(b[start:stop], h, w_slice.T)
+        cross_entropy_rows_(logits, unscored, scratch, ignore_index=ignore, scale=1.0, write_grad=False,
+                            lse=slice_lse[k], backend="auto" if backend == "triton" else "torch")
+        del logits
+    lse = torch.logsumexp(slice_lse, dim=0)
+    log_probs = torch.where(valid, target_logit.to(acc) - lse, 0.0)
+    loss = -log_probs.sum() * step.scale
+    return LinearCrossEntropyResult(
+        loss=loss, grad_weight=None, grad_bias=None, grad_input=None, log_probs=log_probs, entropy=None,
+        is_top1=None, num_valid=step.num_valid, backend=backend, log_sum_exp=lse,
+    )
+
+
 def _chunk_gradients(sums: _ChunkSums, grad_logits: Tensor, h: Tensor, w: _ComputeWeight, start: int,
                      stop: int) -> None:
     """One chunk's share: ``dW += d_c.T @ h_c``, ``db += d_c.sum(0)``, ``dh_c = d_c @ W``."""
@@ -628,6 +672,8 @@ def vocab_slice_backward(
             _accumulate_mm(gw, d_slice.T, h, first=True, alpha=weight_scale)
             gb = None if bias is None else d_slice.sum(0, dtype=acc).mul_(weight_scale)
             on_slice(start, stop, gw, gb)
+            # a recomputed slice is freed before the next one is made: else two would be alive at once
+            del d_slice
     return grad_hidden
 
 

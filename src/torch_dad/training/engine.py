@@ -32,9 +32,7 @@ the fp32 summation order of the atomically added gradients.
 
 from __future__ import annotations
 
-import gc
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Any, NamedTuple, cast
 
@@ -46,6 +44,7 @@ from ..kernels import triton_available
 from ..nn._local import LocalLayer
 from ..nn.linear import DADLinear, DADModel
 from ..ops.adamw import adamw_with_shadow_
+from ..ops.cuda_graphs import no_garbage_collection
 from ..ops.dropout import counter_dropout
 from ..ops.gram import gram_update_, mm_fp32
 from ..ops.local_error import FUSED_ACTIVATIONS, LocalError, local_error
@@ -359,24 +358,11 @@ class FusedStep:
         static = Batch(static_x, static_y, batch.lr, batch.compute_dtype)
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        with _no_garbage_collection(), torch.cuda.graph(graph, pool=self._pool, stream=capture_stream):
+        with no_garbage_collection(), torch.cuda.graph(graph, pool=self._pool, stream=capture_stream):
             out = _Run(self, static, settings, overlap=self.options.overlap).train()
         entry = (graph, static_x, static_y, *out)
         self._graphs[key] = entry
         return entry
-
-
-@contextmanager
-def _no_garbage_collection() -> Iterator[None]:
-    """No collection during capture: collecting an unreachable trainer's graph resets a CUDAGraph
-    mid-capture, which invalidates this capture ("operation not permitted when stream is
-    capturing"), seen after several trainers were built in one process."""
-    gc.collect()
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
 
 
 class _Dropout(NamedTuple):

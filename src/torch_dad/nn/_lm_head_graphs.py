@@ -1,0 +1,128 @@
+"""CUDA graphs of :class:`~torch_dad.nn.lm_head.DADLMHead`'s recomputing sweep (``cuda_graphs=True``).
+
+Eager, ``sweep="recompute"`` issues a GEMM and a softmax kernel per token chunk in forward and a cast, two or
+three GEMMs, a softmax kernel and an AdamW kernel per vocabulary slice in backward. At a small head (the SmolLM2
+head's 49152 x 576) the host takes longer to issue them than the GPU to run them. Here each direction is captured
+once per input signature and then replayed with one launch.
+
+Per signature (the caller's key: token count, dtypes, options, addresses of the weight and optimizer state):
+
+- the first step runs eagerly: it compiles the Triton kernels and warms cuBLAS, and its backward marks the
+  signature warm (:meth:`RecomputeGraphs.mark_warm`);
+- the next forward is captured, then the next backward, into graphs that share one memory pool (the backward's
+  buffers reuse the forward's);
+- from then on both replay. Inputs are copied into the graphs' buffers; what autograd receives is copied out.
+
+A forward while an earlier graphed forward still awaits its backward runs eagerly: the buffers are taken.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from ..ops.cuda_graphs import capture
+
+#: signatures remembered as warm before the set is cleared (token counts that vary every step never capture)
+MAX_WARM = 64
+
+
+class Pending:
+    """Held by a graphed forward's autograd context: while it lives, the graphs' buffers hold that step."""
+
+
+@dataclass
+class GraphedStep:
+    """One signature's graphs and their buffers: inputs ``hidden`` (compute dtype), ``target``, ``lr`` (0-dim
+    float32, read by the AdamW kernel); ``outputs`` of the forward run; ``grad_hidden`` of the backward run."""
+
+    hidden: Tensor
+    target: Tensor
+    lr: Tensor
+    forward: torch.cuda.CUDAGraph
+    outputs: Any
+    backward: torch.cuda.CUDAGraph | None = None
+    grad_hidden: Tensor | None = None
+
+
+class RecomputeGraphs:
+    """Forward and backward graphs of one head, keyed by signature, at most ``max_signatures`` (oldest dropped)."""
+
+    def __init__(self, max_signatures: int = 4) -> None:
+        self.max_signatures = max_signatures
+        self._pool: Any = None
+        self._steps: OrderedDict[Hashable, GraphedStep] = OrderedDict()
+        self._warm: set[Hashable] = set()
+        self._pending: weakref.ref[Pending] | None = None
+
+    def __reduce__(self) -> tuple[type, tuple[int]]:
+        # graphs belong to one process and device: a copied or pickled head starts without any
+        return (RecomputeGraphs, (self.max_signatures,))
+
+    @property
+    def num_graphs(self) -> int:
+        """Graphs captured and kept (a forward and a backward count as two)."""
+        return sum(1 + (step.backward is not None) for step in self._steps.values())
+
+    def busy(self) -> bool:
+        """Whether a graphed forward still awaits its backward."""
+        return self._pending is not None and self._pending() is not None
+
+    def mark_warm(self, key: Hashable) -> None:
+        """An eager step of ``key`` ran forward and backward: the next one may be captured."""
+        if len(self._warm) >= MAX_WARM:
+            self._warm.clear()
+        self._warm.add(key)
+
+    def forward(self, key: Hashable, hidden: Tensor, target: Tensor, dtype: torch.dtype,
+                run: Callable[[Tensor, Tensor], Any]) -> tuple[GraphedStep, Pending] | None:
+        """Replay (capturing first if needed) ``run(hidden.to(dtype), target)``; ``None`` where the step must run
+        eagerly (``key`` not warm yet, or the buffers are taken). Keep the returned :class:`Pending` until the
+        backward: it marks the buffers taken."""
+        if key not in self._warm or self.busy():
+            return None
+        step = self._steps.get(key)
+        if step is None:
+            step = self._capture_forward(key, hidden, target, dtype, run)
+        step.hidden.copy_(hidden)
+        step.target.copy_(target)
+        step.forward.replay()
+        pending = Pending()
+        self._pending = weakref.ref(pending)
+        return step, pending
+
+    def backward(self, step: GraphedStep, lr: float, run: Callable[[GraphedStep], Tensor | None]) -> Tensor | None:
+        """Replay (capturing first if needed) ``run(step)``, the backward of the forward ``step`` just replayed, with
+        ``lr`` in ``step.lr``; returns ``step.grad_hidden`` (the graph's buffer: overwritten by the next replay)."""
+        step.lr.fill_(lr)
+        if step.backward is None:
+            with torch.cuda.device(step.hidden.device):
+                step.backward, step.grad_hidden = capture(lambda: run(step), self._pool_for(step.hidden.device))
+        step.backward.replay()
+        self._pending = None
+        return step.grad_hidden
+
+    def _pool_for(self, device: torch.device) -> Any:
+        if self._pool is None:
+            with torch.cuda.device(device):
+                self._pool = torch.cuda.graph_pool_handle()
+        return self._pool
+
+    def _capture_forward(self, key: Hashable, hidden: Tensor, target: Tensor, dtype: torch.dtype,
+                         run: Callable[[Tensor, Tensor], Any]) -> GraphedStep:
+        if len(self._steps) >= self.max_signatures:
+            self._steps.popitem(last=False)
+        static_hidden = torch.empty(hidden.shape, dtype=dtype, device=hidden.device)
+        static_target = torch.empty_like(target)
+        lr = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        with torch.cuda.device(hidden.device):
+            graph, outputs = capture(lambda: run(static_hidden, static_target), self._pool_for(hidden.device))
+        step = GraphedStep(static_hidden, static_target, lr, graph, outputs)
+        self._steps[key] = step
+        return step

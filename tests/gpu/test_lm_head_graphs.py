@@ -1,0 +1,119 @@
+"""``DADLMHead(cuda_graphs=True)``: the recomputing sweep replayed from CUDA graphs, against float64 and eager."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as TF
+
+from torch_dad import functional
+from torch_dad.nn.lm_head import DADLMHead
+from torch_dad.optim import OptimizerConfig
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+def rel(a, b):
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-30))
+
+
+def case(n, d, v, seed):
+    """Hidden states and targets; the same 20% of positions ignored for every seed, so that every batch of
+    ``n`` positions scores the same number of tokens (the graphs are kept per scored-token count)."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, d, generator=g, dtype=torch.float64)
+    y = torch.randint(0, v, (n,), generator=g)
+    y[torch.rand(n, generator=torch.Generator().manual_seed(n)) < 0.2] = -100
+    return h, y
+
+
+def head_pair(d, v, **kwargs):
+    """An eager and a graphed head with the same weights."""
+    eager = DADLMHead(d, v, device="cuda", sweep="recompute", **kwargs)
+    graphed = DADLMHead(d, v, device="cuda", sweep="recompute", cuda_graphs=True, **kwargs)
+    graphed.load_state_dict(eager.state_dict())
+    return eager, graphed
+
+
+def step(head, h, y, **kwargs):
+    x = h.clone().requires_grad_(head.backprop_gradients)
+    out = head.fused_loss(x, y, shift=False, **kwargs)
+    out.loss.backward()
+    return out.loss.detach(), x.grad
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+@pytest.mark.parametrize("shape", [(509, 96, 5003), (4097, 576, 49152)])
+def test_every_graphed_step_applies_the_float64_gradient(dtype, tol, shape):
+    # plain SGD with a large lr: the update is -lr * dL/dW, compared with float64 at each step, the
+    # eager first, the captured second and the replayed third and fourth
+    n, d, v = shape
+    head = DADLMHead(d, v, device="cuda", sweep="recompute", cuda_graphs=True, compute_dtype=dtype,
+                     backprop_gradients=True, weight_chunk_size=1000)
+    head.config = OptimizerConfig(name="sgd", lr=100.0, momentum=0.0, weight_decay=0.0)
+    w = head.weight.detach().double().clone()
+    for seed in range(4):
+        h, y = case(n, d, v, seed)
+        with torch.no_grad():
+            head.weight.copy_(w)  # in place: the graphs keep their addresses
+        ref = functional.head_loss_and_gradients(h.cuda(), w.cuda(), None, y.cuda())
+        hh = h.cuda().requires_grad_(True)
+        (ref_dh,) = torch.autograd.grad(TF.cross_entropy(TF.linear(hh, w.cuda()), y.cuda()), hh)
+        loss, dh = step(head, h.float().cuda(), y.cuda())
+        assert head.last_sweep == "recompute"
+        assert rel(head.weight.detach().double() - w.cuda(), -100.0 * ref.grad_weight) <= tol
+        assert rel(dh, ref_dh) <= tol
+        assert abs(float(loss) - float(ref.loss)) <= tol * abs(float(ref.loss))
+        assert head.num_cuda_graphs == (0, 2, 2, 2)[seed]  # both captured at step 2, replayed from then on
+
+
+@pytest.mark.parametrize("backprop_gradients", [False, True])
+def test_graphed_adamw_steps_equal_eager_ones(backprop_gradients):
+    eager, graphed = head_pair(96, 5003, lr=1e-2, weight_decay=0.1, compute_dtype=torch.bfloat16,
+                               backprop_gradients=backprop_gradients, weight_chunk_size=777)
+    for seed in range(6):
+        h, y = case(600, 96, 5003, seed)
+        if seed == 4:  # a new lr reaches the replayed graph
+            eager.config.lr = graphed.config.lr = 3e-3
+        le, dhe = step(eager, h.float().cuda(), y.cuda())
+        lg, dhg = step(graphed, h.float().cuda(), y.cuda())
+        assert rel(lg, le) <= 1e-6
+        if backprop_gradients:
+            assert dhg.dtype == dhe.dtype and rel(dhg, dhe) <= 1e-3  # bf16 dL/dh
+        else:
+            assert dhg is None and dhe is None
+        for name, tensor in eager.state_dict().items():
+            assert rel(graphed.state_dict()[name], tensor) <= 1e-6, name
+    assert graphed.num_cuda_graphs == 2 and eager.num_cuda_graphs == 0
+
+
+def test_two_forwards_before_one_backward_fall_back_to_eager():
+    # the second forward finds the graphs' buffers taken by the first and runs eagerly
+    eager, graphed = head_pair(64, 3001, lr=1e-2, compute_dtype=torch.bfloat16, backprop_gradients=True)
+    batches = [case(300, 64, 3001, seed) for seed in range(4)]
+    for head in (eager, graphed):
+        for h, y in batches[:2]:  # warm-up and capture
+            step(head, h.float().cuda(), y.cuda())
+        xs = [h.float().cuda().requires_grad_(True) for h, _ in batches[2:]]
+        losses = [head.fused_loss(x, y.cuda(), shift=False).loss for x, (_, y) in zip(xs, batches[2:])]
+        (losses[0] + losses[1]).backward()
+        head.grads = [x.grad for x in xs]
+    for a, b in zip(graphed.grads, eager.grads):
+        assert rel(a, b) <= 1e-3
+    assert rel(graphed.weight, eager.weight) <= 1e-6 and float(graphed.optim_state.step) == 4.0
+
+
+def test_each_token_count_gets_its_graphs_and_copies_start_without():
+    head = DADLMHead(64, 3001, device="cuda", sweep="recompute", cuda_graphs=True, compute_dtype=torch.bfloat16)
+    for n in (100, 100, 100, 37, 37, 100):
+        h, y = case(n, 64, 3001, n)
+        step(head, h.float().cuda(), y.cuda())
+    assert head.num_cuda_graphs == 4
+    clone = copy.deepcopy(head)
+    assert clone.num_cuda_graphs == 0 and torch.equal(clone.weight, head.weight)
+    h, y = case(100, 64, 3001, 1)
+    step(clone, h.float().cuda(), y.cuda())  # the copy's own weight: its first step runs eagerly
+    assert clone.num_cuda_graphs == 0 and not torch.equal(clone.weight, head.weight)
