@@ -311,6 +311,11 @@ def run_system(name: str, build: Callable[[], Any], data: Data, device: torch.de
     (with ``profile``, also its kernel time by category on CUDA)."""
     gc.collect()  # the last system's head and graphs (autograd keeps reference cycles) before its memory is counted
     if device.type == "cuda":
+        # cuBLAS keeps a workspace per stream for the process; a graph capture's stream gets its own (64 MiB on
+        # the H200), which would otherwise count in the static memory of every later system
+        clear_workspaces = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear_workspaces is not None:
+            clear_workspaces()
         torch.cuda.empty_cache()
     try:
         step, head = build()
