@@ -701,7 +701,8 @@ def test_head_bad_sweep(kwargs, match):
 
 @pytest.mark.parametrize("kwargs,exc,match", [({"cuda_graphs": "yes"}, TypeError, "cuda_graphs"),
                                               ({"cuda_graphs": True, "sweep": "vocab"}, ValueError, "sweep='recompute'"),
-                                              ({"cuda_graphs": True, "sweep": "tokens"}, ValueError, "cuda_graphs=False")])
+                                              ({"cuda_graphs": True, "sweep": "tokens"}, ValueError, "cuda_graphs=False"),
+                                              ({"cuda_graphs": True}, ValueError, "sweep='auto'")])
 def test_head_bad_cuda_graphs(kwargs, exc, match):
     with pytest.raises(exc, match=match):
         DADLMHead(12, 41, **kwargs)

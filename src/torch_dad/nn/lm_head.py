@@ -152,6 +152,10 @@ def _slice_sweep(head: DADLMHead, res: LinearCrossEntropyResult, hidden: Tensor,
     or ``None``."""
     if not res.num_valid:
         return None
+    if lr is None and hidden.is_cuda:
+        # one device lr for the whole sweep: the AdamW kernel reads it from memory, and a launch per slice to
+        # make it would add to a launch-bound step
+        lr = torch.full((), head.config.lr, dtype=torch.float32, device=hidden.device)
 
     def on_slice(start: int, stop: int, grad_weight: Tensor, grad_bias: Tensor | None) -> None:
         grads = [grad_weight] if grad_bias is None else [grad_weight, grad_bias]
@@ -248,7 +252,7 @@ class DADLMHead(LocalLayer):
         self.backend = check_choice("backend", backend, BACKENDS)
         self.sweep = _check_sweep(sweep, update, backend)
         self.cuda_graphs = check_bool("cuda_graphs", cuda_graphs)
-        if cuda_graphs and sweep not in ("auto", "recompute"):
+        if cuda_graphs and sweep != "recompute":
             raise ValueError(f"cuda_graphs=True captures the recomputing sweep, not sweep={sweep!r}; pass "
                              "sweep='recompute', or cuda_graphs=False")
         self._graphs = RecomputeGraphs()
