@@ -1,8 +1,8 @@
 """CUDA graphs of :class:`~torch_dad.nn.lm_head.DADLMHead`'s recomputing sweep (``cuda_graphs=True``).
 
-Eager, ``sweep="recompute"`` issues a GEMM and a softmax kernel per token chunk in forward and a cast, two or
-three GEMMs, a softmax kernel and an AdamW kernel per vocabulary slice in backward. At a small head (the SmolLM2
-head's 49152 x 576) the host takes longer to issue them than the GPU to run them. Here each direction is captured
+Eager, ``sweep="recompute"`` issues a cast, a GEMM and the row kernel per vocabulary slice in forward and a cast,
+two or three GEMMs, a softmax kernel and an AdamW kernel per slice in backward. At a small head (the SmolLM2 head's
+49152 x 576, 12 slices) the host takes longer to issue them than the GPU to run them. Here each direction is captured
 once per input signature and then replayed with one launch.
 
 Per signature (the caller's key: token count, dtypes, options, addresses of the weight and optimizer state):
