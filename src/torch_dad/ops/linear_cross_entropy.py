@@ -563,6 +563,11 @@ def _chunked(step: _Step, backend: str, chunk_size: int | None,
     )
 
 
+def _slice_logits(h: Tensor, w_slice: Tensor, bias: Tensor | None, start: int, stop: int) -> Tensor:
+    """``h @ W[start:stop].T + b[start:stop]`` (N, stop - start), given that slice of the weight."""
+    return h @ w_slice.T if bias is None else torch.addmm(bias[start:stop], h, w_slice.T)
+
+
 def _sliced_log_sum_exp(step: _Step, backend: str, slice_rows: int | None) -> LinearCrossEntropyResult:
     """``log_sum_exp=True`` alone, over vocabulary slices of all rows at once: per slice ``s`` the row kernel
     takes ``logsumexp(h @ W[s].T + b[s])`` of every row; ``lse`` = the ``logsumexp`` over slices, and
@@ -590,7 +595,7 @@ def _sliced_log_sum_exp(step: _Step, backend: str, slice_rows: int | None) -> Li
     unscored, scratch = torch.full_like(target, ignore), torch.empty(n, dtype=acc, device=h.device)
     slice_lse = torch.empty(-(-w.weight.shape[0] // w.slice_rows), n, dtype=acc, device=h.device)
     for k, (start, stop, w_slice) in enumerate(w.slices()):
-        logits = h @ w_slice.T if b is None else torch.addmm(b[start:stop], h, w_slice.T)
+        logits = _slice_logits(h, w_slice, b, start, stop)
         cross_entropy_rows_(logits, unscored, scratch, ignore_index=ignore, scale=1.0, write_grad=False,
                             lse=slice_lse[k], backend="auto" if backend == "triton" else "torch")
         del logits
@@ -663,7 +668,7 @@ def vocab_slice_backward(
                 d_slice = grad_logits[:, start:stop]
             else:
                 assert log_sum_exp is not None and target is not None
-                d_slice = h @ w_slice.T if b is None else torch.addmm(b[start:stop], h, w_slice.T)
+                d_slice = _slice_logits(h, w_slice, b, start, stop)
                 logit_grad_from_lse_(d_slice, target, log_sum_exp, col_offset=start, ignore_index=ignore_index,
                                      backend=backend)
             if grad_hidden is not None:
