@@ -21,12 +21,12 @@ def rel(a, b):
 
 
 def case(n, d, v, seed):
-    """Hidden states and targets; the same 20% of positions ignored for every seed, so that every batch of
-    ``n`` positions scores the same number of tokens (the graphs are kept per scored-token count)."""
+    """Hidden states and targets, about 20% of the positions ignored, a different set (and count) for each seed:
+    the graphs are kept per batch shape and replay with each batch's own count of scored tokens."""
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(n, d, generator=g, dtype=torch.float64)
     y = torch.randint(0, v, (n,), generator=g)
-    y[torch.rand(n, generator=torch.Generator().manual_seed(n)) < 0.2] = -100
+    y[torch.rand(n, generator=g) < 0.2] = -100
     return h, y
 
 
@@ -106,7 +106,7 @@ def test_two_forwards_before_one_backward_fall_back_to_eager():
     assert rel(graphed.weight, eager.weight) <= 1e-6 and float(graphed.optim_state.step) == 4.0
 
 
-def test_each_token_count_gets_its_graphs_and_copies_start_without():
+def test_each_batch_shape_gets_its_graphs_and_copies_start_without():
     head = DADLMHead(64, 3001, device="cuda", sweep="recompute", cuda_graphs=True, compute_dtype=torch.bfloat16)
     for n in (100, 100, 100, 37, 37, 100):
         h, y = case(n, 64, 3001, n)
@@ -117,3 +117,36 @@ def test_each_token_count_gets_its_graphs_and_copies_start_without():
     h, y = case(100, 64, 3001, 1)
     step(clone, h.float().cuda(), y.cuda())  # the copy's own weight: its first step runs eagerly
     assert clone.num_cuda_graphs == 0 and not torch.equal(clone.weight, head.weight)
+
+
+def test_bad_labels_of_a_replayed_step_raise_and_change_nothing():
+    head = DADLMHead(64, 3001, device="cuda", sweep="recompute", cuda_graphs=True, compute_dtype=torch.bfloat16,
+                     backprop_gradients=True)
+    for seed in range(3):  # eager, captured, replayed
+        h, y = case(300, 64, 3001, seed)
+        step(head, h.float().cuda(), y.cuda())
+    before = copy.deepcopy(head.state_dict())
+    h, y = case(300, 64, 3001, 3)
+    y[7] = 3001  # one id past the vocabulary, found after the forward was queued
+    with pytest.raises(ValueError, match="labels must lie in"):
+        step(head, h.float().cuda(), y.cuda())
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+    # the graphs are free again: the next step replays them and trains
+    y[7] = 5
+    step(head, h.float().cuda(), y.cuda())
+    assert head.num_cuda_graphs == 2 and not torch.equal(head.weight, before["weight"])
+
+
+def test_an_all_ignored_batch_leaves_a_graphed_head_unchanged():
+    head = DADLMHead(64, 3001, device="cuda", sweep="recompute", cuda_graphs=True, compute_dtype=torch.bfloat16,
+                     backprop_gradients=True)
+    for seed in range(3):
+        h, y = case(300, 64, 3001, seed)
+        step(head, h.float().cuda(), y.cuda())
+    before = copy.deepcopy(head.state_dict())
+    h, _ = case(300, 64, 3001, 3)
+    loss, dh = step(head, h.float().cuda(), torch.full((300,), -100, device="cuda"))
+    assert float(loss) == 0.0 and (dh is None or not dh.any())
+    for name, tensor in head.state_dict().items():
+        assert torch.equal(tensor, before[name]), name

@@ -37,6 +37,7 @@ def _to(*ts):  # type: ignore[no-untyped-def]
 def test_fp32_matches_float64(shape, chunk, bias, small_blocks, monkeypatch):
     if small_blocks:  # several vocabulary blocks per row, the last one partial (101 = 3 * 32 + 5)
         monkeypatch.setattr(CE, "_MAX_BLOCK_V", 32)
+        monkeypatch.setattr(CE, "_MAX_ONE_BLOCK_V", 32)
     n, d, v = shape
     h, w, b, y = make(n, d, v, torch.float32, bias, seed=n * v + int(bias) + 7 * int(small_blocks))
     y[:2] = -100  # ignored rows, at least one per chunk of 7 at the start
@@ -82,26 +83,70 @@ def test_half_within_reference_error(bias, weight_chunk):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, LOW])
-def test_row_kernel_matches_its_twin(dtype):
+@pytest.mark.parametrize("one_block", [True, False])  # the row in registers whole, or in blocks of 32 lanes
+def test_row_kernel_matches_its_twin(dtype, one_block, monkeypatch):
+    if not one_block:
+        monkeypatch.setattr(CE, "_MAX_BLOCK_V", 32)
+        monkeypatch.setattr(CE, "_MAX_ONE_BLOCK_V", 32)
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(13, 77, generator=g) * 3).to(dtype)
     x[4, 10] = float("-inf")  # a masked-out logit: probability 0, no NaN
+    x[9, 40] = x[9, 5] = x[9].max() + 1  # a tied maximum: the first index is the top-1
     y = torch.randint(0, 77, (13,), generator=g)
     y[[1, 7]] = -100
+    y[9] = 40
     out = {}
     for backend in ("torch", "triton"):
         xx = x.clone().to(DEVICE)
-        lp, ent = torch.zeros(13, device=DEVICE), torch.zeros(13, device=DEVICE)
+        lp, ent, lse = (torch.zeros(13, device=DEVICE) for _ in range(3))
         top1 = torch.zeros(13, dtype=torch.bool, device=DEVICE)
         CE.cross_entropy_rows_(xx, y.to(DEVICE), lp, ignore_index=-100, scale=0.37, entropy=ent, is_top1=top1,
-                               backend=backend)
-        out[backend] = [t.cpu() for t in (xx, lp, ent, top1)]
-    (gt, lpt, entt, topt), (gk, lpk, entk, topk) = out["torch"], out["triton"]
+                               lse=lse, backend=backend)
+        out[backend] = [t.cpu() for t in (xx, lp, ent, top1, lse)]
+    (gt, lpt, entt, topt, lset), (gk, lpk, entk, topk, lsek) = out["torch"], out["triton"]
     assert torch.isfinite(gk.float()).all() and torch.isfinite(lpk).all() and torch.isfinite(entk).all()
     tol = 1e-6 if dtype == torch.float32 else 1e-3
     assert rel(gk, gt) <= tol and rel(lpk, lpt) <= 1e-6 and rel(entk, entt) <= 1e-5
-    assert torch.equal(topk, topt)
+    assert torch.equal(topk, topt) and not bool(topk[9])
     assert not gk[[1, 7]].any() and float(lpk[[1, 7]].abs().sum()) == 0.0
+    # every row's log-sum-exp against float64
+    assert rel(lsek, torch.logsumexp(x.double(), 1).float()) <= 1e-6 and rel(lset, lsek) <= 1e-6
+
+
+@pytest.mark.parametrize("one_block", [True, False])
+def test_row_kernel_on_a_vocabulary_slice_takes_the_targets_inside_it(one_block, monkeypatch):
+    # columns 30 .. 30 + 77 of a larger vocabulary: rows whose target lies outside count as ignored, and
+    # target_logit is written on the rows whose target lies inside, nowhere else
+    if not one_block:
+        monkeypatch.setattr(CE, "_MAX_BLOCK_V", 32)
+        monkeypatch.setattr(CE, "_MAX_ONE_BLOCK_V", 32)
+    g = torch.Generator().manual_seed(8)
+    x = (torch.randn(11, 77, generator=g) * 3).to(LOW)
+    y = torch.tensor([30, 106, 29, 107, 0, 500, -100, 64, 31, 105, 70])
+    inside = (y >= 30) & (y < 107)
+    for backend in ("torch", "triton"):
+        lp, lse, tl_ = torch.ones(11, device=DEVICE), torch.zeros(11, device=DEVICE), torch.full((11,), 7.0, device=DEVICE)
+        CE.cross_entropy_rows_(x.to(DEVICE), y.to(DEVICE), lp, ignore_index=-100, scale=1.0, write_grad=False,
+                               lse=lse, target_logit=tl_, col_offset=30, backend=backend)
+        lp, lse, tl_ = lp.cpu(), lse.cpu(), tl_.cpu()
+        picked = x.float()[inside.nonzero().squeeze(1), y[inside] - 30]
+        assert torch.equal(tl_[inside], picked) and torch.equal(tl_[~inside], torch.full((int((~inside).sum()),), 7.0))
+        assert rel(lp[inside], picked - torch.logsumexp(x.double(), 1).float()[inside]) <= 1e-6
+        assert not lp[~inside].any()
+        assert rel(lse, torch.logsumexp(x.double(), 1).float()) <= 1e-6
+
+
+@pytest.mark.parametrize("width", [77, 4096, 5003, 8192, 8193])  # one block up to 8192 logits, then blocks
+def test_row_kernel_log_sum_exp_alone_matches_float64(width):
+    # what the recomputing sweep's forward asks of each vocabulary slice: every row "ignored", lse only
+    g = torch.Generator().manual_seed(width)
+    x = (torch.randn(6, width, generator=g) * 4).to(LOW)
+    xx = x.to(DEVICE)
+    lp, lse = torch.ones(6, device=DEVICE), torch.zeros(6, device=DEVICE)
+    CE.cross_entropy_rows_(xx, torch.full((6,), -100, device=DEVICE), lp, ignore_index=-100, scale=1.0,
+                           write_grad=False, lse=lse)
+    assert rel(lse.cpu(), torch.logsumexp(x.double(), 1).float()) <= 1e-6
+    assert not lp.any() and torch.equal(xx.cpu(), x)
 
 
 def test_all_ignored_and_loss_only():

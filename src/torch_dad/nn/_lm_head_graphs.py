@@ -5,10 +5,11 @@ two or three GEMMs, a softmax kernel and an AdamW kernel per slice in backward. 
 49152 x 576, 12 slices) the host takes longer to issue them than the GPU to run them. Here each direction is captured
 once per input signature and then replayed with one launch.
 
-Per signature (the caller's key: token count, dtypes, options, addresses of the weight and optimizer state):
+Per signature (the caller's key: batch shape, dtypes, options, addresses of the weight and optimizer state):
 
 - the first step runs eagerly: it compiles the Triton kernels and warms cuBLAS, and its backward marks the
-  signature warm (:meth:`RecomputeGraphs.mark_warm`);
+  signature warm (:meth:`RecomputeGraphs.mark_warm`). Eager steps run on the capture stream
+  (:meth:`RecomputeGraphs.eager`), so the graphs share their cuBLAS workspace instead of holding a second one;
 - the next forward is captured, then the next backward, into graphs that share one memory pool (the backward's
   buffers reuse the forward's);
 - from then on both replay. Inputs are copied into the graphs' buffers; what autograd receives is copied out.
@@ -21,15 +22,16 @@ from __future__ import annotations
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from ..ops.cuda_graphs import capture
+from ..ops.cuda_graphs import capture, capture_stream, on_stream
 
-#: signatures remembered as warm before the set is cleared (token counts that vary every step never capture)
+#: signatures remembered as warm before the set is cleared (batch shapes that vary every step never capture)
 MAX_WARM = 64
 
 
@@ -40,11 +42,13 @@ class Pending:
 @dataclass
 class GraphedStep:
     """One signature's graphs and their buffers: inputs ``hidden`` (compute dtype), ``target``, ``lr`` (0-dim
-    float32, read by the AdamW kernel); ``outputs`` of the forward run; ``grad_hidden`` of the backward run."""
+    float32, read by the AdamW kernel), ``scale`` (0-dim float32, the gradient's ``1 / scored tokens``);
+    ``outputs`` of the forward run; ``grad_hidden`` of the backward run."""
 
     hidden: Tensor
     target: Tensor
     lr: Tensor
+    scale: Tensor
     forward: torch.cuda.CUDAGraph
     outputs: Any
     backward: torch.cuda.CUDAGraph | None = None
@@ -74,6 +78,11 @@ class RecomputeGraphs:
         """Whether a graphed forward still awaits its backward."""
         return self._pending is not None and self._pending() is not None
 
+    def eager(self, device: torch.device) -> AbstractContextManager[None]:
+        """Where an eager step of this head runs: on the stream its graphs are captured on (ordered with the
+        current stream both ways)."""
+        return on_stream(capture_stream(device))
+
     def mark_warm(self, key: Hashable) -> None:
         """An eager step of ``key`` ran forward and backward: the next one may be captured."""
         if len(self._warm) >= MAX_WARM:
@@ -97,13 +106,17 @@ class RecomputeGraphs:
         self._pending = weakref.ref(pending)
         return step, pending
 
-    def backward(self, step: GraphedStep, lr: float, run: Callable[[GraphedStep], Tensor | None]) -> Tensor | None:
+    def backward(self, step: GraphedStep, lr: float, scale: float,
+                 run: Callable[[GraphedStep], Tensor | None]) -> Tensor | None:
         """Replay (capturing first if needed) ``run(step)``, the backward of the forward ``step`` just replayed, with
-        ``lr`` in ``step.lr``; returns ``step.grad_hidden`` (the graph's buffer: overwritten by the next replay)."""
+        ``lr`` in ``step.lr`` and ``scale`` in ``step.scale``; returns ``step.grad_hidden`` (the graph's buffer:
+        overwritten by the next replay)."""
         step.lr.fill_(lr)
+        step.scale.fill_(scale)
         if step.backward is None:
             with torch.cuda.device(step.hidden.device):
-                step.backward, step.grad_hidden = capture(lambda: run(step), self._pool_for(step.hidden.device))
+                step.backward, step.grad_hidden = capture(lambda: run(step), self._pool_for(step.hidden.device),
+                                                          capture_stream(step.hidden.device))
         step.backward.replay()
         self._pending = None
         return step.grad_hidden
@@ -120,9 +133,10 @@ class RecomputeGraphs:
             self._steps.popitem(last=False)
         static_hidden = torch.empty(hidden.shape, dtype=dtype, device=hidden.device)
         static_target = torch.empty_like(target)
-        lr = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        lr, scale = (torch.zeros((), dtype=torch.float32, device=hidden.device) for _ in range(2))
         with torch.cuda.device(hidden.device):
-            graph, outputs = capture(lambda: run(static_hidden, static_target), self._pool_for(hidden.device))
-        step = GraphedStep(static_hidden, static_target, lr, graph, outputs)
+            graph, outputs = capture(lambda: run(static_hidden, static_target), self._pool_for(hidden.device),
+                                      capture_stream(hidden.device))
+        step = GraphedStep(static_hidden, static_target, lr, scale, graph, outputs)
         self._steps[key] = step
         return step

@@ -8,6 +8,7 @@ V x D is kept and the user's optimizer never holds moments for it.
 from __future__ import annotations
 
 import math
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -19,11 +20,12 @@ from .._checks import HALF_DTYPES, check_bool, check_choice, check_int, check_po
 from ..ops.linear_cross_entropy import (
     BACKENDS,
     LinearCrossEntropyResult,
+    TokenLabelCheck,
     autocast_dtype,
-    check_token_labels,
     linear_cross_entropy,
     resolve_backend,
     shift_labels,
+    start_token_label_check,
     vocab_slice_backward,
 )
 from ..optim import OptimizerConfig
@@ -63,6 +65,14 @@ def _uniform_token_weight(grad_log_probs: Tensor) -> float:
     return float(weights.mean())
 
 
+@dataclass
+class _ScoredCount:
+    """The scored tokens of a step whose labels' check is read after its forward was queued (CUDA graphs): the
+    forward scores every position, and :meth:`DADLMHead.fused_loss` fills ``num_valid`` before backward."""
+
+    num_valid: int = 0
+
+
 class _DADLMHeadFunction(torch.autograd.Function):
     """``log p(y_t)`` per valid token; backward = the head's update (+ ``dL/dhidden`` if asked).
 
@@ -74,12 +84,13 @@ class _DADLMHeadFunction(torch.autograd.Function):
     @staticmethod
     def forward(  # type: ignore[override]
         ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, head: DADLMHead, target: Tensor,
-        token_stats: bool,
+        token_stats: bool, scored: _ScoredCount | None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         want_gi = bool(ctx.needs_input_grad[0]) and head.backprop_gradients
         sweep = head._sweep_for(hidden, want_gi, token_stats)
         dtype = head._compute_dtype(hidden) or torch.promote_types(hidden.dtype, weight.dtype)
         ctx.head, ctx.used, ctx.want_gi, ctx.graphed, ctx.graph_key = head, False, want_gi, None, None
+        ctx.scored = scored
 
         def run(rows: Tensor, ids: Tensor) -> LinearCrossEntropyResult:
             tokens = sweep == "tokens"
@@ -102,9 +113,10 @@ class _DADLMHeadFunction(torch.autograd.Function):
             log_probs, entropy, top1 = (None if t is None else t.clone() for t in (res.log_probs, res.entropy,
                                                                                     res.is_top1))
         else:
-            res = run(hidden, target)
-            # what the vocabulary sweeps read again in backward
-            ctx.sliced = None if sweep == "tokens" else (hidden.to(dtype), target)
+            with _eager_region(head, ctx, hidden.device):
+                res = run(hidden, target)
+                # what the vocabulary sweeps read again in backward
+                ctx.sliced = None if sweep == "tokens" else (hidden.to(dtype), target)
             log_probs, entropy, top1 = res.log_probs, res.entropy, res.is_top1
         ctx.res = res
         head.last_backend, head.last_sweep = res.backend, sweep
@@ -127,7 +139,7 @@ class _DADLMHeadFunction(torch.autograd.Function):
         if ctx.sliced is not None:
             grad_hidden = _vocab_sweep_backward(head, ctx, grad_log_probs)
             ctx.res = ctx.sliced = ctx.graphed = None
-            return grad_hidden, None, None, None, None, None
+            return grad_hidden, None, None, None, None, None, None
         grad_hidden = None
         if res.grad_input is not None:
             # d log p_t / d h_t = -(p_t - onehot_t) @ W = -grad_input_t (summed reduction)
@@ -141,16 +153,22 @@ class _DADLMHeadFunction(torch.autograd.Function):
             handed = head._local_update([g.mul_(scale) for g in grads])
         ctx.res = None
         grad_weight, grad_bias = head._grads_by_slot(handed, ctx.needs_input_grad[1:3])[:2]
-        return grad_hidden, grad_weight, grad_bias, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+
+
+def _eager_region(head: DADLMHead, ctx: Any, device: torch.device) -> AbstractContextManager[None]:
+    """Where an eager step runs: a head with CUDA graphs runs it on their capture stream (one cuBLAS workspace for
+    the eager steps and the graphs), any other head where it is called."""
+    return head._graphs.eager(device) if ctx.graph_key is not None else nullcontext()
 
 
 def _slice_sweep(head: DADLMHead, res: LinearCrossEntropyResult, hidden: Tensor, target: Tensor, want_gi: bool,
-                 lr: Tensor | None = None) -> Tensor | None:
+                 num_valid: int, lr: Tensor | None = None, weight_scale: Tensor | None = None) -> Tensor | None:
     """The weight updates of ``sweep="vocab"`` / ``"recompute"`` (``hidden`` in the compute dtype): each vocabulary
-    slice's gradient (mean CE over the batch's tokens, as ``update="inplace"`` always uses) is applied as soon as it
-    is final, with ``lr`` (default ``config.lr``). Returns ``-d sum_t log p_t / dh`` (pre-update weights, float32),
-    or ``None``."""
-    if not res.num_valid:
+    slice's gradient (mean CE over the batch's ``num_valid`` scored tokens, as ``update="inplace"`` always uses; or
+    times ``weight_scale``, read on the device) is applied as soon as it is final, with ``lr`` (default
+    ``config.lr``). Returns ``-d sum_t log p_t / dh`` (pre-update weights, float32), or ``None``."""
+    if not num_valid:
         return None
     if lr is None and hidden.is_cuda:
         # one device lr for the whole sweep: the AdamW kernel reads it from memory, and a launch per slice to
@@ -164,7 +182,8 @@ def _slice_sweep(head: DADLMHead, res: LinearCrossEntropyResult, hidden: Tensor,
     return vocab_slice_backward(
         hidden, head.weight.detach(), on_slice, grad_logits=res.grad_logits, log_sum_exp=res.log_sum_exp,
         target=target, bias=None if head.bias is None else head.bias.detach(), ignore_index=head.ignore_index,
-        grad_input=want_gi, weight_scale=1.0 / res.num_valid, slice_rows=head.weight_chunk_size, backend=res.backend,
+        grad_input=want_gi, weight_scale=1.0 / num_valid if weight_scale is None else weight_scale,
+        slice_rows=head.weight_chunk_size, backend=res.backend,
     )
 
 
@@ -172,14 +191,17 @@ def _vocab_sweep_backward(head: DADLMHead, ctx: Any, grad_log_probs: Tensor) -> 
     """The backward of the vocabulary sweeps, eager or replayed from the head's graphs: the updates of
     :func:`_slice_sweep`, then ``dL/dhidden`` scaled by the incoming per-token gradient, or ``None``."""
     hidden, target = ctx.sliced
+    # a graphed head scores every position and learns the count only after its forward was queued
+    num_valid = ctx.res.num_valid if ctx.scored is None else ctx.scored.num_valid
     if ctx.graphed is not None:
         step = ctx.graphed[0]
-        grad_hidden = head._graphs.backward(step, head.config.lr,
-                                            lambda s: _slice_sweep(head, s.outputs, s.hidden, s.target, ctx.want_gi,
-                                                                   lr=s.lr))
+        grad_hidden = None if not num_valid else head._graphs.backward(
+            step, head.config.lr, 1.0 / num_valid,
+            lambda s: _slice_sweep(head, s.outputs, s.hidden, s.target, ctx.want_gi, 1, lr=s.lr, weight_scale=s.scale))
     else:
-        grad_hidden = _slice_sweep(head, ctx.res, hidden, target, ctx.want_gi)
-        if ctx.graph_key is not None:
+        with _eager_region(head, ctx, hidden.device):
+            grad_hidden = _slice_sweep(head, ctx.res, hidden, target, ctx.want_gi, num_valid)
+        if ctx.graph_key is not None and num_valid:
             head._graphs.mark_warm(ctx.graph_key)
     if grad_hidden is None:
         return None
@@ -219,6 +241,8 @@ class DADLMHead(LocalLayer):
     gradient and no V x D copy of the weight; ``"recompute"`` (``update="inplace"``), the same slices with
     each slice's logits recomputed in backward from the forward's log-sum-exp (one more GEMM; nothing of
     size N x V or V x D held); ``"auto"``, ``"vocab"`` where that holds less (see :meth:`_sweep_for`).
+    ``cuda_graphs=True`` (with ``sweep="recompute"``, on CUDA) replays that sweep from CUDA graphs per batch shape,
+    scoring every position (ignored ones at zero weight) so that the graphs do not depend on the labels' mask.
     """
 
     def __init__(
@@ -302,9 +326,13 @@ class DADLMHead(LocalLayer):
         itemsize = torch.empty((), dtype=dtype).element_size()
         return "vocab" if backend == "triton" and hidden.shape[0] * itemsize <= 4 * self.in_features else "tokens"
 
+    def _graphs_step(self, hidden: Tensor) -> bool:
+        """Whether this call is a training step that ``cuda_graphs=True`` captures or replays."""
+        return self.cuda_graphs and hidden.is_cuda and self.training and torch.is_grad_enabled() and self._trains()
+
     @property
     def num_cuda_graphs(self) -> int:
-        """CUDA graphs captured and kept by ``cuda_graphs=True`` (a forward and a backward per token count)."""
+        """CUDA graphs captured and kept by ``cuda_graphs=True`` (a forward and a backward per batch shape)."""
         return self._graphs.num_graphs
 
     def _graph_key(self, hidden: Tensor, dtype: torch.dtype, want_gi: bool, token_stats: bool) -> tuple[Any, ...]:
@@ -348,6 +376,34 @@ class DADLMHead(LocalLayer):
         index = torch.argsort((~flat_mask).to(torch.uint8), stable=True)[:num_valid]
         return flat_rows.index_select(0, index), flat_targets.index_select(0, index), index
 
+    def _graphed_rows(self, hidden: Tensor, targets: Tensor, check: TokenLabelCheck,
+                      token_stats: bool) -> tuple[Tensor, Tensor, Tensor, int]:
+        """A training step of ``cuda_graphs=True``: every position is scored (ignored ones at zero weight), so the
+        captured forward's shape is known before the count of scored tokens; it is queued first, and the host reads
+        the labels' check while the device runs it. Returns per-position outputs and the count."""
+        scored = _ScoredCount()
+        lp, ent, top1 = _DADLMHeadFunction.apply(hidden.reshape(-1, self.in_features), self.weight, self.bias, self,
+                                                 targets.reshape(-1), token_stats, scored)
+        try:
+            scored.num_valid = check.result()
+        except ValueError:
+            del lp, ent, top1  # frees the step's graph buffers for the next call
+            raise
+        return lp, ent, top1, scored.num_valid
+
+    def _scored_rows(self, rows: Tensor, targets: Tensor, num_valid: int,
+                     token_stats: bool) -> tuple[Tensor, Tensor, Tensor]:
+        """``log p``, entropy and top-1 flags of the scored ``rows``; in training, backward updates the head."""
+        if self.training and torch.is_grad_enabled():
+            return _DADLMHeadFunction.apply(rows, self.weight, self.bias, self, targets, token_stats, None)
+        with torch.no_grad():
+            res = linear_cross_entropy(rows, self.weight, targets, self.bias, ignore_index=self.ignore_index,
+                                       reduction="sum", grad_weight=False, grad_input=False, token_stats=True,
+                                       chunk_size=self.chunk_size, weight_chunk_size=self.weight_chunk_size,
+                                       backend="torch", compute_dtype=self._compute_dtype(rows), num_valid=num_valid)
+        assert res.log_probs is not None and res.entropy is not None and res.is_top1 is not None
+        return res.log_probs, res.entropy, res.is_top1
+
     def fused_loss(
         self,
         hidden: Tensor,
@@ -376,22 +432,16 @@ class DADLMHead(LocalLayer):
         targets = shift_labels(labels, self.ignore_index) if shift and isinstance(labels, Tensor) and labels.dim() > 0 \
             else labels
         mask = targets != self.ignore_index if isinstance(targets, Tensor) else None
-        # the labels' range check and the count of scored positions in one host sync, the step's only one
-        num_valid = check_token_labels(labels, rows_shape, self.vocab_size, self.ignore_index, count=mask)
+        # the labels' range check and the count of scored positions: queued now, read once (the step's only sync)
+        check = start_token_label_check(labels, rows_shape, self.vocab_size, self.ignore_index, count=mask)
         assert mask is not None
-        rows, valid_targets, index = self._valid_rows(hidden, targets, mask, num_valid)
-        if self.training and torch.is_grad_enabled():
-            lp, ent, top1 = _DADLMHeadFunction.apply(rows, self.weight, self.bias, self, valid_targets, token_stats)
+        index: Tensor | None = None
+        if self._graphs_step(hidden):
+            lp, ent, top1, num_valid = self._graphed_rows(hidden, targets, check, token_stats)
         else:
-            with torch.no_grad():
-                res = linear_cross_entropy(rows, self.weight, valid_targets, self.bias,
-                                           ignore_index=self.ignore_index, reduction="sum", grad_weight=False,
-                                           grad_input=False, token_stats=True, chunk_size=self.chunk_size,
-                                           weight_chunk_size=self.weight_chunk_size,
-                                           backend="torch", compute_dtype=self._compute_dtype(hidden),
-                                           num_valid=num_valid)
-            assert res.log_probs is not None and res.entropy is not None and res.is_top1 is not None
-            lp, ent, top1 = res.log_probs, res.entropy, res.is_top1
+            num_valid = check.result()
+            rows, valid_targets, index = self._valid_rows(hidden, targets, mask, num_valid)
+            lp, ent, top1 = self._scored_rows(rows, valid_targets, num_valid, token_stats)
 
         def scatter(values: Tensor) -> Tensor:
             """Per scored row -> per position (0 where ignored), in ``mask``'s shape."""

@@ -17,7 +17,9 @@ The Triton kernel (:mod:`torch_dad.kernels.cross_entropy`) is one launch, one pr
 first loop over V in blocks keeps a per-lane running max and sum of exponentials (online softmax,
 float32) and the first index of the max; a second loop rereads the row (from L2 at the chunk sizes
 used) and overwrites it with the gradient in the logits' dtype. Two reads and one write of the
-compute-dtype logits, no float32 copy of the chunk.
+compute-dtype logits, no float32 copy of the chunk. A row of at most 8192 logits (a vocabulary slice of
+the recomputing sweep) is read once into registers instead: its max, sum and gradient then cost one
+exponential an element, where the online loop takes two (three with the gradient).
 
 The PyTorch twin computes the gradient of :func:`torch_dad.functional.cross_entropy_error`
 (rescaled from ``1 / valid rows`` to ``scale``) without calling it: the oracle returns only the
@@ -42,6 +44,9 @@ __all__ = ["cross_entropy_rows_", "logit_grad_from_lse_"]
 _TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # vocabulary elements per block of the row loops: 4096 bf16 = 8 KiB a step, 16 a thread at 8 warps
 _MAX_BLOCK_V = 4096
+# a row up to this long (a vocabulary slice) is held in registers whole: one read, one exponential an element
+# (32 float32 values a thread at 8 warps)
+_MAX_ONE_BLOCK_V = 8192
 
 
 @dataclass
@@ -56,6 +61,8 @@ class _Rows:
     entropy: Tensor | None
     is_top1: Tensor | None
     lse: Tensor | None = None
+    target_logit: Tensor | None = None
+    col_offset: int = 0
 
     def fits_kernel(self, logits: Tensor) -> bool:
         """Whether the Triton kernel can take these tensors (dtype, strides)."""
@@ -66,7 +73,7 @@ class _Rows:
             and self.log_probs.is_contiguous()
             and (self.entropy is None or (self.entropy.dtype == torch.float32 and self.entropy.is_contiguous()))
             and (self.is_top1 is None or self.is_top1.is_contiguous())
-            and (self.lse is None or (self.lse.dtype == torch.float32 and self.lse.is_contiguous()))
+            and all(t is None or (t.dtype == torch.float32 and t.is_contiguous()) for t in (self.lse, self.target_logit))
         )
 
 
@@ -81,13 +88,18 @@ def cross_entropy_rows_(
     entropy: Tensor | None = None,
     is_top1: Tensor | None = None,
     lse: Tensor | None = None,
+    target_logit: Tensor | None = None,
+    col_offset: int = 0,
     backend: str = "auto",
 ) -> None:
     """Fill ``log_probs`` (R,) (and ``entropy``, ``is_top1``, ``lse``) and, if ``write_grad``, overwrite
     ``logits`` (R, V) with ``(softmax - onehot(target)) * scale`` (zero on ignored rows).
 
-    ``target`` holds ids in ``[0, V)`` or ``ignore_index``. ``backend="auto"`` runs the Triton
-    kernel on CUDA (or under ``TRITON_INTERPRET=1``) for float32/fp16/bf16 logits, else the
+    ``target`` holds ids in ``[0, V)`` or ``ignore_index``. With ``col_offset`` the logits are columns
+    ``col_offset .. col_offset + V`` of a larger vocabulary (a slice): a row whose target lies outside them counts
+    as ignored. ``target_logit`` (R,) float32 receives ``logits[r, target[r] - col_offset]`` on the rows not
+    ignored and is left as it is on the others, so the slices of a vocabulary fill it in turn. ``backend="auto"``
+    runs the Triton kernel on CUDA (or under ``TRITON_INTERPRET=1``) for float32/fp16/bf16 logits, else the
     PyTorch twin.
     """
     if logits.dim() != 2 or target.shape != (logits.shape[0],) or log_probs.shape != (logits.shape[0],):
@@ -95,7 +107,8 @@ def cross_entropy_rows_(
             f"logits {tuple(logits.shape)}, target {tuple(target.shape)} and log_probs {tuple(log_probs.shape)} "
             "must be (R, V), (R,), (R,)"
         )
-    rows = _Rows(target, log_probs, ignore_index, scale, write_grad, entropy, is_top1, lse)
+    rows = _Rows(target, log_probs, ignore_index, scale, write_grad, entropy, is_top1, lse, target_logit,
+                 int(col_offset))
     fits = rows.fits_kernel(logits)
     if backend == "triton" and not fits:
         raise ValueError(
@@ -114,12 +127,16 @@ def _cross_entropy_rows_torch(logits: Tensor, rows: _Rows) -> None:
         wide = logits.float()
     else:  # overwritten anyway when the gradient is written: no copy then
         wide = logits if rows.write_grad else logits.clone()
-    valid = rows.target != rows.ignore_index
-    t = torch.where(valid, rows.target, torch.zeros_like(rows.target)).unsqueeze(1)
+    local = rows.target - rows.col_offset
+    valid = (rows.target != rows.ignore_index) & (local >= 0) & (local < wide.shape[1])
+    t = torch.where(valid, local, torch.zeros_like(local)).unsqueeze(1)
     lse = torch.logsumexp(wide, dim=1)
     if rows.lse is not None:
         rows.lse.copy_(lse)
-    rows.log_probs.copy_((wide.gather(1, t).squeeze(1) - lse).masked_fill_(~valid, 0))
+    picked = wide.gather(1, t).squeeze(1)
+    if rows.target_logit is not None:
+        rows.target_logit.copy_(torch.where(valid, picked, rows.target_logit))
+    rows.log_probs.copy_((picked - lse).masked_fill_(~valid, 0))
     if rows.is_top1 is not None:
         rows.is_top1.copy_((wide.argmax(1) == t.squeeze(1)) & valid)
     if not (rows.write_grad or rows.entropy is not None):
@@ -178,7 +195,8 @@ def _cross_entropy_rows_triton(logits: Tensor, rows: _Rows) -> None:
     """Launch :func:`torch_dad.kernels.cross_entropy.ce_rows_kernel`, one program per row."""
     kernel = _kernels().ce_rows_kernel
     n_rows, vocab = logits.shape
-    block = min(_MAX_BLOCK_V, max(16, next_pow2(vocab)))
+    one_block = vocab <= _MAX_ONE_BLOCK_V
+    block = max(16, next_pow2(vocab)) if one_block else _MAX_BLOCK_V
     log_probs, entropy, is_top1 = rows.log_probs, rows.entropy, rows.is_top1
     top1 = None if is_top1 is None else (is_top1.view(torch.uint8) if is_top1.dtype == torch.bool else is_top1)
     kernel[(n_rows,)](
@@ -186,8 +204,9 @@ def _cross_entropy_rows_triton(logits: Tensor, rows: _Rows) -> None:
         log_probs if entropy is None else entropy,
         log_probs if top1 is None else top1,
         log_probs if rows.lse is None else rows.lse,
-        vocab, logits.stride(0), float(rows.scale), int(rows.ignore_index),
+        log_probs if rows.target_logit is None else rows.target_logit,
+        vocab, logits.stride(0), rows.col_offset, float(rows.scale), int(rows.ignore_index),
         BLOCK_V=block, WRITE_GRAD=bool(rows.write_grad), ENTROPY=entropy is not None, TOP1=top1 is not None,
-        LSE=rows.lse is not None,
+        LSE=rows.lse is not None, TARGET_LOGIT=rows.target_logit is not None, ONE_BLOCK=one_block,
         num_warps=8 if block >= 2048 else 4,
     )

@@ -53,6 +53,7 @@ __all__ = [
     "TRITON_CHUNK_BYTES",
     "UNUSABLE",
     "LinearCrossEntropyResult",
+    "TokenLabelCheck",
     "autocast_dtype",
     "check_token_labels",
     "default_chunk_size",
@@ -60,6 +61,7 @@ __all__ = [
     "linear_cross_entropy",
     "resolve_backend",
     "shift_labels",
+    "start_token_label_check",
     "vocab_slice_backward",
 ]
 
@@ -157,20 +159,57 @@ def check_token_labels(
     Returns the number of non-ignored entries, or with ``count`` (a bool tensor) its number of true entries,
     in the same host sync as the range check.
     """
+    return start_token_label_check(target, rows_shape, vocab, ignore_index, name=name, count=count).result()
+
+
+class TokenLabelCheck:
+    """The range check and count of :func:`check_token_labels`, its kernels queued but not waited for:
+    :meth:`result` waits for those kernels alone (not for work queued after them) and raises or counts."""
+
+    def __init__(self, target: Tensor, vocab: int, ignore_index: int, name: str, count: Tensor | None) -> None:
+        self._target, self._vocab, self._ignore_index, self._name = target, vocab, ignore_index, name
+        self._counts: Tensor | list[int]
+        self._done: torch.cuda.Event | None = None
+        if target.numel() == 0:
+            self._counts = [0, 0 if count is None else int(count.sum())]
+            return
+        valid = target != ignore_index
+        bad = valid & ((target < 0) | (target >= vocab))
+        counts = torch.stack([bad.sum(), (valid if count is None else count).sum()])
+        if counts.is_cuda:
+            # into pinned memory behind an event: the host reads it once these kernels are done
+            self._counts = torch.empty(2, dtype=counts.dtype, pin_memory=True).copy_(counts, non_blocking=True)
+            self._done = torch.cuda.Event()
+            self._done.record()
+        else:
+            self._counts = counts
+
+    def result(self) -> int:
+        """The count; raises ``ValueError`` if an id lies outside ``[0, vocab)`` and is not ``ignore_index``."""
+        if self._done is not None:
+            self._done.synchronize()
+        counts = self._counts
+        n_bad, n_valid = (int(v) for v in (counts if isinstance(counts, list) else counts.tolist()))
+        if n_bad:
+            target, vocab, ignore_index, name = self._target, self._vocab, self._ignore_index, self._name
+            values = target[(target != ignore_index) & ((target < 0) | (target >= vocab))]
+            raise ValueError(
+                f"{name} must lie in [0, {vocab}) (the vocabulary size) or equal ignore_index={ignore_index}; "
+                f"{n_bad} entries do not (values in [{int(values.min())}, {int(values.max())}]). Mask padding with "
+                f"{ignore_index}, or resize the head if the tokenizer grew"
+            )
+        return n_valid
+
+
+def start_token_label_check(
+    target: Tensor, rows_shape: tuple[int, ...], vocab: int, ignore_index: int = functional.IGNORE_INDEX, *,
+    name: str = "labels", count: Tensor | None = None,
+) -> TokenLabelCheck:
+    """:func:`check_token_labels` in two halves: the layout is checked now (``TypeError``/``ValueError``), the
+    range check and count are queued on the device, and ``.result()`` gives them. Work queued in between (a
+    captured forward) does not wait for the host to read them."""
     _check_token_layout(target, rows_shape, ignore_index, name)
-    if target.numel() == 0:
-        return 0 if count is None else int(count.sum())
-    valid = target != ignore_index
-    bad = valid & ((target < 0) | (target >= vocab))
-    n_bad, n_valid = (int(v) for v in torch.stack([bad.sum(), (valid if count is None else count).sum()]).tolist())
-    if n_bad:
-        values = target[bad]
-        raise ValueError(
-            f"{name} must lie in [0, {vocab}) (the vocabulary size) or equal ignore_index={ignore_index}; "
-            f"{n_bad} entries do not (values in [{int(values.min())}, {int(values.max())}]). Mask padding with "
-            f"{ignore_index}, or resize the head if the tokenizer grew"
-        )
-    return n_valid
+    return TokenLabelCheck(target, vocab, ignore_index, name, count)
 
 
 def _check_token_layout(target: Tensor, rows_shape: tuple[int, ...], ignore_index: int, name: str) -> None:
@@ -570,37 +609,28 @@ def _slice_logits(h: Tensor, w_slice: Tensor, bias: Tensor | None, start: int, s
 
 def _sliced_log_sum_exp(step: _Step, backend: str, slice_rows: int | None) -> LinearCrossEntropyResult:
     """``log_sum_exp=True`` alone, over vocabulary slices of all rows at once: per slice ``s`` the row kernel
-    takes ``logsumexp(h @ W[s].T + b[s])`` of every row; ``lse`` = the ``logsumexp`` over slices, and
-    ``log p(y) = (h . W[y] + b[y]) - lse``, each target's logit from its own weight row. One slice's logits exist
-    at a time (:func:`default_slice_rows`, the slices :func:`vocab_slice_backward` recomputes) and no V x D copy
-    of the weight: token chunks would hold a chunk of every vocabulary row plus that copy."""
+    takes ``logsumexp(h @ W[s].T + b[s])`` of every row and the target logit of the rows whose target lies in
+    ``s`` (as the GEMM gives it, in the compute dtype); ``lse`` = the ``logsumexp`` over slices and
+    ``log p(y) = logit(y) - lse``. One slice's logits exist at a time (:func:`default_slice_rows`, the slices
+    :func:`vocab_slice_backward` recomputes) and no V x D copy of the weight: token chunks would hold a chunk of
+    every vocabulary row plus that copy."""
     dtype, target, ignore = step.dtype, step.target, step.ignore_index
     (n, d), acc = step.hidden.shape, torch.promote_types(step.dtype, torch.float32)
     h = step.hidden if step.hidden.dtype == dtype else step.hidden.to(dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
     w = _ComputeWeight(step.weight, dtype, slice_rows or default_slice_rows(d, n, itemsize))
     b = None if step.bias is None else step.bias.to(dtype)
-    valid = target != ignore
-    ids = torch.where(valid, target, 0)
-    # the target logit as the GEMM gives it: compute-dtype operands, a wider sum, rounded to the compute dtype;
-    # the gathered weight rows in chunks no larger than a slice's logits
-    target_logit = torch.empty(n, dtype=dtype, device=h.device)
-    rows = max(1, n * w.slice_rows // (d * (step.weight.element_size() + itemsize)))
-    for r in range(0, n, rows):
-        gathered = step.weight.index_select(0, ids[r:r + rows]).to(dtype)
-        torch.bmm(h[r:r + rows].unsqueeze(1), gathered.unsqueeze(2), out=target_logit[r:r + rows].view(-1, 1, 1))
-    if b is not None:
-        target_logit += b.index_select(0, ids)
-    # every row "ignored": the kernel writes each row's log-sum-exp and nothing else of use
-    unscored, scratch = torch.full_like(target, ignore), torch.empty(n, dtype=acc, device=h.device)
-    slice_lse = torch.empty(-(-w.weight.shape[0] // w.slice_rows), n, dtype=acc, device=h.device)
+    # every scored row's target falls in exactly one slice, which writes its logit; the others are masked below
+    target_logit, scratch = _uninitialized((n,), acc, h.device), _uninitialized((n,), acc, h.device)
+    slice_lse = _uninitialized((-(-w.weight.shape[0] // w.slice_rows), n), acc, h.device)
     for k, (start, stop, w_slice) in enumerate(w.slices()):
         logits = _slice_logits(h, w_slice, b, start, stop)
-        cross_entropy_rows_(logits, unscored, scratch, ignore_index=ignore, scale=1.0, write_grad=False,
-                            lse=slice_lse[k], backend="auto" if backend == "triton" else "torch")
+        cross_entropy_rows_(logits, target, scratch, ignore_index=ignore, scale=1.0, write_grad=False,
+                            lse=slice_lse[k], target_logit=target_logit, col_offset=start,
+                            backend="auto" if backend == "triton" else "torch")
         del logits
     lse = torch.logsumexp(slice_lse, dim=0)
-    log_probs = torch.where(valid, target_logit.to(acc) - lse, 0.0)
+    log_probs = torch.where(target != ignore, target_logit - lse, 0.0)
     loss = -log_probs.sum() * step.scale
     return LinearCrossEntropyResult(
         loss=loss, grad_weight=None, grad_bias=None, grad_input=None, log_probs=log_probs, entropy=None,
@@ -630,7 +660,7 @@ def vocab_slice_backward(
     bias: Tensor | None = None,
     ignore_index: int = functional.IGNORE_INDEX,
     grad_input: bool = False,
-    weight_scale: float = 1.0,
+    weight_scale: float | Tensor = 1.0,
     slice_rows: int | None = None,
     backend: str = "auto",
 ) -> Tensor | None:
@@ -642,7 +672,8 @@ def vocab_slice_backward(
     For each slice ``s`` of ``slice_rows`` rows (default :func:`default_slice_rows`), in order:
     ``dh += d[:, s] @ W[s]`` (if ``grad_input``), then ``on_slice(start, stop, gw, gb)`` with
     ``gw = weight_scale * d[:, s].T @ hidden`` and ``gb = weight_scale * d[:, s].sum(0)`` (``None``
-    without ``bias``), float32 (float64 for float64). ``gw`` is final: ``on_slice`` may update
+    without ``bias``), float32 (float64 for float64); a 0-dim tensor ``weight_scale`` is read on the device
+    (a captured sweep replays with whatever it holds). ``gw`` is final: ``on_slice`` may update
     ``W[s]`` in place, since ``dh`` has already read it, and must not keep ``gw`` (its buffer is reused).
     ``backend`` (``"auto"``, ``"triton"``, ``"torch"``) runs the recomputed slice's softmax.
     Returns ``dh`` (N, D) in that float dtype, or ``None``. No V x D tensor is allocated.
@@ -674,7 +705,9 @@ def vocab_slice_backward(
             if grad_hidden is not None:
                 _accumulate_mm(grad_hidden, d_slice, w_slice, first=start == 0)
             gw = grad_slice[: stop - start]
-            _accumulate_mm(gw, d_slice.T, h, first=True, alpha=weight_scale)
+            _accumulate_mm(gw, d_slice.T, h, first=True, alpha=1.0 if isinstance(weight_scale, Tensor) else weight_scale)
+            if isinstance(weight_scale, Tensor):
+                gw.mul_(weight_scale)
             gb = None if bias is None else d_slice.sum(0, dtype=acc).mul_(weight_scale)
             on_slice(start, stop, gw, gb)
             # a recomputed slice is freed before the next one is made: else two would be alive at once
