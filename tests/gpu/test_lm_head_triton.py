@@ -88,8 +88,6 @@ def test_row_kernel_matches_its_twin(dtype, one_block, monkeypatch):
     if not one_block:
         monkeypatch.setattr(CE, "_MAX_BLOCK_V", 32)
         monkeypatch.setattr(CE, "_MAX_ONE_BLOCK_V", 32)
-    else:  # 3 programs looping over the 13 rows
-        monkeypatch.setattr(CE, "_row_programs", lambda logits: 3)
     g = torch.Generator().manual_seed(3)
     x = (torch.randn(13, 77, generator=g) * 3).to(dtype)
     x[4, 10] = float("-inf")  # a masked-out logit: probability 0, no NaN
@@ -122,8 +120,6 @@ def test_row_kernel_on_a_vocabulary_slice_takes_the_targets_inside_it(one_block,
     if not one_block:
         monkeypatch.setattr(CE, "_MAX_BLOCK_V", 32)
         monkeypatch.setattr(CE, "_MAX_ONE_BLOCK_V", 32)
-    else:
-        monkeypatch.setattr(CE, "_row_programs", lambda logits: 4)
     g = torch.Generator().manual_seed(8)
     x = (torch.randn(11, 77, generator=g) * 3).to(LOW)
     y = torch.tensor([30, 106, 29, 107, 0, 500, -100, 64, 31, 105, 70])

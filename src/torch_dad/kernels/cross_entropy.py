@@ -11,31 +11,30 @@ import triton.language as tl
 @triton.jit
 def ce_rows_kernel(
     x_ptr, y_ptr, logp_ptr, ent_ptr, top1_ptr, lse_ptr, tlogit_ptr,
-    n_rows, V, stride_row, col_offset, scale, ignore_index,
+    V, stride_row, col_offset, scale, ignore_index,
     BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr, ENTROPY: tl.constexpr, TOP1: tl.constexpr, LSE: tl.constexpr,
     TARGET_LOGIT: tl.constexpr, ONE_BLOCK: tl.constexpr,
 ):
-    """Rows ``program_id, program_id + programs, ...`` of logits ``x`` with targets ``y``, each:
-    ``log p(y) = x[y] - logsumexp(x)``; ``x <- (softmax(x) - onehot(y)) * scale`` if WRITE_GRAD;
-    ``entropy = lse - sum p * x`` if ENTROPY; ``argmax(x) == y`` if TOP1; ``logsumexp(x)`` itself if LSE;
-    ``x[y]`` if TARGET_LOGIT. The row holds vocabulary columns ``col_offset .. col_offset + V``; a row whose target
-    is ``ignore_index`` or outside them gets zeros and no ``x[y]`` (``logsumexp`` is written for every row).
-    ONE_BLOCK: ``V <= BLOCK_V``."""
-    for r in range(tl.program_id(0), n_rows, tl.num_programs(0)):
-        row = tl.cast(r, tl.int64)  # 64-bit offsets: rows x stride can pass 2**31
-        x_row = x_ptr + row * stride_row
-        y = tl.load(y_ptr + row).to(tl.int64)
-        y_local = y - col_offset
-        valid = (y != ignore_index) & (y_local >= 0) & (y_local < V)
-        y_safe = tl.where(valid, y_local, 0)
-        if ONE_BLOCK:
-            x_y = _one_block_row(x_row, logp_ptr, ent_ptr, top1_ptr, lse_ptr, row, y_safe, valid, V, scale,
-                                 BLOCK_V, WRITE_GRAD, ENTROPY, TOP1, LSE)
-        else:
-            x_y = _blocked_row(x_row, logp_ptr, ent_ptr, top1_ptr, lse_ptr, row, y_safe, valid, V, scale,
-                               BLOCK_V, WRITE_GRAD, ENTROPY, TOP1, LSE)
-        if TARGET_LOGIT:
-            tl.store(tlogit_ptr + row, x_y, mask=valid)
+    """One program per row ``x`` of logits with target ``y``: ``log p(y) = x[y] - logsumexp(x)``;
+    ``x <- (softmax(x) - onehot(y)) * scale`` if WRITE_GRAD; ``entropy = lse - sum p * x`` if
+    ENTROPY; ``argmax(x) == y`` if TOP1; ``logsumexp(x)`` itself if LSE; ``x[y]`` if TARGET_LOGIT.
+    The row holds vocabulary columns ``col_offset .. col_offset + V``; a row whose target is ``ignore_index``
+    or outside them gets zeros and no ``x[y]`` (``logsumexp`` is written for every row). ONE_BLOCK:
+    ``V <= BLOCK_V``."""
+    row = tl.program_id(0).to(tl.int64)
+    x_row = x_ptr + row * stride_row
+    y = tl.load(y_ptr + row).to(tl.int64)
+    y_local = y - col_offset
+    valid = (y != ignore_index) & (y_local >= 0) & (y_local < V)
+    y_safe = tl.where(valid, y_local, 0)
+    if ONE_BLOCK:
+        x_y = _one_block_row(x_row, logp_ptr, ent_ptr, top1_ptr, lse_ptr, row, y_safe, valid, V, scale,
+                             BLOCK_V, WRITE_GRAD, ENTROPY, TOP1, LSE)
+    else:
+        x_y = _blocked_row(x_row, logp_ptr, ent_ptr, top1_ptr, lse_ptr, row, y_safe, valid, V, scale,
+                           BLOCK_V, WRITE_GRAD, ENTROPY, TOP1, LSE)
+    if TARGET_LOGIT:
+        tl.store(tlogit_ptr + row, x_y, mask=valid)
 
 
 @triton.jit

@@ -47,9 +47,6 @@ _MAX_BLOCK_V = 4096
 # a row up to this long (a vocabulary slice) is held in registers whole: one read, one exponential an element
 # (32 float32 values a thread at 8 warps)
 _MAX_ONE_BLOCK_V = 8192
-# programs per SM for such rows, each looping over rows: at 8192 x 4096 bf16 (the log-sum-exp pass over one slice
-# of the SmolLM2 head's recomputing sweep) 22.7 us on the H200 against 34.1 us with one program per row
-_ROW_PROGRAMS_PER_SM = 16
 
 
 @dataclass
@@ -194,30 +191,21 @@ def _kernels() -> Any:
     return kernels
 
 
-def _row_programs(logits: Tensor) -> int:
-    """Programs for rows held in registers whole: a few per SM, each looping over rows (on CUDA)."""
-    if not logits.is_cuda:
-        return logits.shape[0]
-    return torch.cuda.get_device_properties(logits.device).multi_processor_count * _ROW_PROGRAMS_PER_SM
-
-
 def _cross_entropy_rows_triton(logits: Tensor, rows: _Rows) -> None:
-    """Launch :func:`torch_dad.kernels.cross_entropy.ce_rows_kernel`: one program per row, or for rows that
-    fit one block :func:`_row_programs` programs looping over them."""
+    """Launch :func:`torch_dad.kernels.cross_entropy.ce_rows_kernel`, one program per row."""
     kernel = _kernels().ce_rows_kernel
     n_rows, vocab = logits.shape
     one_block = vocab <= _MAX_ONE_BLOCK_V
     block = max(16, next_pow2(vocab)) if one_block else _MAX_BLOCK_V
-    programs = min(n_rows, _row_programs(logits)) if one_block else n_rows
     log_probs, entropy, is_top1 = rows.log_probs, rows.entropy, rows.is_top1
     top1 = None if is_top1 is None else (is_top1.view(torch.uint8) if is_top1.dtype == torch.bool else is_top1)
-    kernel[(programs,)](
+    kernel[(n_rows,)](
         logits, rows.target.contiguous(), log_probs,
         log_probs if entropy is None else entropy,
         log_probs if top1 is None else top1,
         log_probs if rows.lse is None else rows.lse,
         log_probs if rows.target_logit is None else rows.target_logit,
-        n_rows, vocab, logits.stride(0), rows.col_offset, float(rows.scale), int(rows.ignore_index),
+        vocab, logits.stride(0), rows.col_offset, float(rows.scale), int(rows.ignore_index),
         BLOCK_V=block, WRITE_GRAD=bool(rows.write_grad), ENTROPY=entropy is not None, TOP1=top1 is not None,
         LSE=rows.lse is not None, TARGET_LOGIT=rows.target_logit is not None, ONE_BLOCK=one_block,
         num_warps=8 if block >= 2048 else 4,
