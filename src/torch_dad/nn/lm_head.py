@@ -17,13 +17,11 @@ from torch import Tensor, nn
 
 from .. import functional
 from .._checks import HALF_DTYPES, check_bool, check_choice, check_int, check_positive_int
-from ..ops.cuda_graphs import capture_stream
 from ..ops.linear_cross_entropy import (
     BACKENDS,
     LinearCrossEntropyResult,
+    TokenLabelCheck,
     autocast_dtype,
-    check_token_labels,
-    check_token_layout,
     linear_cross_entropy,
     resolve_backend,
     shift_labels,
@@ -378,20 +376,14 @@ class DADLMHead(LocalLayer):
         index = torch.argsort((~flat_mask).to(torch.uint8), stable=True)[:num_valid]
         return flat_rows.index_select(0, index), flat_targets.index_select(0, index), index
 
-    def _graphed_rows(self, hidden: Tensor, labels: Tensor, targets: Tensor, mask: Tensor,
+    def _graphed_rows(self, hidden: Tensor, targets: Tensor, check: TokenLabelCheck,
                       token_stats: bool) -> tuple[Tensor, Tensor, Tensor, int]:
         """A training step of ``cuda_graphs=True``: every position is scored (ignored ones at zero weight), so the
-        captured forward's shape is known before the count of scored tokens. The forward is queued first; the
-        labels' range check and count then run on a side stream beside it, and the host reads them while the
-        device runs the forward. Returns per-position outputs and the count."""
-        check_token_layout(labels, tuple(hidden.shape[:-1]), self.ignore_index)
-        labels_ready = torch.cuda.current_stream(hidden.device).record_event()
+        captured forward's shape is known before the count of scored tokens; it is queued first, and the host reads
+        the labels' check while the device runs it. Returns per-position outputs and the count."""
         scored = _ScoredCount()
         lp, ent, top1 = _DADLMHeadFunction.apply(hidden.reshape(-1, self.in_features), self.weight, self.bias, self,
                                                  targets.reshape(-1), token_stats, scored)
-        # the check's few launches are issued while the device already runs the forward
-        check = start_token_label_check(labels, tuple(hidden.shape[:-1]), self.vocab_size, self.ignore_index,
-                                        count=mask, stream=capture_stream(hidden.device), after=labels_ready)
         try:
             scored.num_valid = check.result()
         except ValueError:
@@ -440,14 +432,14 @@ class DADLMHead(LocalLayer):
         targets = shift_labels(labels, self.ignore_index) if shift and isinstance(labels, Tensor) and labels.dim() > 0 \
             else labels
         mask = targets != self.ignore_index if isinstance(targets, Tensor) else None
+        # the labels' range check and the count of scored positions: queued now, read once (the step's only sync)
+        check = start_token_label_check(labels, rows_shape, self.vocab_size, self.ignore_index, count=mask)
+        assert mask is not None
         index: Tensor | None = None
         if self._graphs_step(hidden):
-            assert isinstance(targets, Tensor) and mask is not None
-            lp, ent, top1, num_valid = self._graphed_rows(hidden, labels, targets, mask, token_stats)
+            lp, ent, top1, num_valid = self._graphed_rows(hidden, targets, check, token_stats)
         else:
-            # the labels' range check and the count of scored positions in one host sync, the step's only one
-            num_valid = check_token_labels(labels, rows_shape, self.vocab_size, self.ignore_index, count=mask)
-            assert mask is not None
+            num_valid = check.result()
             rows, valid_targets, index = self._valid_rows(hidden, targets, mask, num_valid)
             lp, ent, top1 = self._scored_rows(rows, valid_targets, num_valid, token_stats)
 

@@ -56,7 +56,6 @@ __all__ = [
     "TokenLabelCheck",
     "autocast_dtype",
     "check_token_labels",
-    "check_token_layout",
     "default_chunk_size",
     "default_slice_rows",
     "linear_cross_entropy",
@@ -169,7 +168,6 @@ class TokenLabelCheck:
 
     def __init__(self, target: Tensor, vocab: int, ignore_index: int, name: str, count: Tensor | None) -> None:
         self._target, self._vocab, self._ignore_index, self._name = target, vocab, ignore_index, name
-        self._count = count  # kept until read: kernels on another stream may still use it
         self._counts: Tensor | list[int]
         self._done: torch.cuda.Event | None = None
         if target.numel() == 0:
@@ -205,25 +203,16 @@ class TokenLabelCheck:
 
 def start_token_label_check(
     target: Tensor, rows_shape: tuple[int, ...], vocab: int, ignore_index: int = functional.IGNORE_INDEX, *,
-    name: str = "labels", count: Tensor | None = None, stream: torch.cuda.Stream | None = None,
-    after: torch.cuda.Event | None = None,
+    name: str = "labels", count: Tensor | None = None,
 ) -> TokenLabelCheck:
     """:func:`check_token_labels` in two halves: the layout is checked now (``TypeError``/``ValueError``), the
     range check and count are queued on the device, and ``.result()`` gives them. Work queued in between (a
-    captured forward) does not wait for the host to read them. With ``stream`` (CUDA) they are queued there,
-    after ``after`` (an event of the stream that made ``target`` and ``count``): a forward queued on the
-    current stream before this call then runs beside them, and ``.result()`` waits for them alone."""
-    check_token_layout(target, rows_shape, ignore_index, name)
-    if stream is None:
-        return TokenLabelCheck(target, vocab, ignore_index, name, count)
-    with torch.cuda.stream(stream):
-        if after is not None:
-            stream.wait_event(after)
-        return TokenLabelCheck(target, vocab, ignore_index, name, count)
+    captured forward) does not wait for the host to read them."""
+    _check_token_layout(target, rows_shape, ignore_index, name)
+    return TokenLabelCheck(target, vocab, ignore_index, name, count)
 
 
-def check_token_layout(target: Tensor, rows_shape: tuple[int, ...], ignore_index: int = functional.IGNORE_INDEX,
-                       name: str = "labels") -> None:
+def _check_token_layout(target: Tensor, rows_shape: tuple[int, ...], ignore_index: int, name: str) -> None:
     """Raise unless ``target`` is an integer tensor of shape ``rows_shape`` (no host sync)."""
     if not isinstance(target, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(target).__name__}")
@@ -411,7 +400,7 @@ def linear_cross_entropy(
     if num_valid is None:
         num_valid = check_token_labels(target, (hidden.shape[0],), weight.shape[0], ignore_index, name="target")
     else:
-        check_token_layout(target, (hidden.shape[0],), ignore_index, "target")
+        _check_token_layout(target, (hidden.shape[0],), ignore_index, "target")
         if isinstance(num_valid, bool) or not isinstance(num_valid, int) or not 0 <= num_valid <= target.numel():
             raise ValueError(
                 f"num_valid={num_valid!r} must be the number of targets that are not ignore_index, an int in "
