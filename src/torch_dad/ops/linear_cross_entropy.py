@@ -174,8 +174,7 @@ class TokenLabelCheck:
             self._counts = [0, 0 if count is None else int(count.sum())]
             return
         valid = target != ignore_index
-        bad = valid & ((target < 0) | (target >= vocab))
-        counts = torch.stack([bad.sum(), (valid if count is None else count).sum()])
+        counts = torch.stack([_out_of_range(target, vocab, valid).sum(), (valid if count is None else count).sum()])
         if counts.is_cuda:
             # into pinned memory behind an event: the host reads it once these kernels are done
             self._counts = torch.empty(2, dtype=counts.dtype, pin_memory=True).copy_(counts, non_blocking=True)
@@ -192,13 +191,18 @@ class TokenLabelCheck:
         n_bad, n_valid = (int(v) for v in (counts if isinstance(counts, list) else counts.tolist()))
         if n_bad:
             target, vocab, ignore_index, name = self._target, self._vocab, self._ignore_index, self._name
-            values = target[(target != ignore_index) & ((target < 0) | (target >= vocab))]
+            values = target[_out_of_range(target, vocab, target != ignore_index)]
             raise ValueError(
                 f"{name} must lie in [0, {vocab}) (the vocabulary size) or equal ignore_index={ignore_index}; "
                 f"{n_bad} entries do not (values in [{int(values.min())}, {int(values.max())}]). Mask padding with "
                 f"{ignore_index}, or resize the head if the tokenizer grew"
             )
         return n_valid
+
+
+def _out_of_range(target: Tensor, vocab: int, valid: Tensor) -> Tensor:
+    """The entries of ``target`` that are not ignored (``valid``) and lie outside ``[0, vocab)``."""
+    return valid & ((target < 0) | (target >= vocab))
 
 
 def start_token_label_check(
@@ -693,6 +697,9 @@ def vocab_slice_backward(
     b = None if bias is None else bias.to(dtype)
     grad_hidden = _uninitialized((n, d), acc, hidden.device) if grad_input else None
     grad_slice = _uninitialized((w.slice_rows, d), acc, hidden.device)
+    # a tensor scale is read on the device after the GEMM (addmm's alpha is a host number)
+    device_scale = weight_scale if isinstance(weight_scale, Tensor) else None
+    alpha = 1.0 if isinstance(weight_scale, Tensor) else weight_scale
     with torch.no_grad():
         for start, stop, w_slice in w.slices():
             if grad_logits is not None:
@@ -705,9 +712,9 @@ def vocab_slice_backward(
             if grad_hidden is not None:
                 _accumulate_mm(grad_hidden, d_slice, w_slice, first=start == 0)
             gw = grad_slice[: stop - start]
-            _accumulate_mm(gw, d_slice.T, h, first=True, alpha=1.0 if isinstance(weight_scale, Tensor) else weight_scale)
-            if isinstance(weight_scale, Tensor):
-                gw.mul_(weight_scale)
+            _accumulate_mm(gw, d_slice.T, h, first=True, alpha=alpha)
+            if device_scale is not None:
+                gw.mul_(device_scale)
             gb = None if bias is None else d_slice.sum(0, dtype=acc).mul_(weight_scale)
             on_slice(start, stop, gw, gb)
             # a recomputed slice is freed before the next one is made: else two would be alive at once
