@@ -10,6 +10,8 @@ bf16 compute. Systems per shape, each without and with ``dL/dhidden`` (``+dh``, 
 - ``liger-adamw``: ``LigerFusedLinearCrossEntropyLoss`` on a bf16 copy of ``W`` (its gradient flows back into the
   float32 master), then fused AdamW; Liger always computes ``dL/dhidden``, so its two rows do the same work;
 - ``cce-adamw``: cut-cross-entropy's ``linear_cross_entropy`` the same way;
+- ``<peer>-graphs`` (``--peer-graphs``): each of those three with its whole step (forward, backward, AdamW with
+  ``capturable=True``) captured once as a CUDA graph and replayed, the tuned backprop baseline;
 - ``dad-fused``: ``DADLMHead`` on backend and sweep ``auto``: fused loss, update in backward, no full logits;
 - ``floor``: the bare bf16 GEMMs of the step (logits, ``dL/dW``, and ``dL/dh`` for ``+dh``) and one fused AdamW
   over the ``V x D`` float32 weight, each timed alone; their sum bounds any implementation of the step.
@@ -122,10 +124,39 @@ class Data:
         self.y.copy_(y)
 
 
-def _master(data: Data) -> tuple[torch.nn.Parameter, torch.optim.Optimizer]:
-    """A float32 master copy of the shared initial weights and its fused AdamW."""
+def _master(data: Data, capturable: bool = False) -> tuple[torch.nn.Parameter, torch.optim.Optimizer]:
+    """A float32 master copy of the shared initial weights and its fused AdamW (``capturable``: its step
+    counter on the device, so that a CUDA graph of the step can replay it)."""
     weight = torch.nn.Parameter(data.init.clone())
-    return weight, torch.optim.AdamW([weight], lr=1e-3, weight_decay=0.01, fused=data.init.is_cuda)
+    return weight, torch.optim.AdamW([weight], lr=1e-3, weight_decay=0.01, fused=data.init.is_cuda,
+                                     capturable=capturable)
+
+
+def whole_step_graph(step: Step, weight: torch.nn.Parameter, opt: torch.optim.Optimizer, data: Data) -> Step:
+    """``step`` captured whole (forward, backward, AdamW) as one CUDA graph and replayed: the tuned backprop
+    baseline. Warm-up steps on a side stream (torch's recipe for capturing a whole network), then weights and
+    optimizer state are put back to their initial values in place, so the replayed steps train from the same
+    start as every other system."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        loss = step()
+    with torch.no_grad():
+        weight.copy_(data.init)
+        for state in opt.state.values():
+            for value in state.values():
+                value.zero_()
+
+    def replay() -> torch.Tensor:
+        graph.replay()
+        return loss
+
+    return replay
 
 
 def _input(data: Data, grad_hidden: bool) -> torch.Tensor:
@@ -133,8 +164,10 @@ def _input(data: Data, grad_hidden: bool) -> torch.Tensor:
     return data.h.detach().requires_grad_(grad_hidden)
 
 
-def _adamw_step(loss: Callable[[], torch.Tensor], x: torch.Tensor, opt: torch.optim.Optimizer) -> Step:
-    """A peer's training step: ``loss().backward()``, the optimizer's step, gradients cleared; returns the loss."""
+def _adamw_step(loss: Callable[[], torch.Tensor], x: torch.Tensor, weight: torch.nn.Parameter,
+                opt: torch.optim.Optimizer, data: Data, graphs: bool) -> Step:
+    """A peer's training step: ``loss().backward()``, the optimizer's step, gradients cleared; returns the loss.
+    ``graphs``: the whole step replayed from one CUDA graph (:func:`whole_step_graph`)."""
 
     def step() -> torch.Tensor:
         value = loss()
@@ -144,23 +177,25 @@ def _adamw_step(loss: Callable[[], torch.Tensor], x: torch.Tensor, opt: torch.op
         x.grad = None
         return value.detach()
 
-    return step
+    return whole_step_graph(step, weight, opt, data) if graphs else step
 
 
-def hf_adamw(data: Data, dtype: torch.dtype, grad_hidden: bool) -> tuple[Step, None]:
+def hf_adamw(data: Data, dtype: torch.dtype, grad_hidden: bool, graphs: bool = False) -> tuple[Step, None]:
     """The unfused HF step: full logits, float32 CE, backprop, fused AdamW."""
-    weight, opt = _master(data)
+    weight, opt = _master(data, capturable=graphs)
     x = _input(data, grad_hidden)
 
     def loss() -> torch.Tensor:
-        with torch.autocast(x.device.type, dtype=dtype, enabled=dtype != torch.float32):
+        # no cast cache: the cached bf16 weight would outlive a graph capture's memory pool
+        with torch.autocast(x.device.type, dtype=dtype, enabled=dtype != torch.float32, cache_enabled=False):
             logits = x @ weight.t()
         return torch.nn.functional.cross_entropy(logits.float(), data.y)
 
-    return _adamw_step(loss, x, opt), None
+    return _adamw_step(loss, x, weight, opt, data, graphs), None
 
 
-def peer_adamw(library: str, data: Data, dtype: torch.dtype, grad_hidden: bool) -> tuple[Step, None]:
+def peer_adamw(library: str, data: Data, dtype: torch.dtype, grad_hidden: bool,
+               graphs: bool = False) -> tuple[Step, None]:
     """Liger-Kernel's or cut-cross-entropy's fused linear cross-entropy on a ``dtype`` copy of the float32
     master weight (autograd carries ``dL/dW`` back through the cast), then fused AdamW."""
     if library == "liger":
@@ -176,12 +211,12 @@ def peer_adamw(library: str, data: Data, dtype: torch.dtype, grad_hidden: bool) 
         def loss_of(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             return linear_cross_entropy(x, w, data.y)
 
-    weight, opt = _master(data)
+    weight, opt = _master(data, capturable=graphs)
     # Liger computes dL/dW only together with dL/dh: given an h that asks for no gradient it returns none for
     # W either (liger-kernel 0.8.5, ops/fused_linear_cross_entropy.py), and W never trains
     x = _input(data, grad_hidden or library == "liger")
 
-    return _adamw_step(lambda: loss_of(x, weight.to(dtype)), x, opt), None
+    return _adamw_step(lambda: loss_of(x, weight.to(dtype)), x, weight, opt, data, graphs), None
 
 
 def dad_fused(
@@ -232,20 +267,25 @@ def loss_after(step: Step, data: Data, steps: int) -> float:
 
 
 def systems_for(data: Data, dtype: torch.dtype, device: torch.device, sweep: dict[str, list[int]],
-                weight_chunks: Sequence[int] = (), orders: Sequence[str] = ()) -> list[tuple[str, Callable[[], Any]]]:
+                weight_chunks: Sequence[int] = (), orders: Sequence[str] = (),
+                peer_graphs: bool = False) -> list[tuple[str, Callable[[], Any]]]:
     """``(name, build)`` of every system of one shape; ``build()`` returns ``(step, head or None)``.
     ``weight_chunks``: also the DAD head casting its weight that many rows at a time (``-w<rows>``),
     at the default chunk and at every chunk of the sweep. ``orders``: also the DAD head with
-    ``sweep=<order>`` (``-<order>``), alone and with each of ``weight_chunks``."""
+    ``sweep=<order>`` (``-<order>``), alone and with each of ``weight_chunks``. ``peer_graphs`` (CUDA): also
+    every peer with its whole step replayed from a CUDA graph (``<peer>-graphs``)."""
     systems: list[tuple[str, Callable[[], Any]]] = []
     for dh in (False, True):
         tag = "+dh" if dh else ""
-        systems += [(f"hf-adamw{tag}", lambda dh=dh: hf_adamw(data, dtype, dh))]
-        for library in ("liger", "cce"):
-            if device.type != "cuda":
-                print(f"skip {library}-adamw{tag}: CUDA only")
-                continue
-            systems += [(f"{library}-adamw{tag}", lambda library=library, dh=dh: peer_adamw(library, data, dtype, dh))]
+        for graphs in (False, True) if peer_graphs and device.type == "cuda" else (False,):
+            suffix = "-graphs" if graphs else ""
+            systems += [(f"hf-adamw{suffix}{tag}", lambda dh=dh, graphs=graphs: hf_adamw(data, dtype, dh, graphs))]
+            for library in ("liger", "cce"):
+                if device.type != "cuda":
+                    print(f"skip {library}-adamw{tag}: CUDA only")
+                    continue
+                systems += [(f"{library}-adamw{suffix}{tag}", lambda library=library, dh=dh, graphs=graphs:
+                             peer_adamw(library, data, dtype, dh, graphs))]
         systems += [(f"dad-fused{tag}", lambda dh=dh: dad_fused(data, dtype, dh))]
         systems += [(f"dad-fused-w{w}{tag}", lambda dh=dh, w=w: dad_fused(data, dtype, dh, weight_chunk=w))
                     for w in weight_chunks]
@@ -349,6 +389,8 @@ def main() -> None:
     parser.add_argument("--sweeps", nargs="*", default=[], choices=["tokens", "vocab", "recompute", "recompute-graphs"],
                         help="also the DAD head with sweep=ORDER (the default is 'auto'; 'recompute-graphs': "
                         "sweep='recompute', cuda_graphs=True)")
+    parser.add_argument("--peer-graphs", action="store_true",
+                        help="also every peer with its whole step (forward, backward, AdamW) replayed from a CUDA graph")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default results/lm_head.json)")
     parser.add_argument("--plot", type=Path, default=None,
                         help="only draw RESULTS.json's step time against peak memory into RESULTS.png")
@@ -369,7 +411,8 @@ def main() -> None:
     records = []
     for index, (shape, (vocab, hidden, tokens)) in enumerate(shapes.items()):
         data = Data(vocab, hidden, tokens, dtype, device)
-        systems = systems_for(data, dtype, device, sweep if index == 0 else {}, args.weight_chunks, args.sweeps)
+        systems = systems_for(data, dtype, device, sweep if index == 0 else {}, args.weight_chunks, args.sweeps,
+                              args.peer_graphs)
         rows = [run_system(name, build, data, device, warmup, repeats, args.loss_steps, args.profile)
                 for name, build in systems]
         rows += [{"system": f"floor{tag}", **floor(data, dtype, dh, warmup, repeats)} for dh, tag in ((False, ""), (True, "+dh"))]
@@ -386,12 +429,14 @@ def main() -> None:
         print("wrote", write_records("lm_head", records, args.smoke))
 
 
-PEERS = ("liger-adamw", "cce-adamw")
+# the fused peers, each eager and with its whole step graphed (--peer-graphs): a target is set by a peer's best setting
+PEERS = ("liger-adamw", "cce-adamw", "liger-adamw-graphs", "cce-adamw-graphs")
 
 
 def targets(rows: list[dict[str, Any]], tag: str) -> tuple[float, float] | None:
     """``(allowed ms, allowed MiB)`` of one cell: time at most max(0.85 x the fastest fused peer, 1.15 x the
-    floor), peak at most the lowest fused peer's; ``None`` if a peer or the floor is missing."""
+    floor), peak at most the lowest fused peer's, over every setting of the peers in ``rows``; ``None`` if a peer
+    or the floor is missing."""
     by_name = {r["system"]: r for r in rows if "error" not in r}
     peers = [by_name[p + tag] for p in PEERS if p + tag in by_name]
     floor_row = by_name.get("floor" + tag)
@@ -445,7 +490,7 @@ def _tradeoff_panel(ax: Any, rows: list[dict[str, Any]], tag: str, goal: tuple[f
     for r, name in points:
         peer = name in PEERS
         ax.scatter(r["peak_mib"], r["step_ms"], s=18, color="tab:red" if peer else "tab:blue")
-        label = name.removesuffix("-adamw") if peer else name.removeprefix("dad-fused").removeprefix("-triton")
+        label = name.replace("-adamw", "") if peer else name.removeprefix("dad-fused").removeprefix("-triton")
         ax.annotate(label.lstrip("-") or "default", (r["peak_mib"], r["step_ms"]), fontsize=7,
                     xytext=(3, 2), textcoords="offset points")
     mib = [r["peak_mib"] for r, _ in points] + ([goal[1]] if goal else [])
