@@ -10,8 +10,12 @@ bf16 compute. Systems per shape, each without and with ``dL/dhidden`` (``+dh``, 
 - ``liger-adamw``: ``LigerFusedLinearCrossEntropyLoss`` on a bf16 copy of ``W`` (its gradient flows back into the
   float32 master), then fused AdamW; Liger always computes ``dL/dhidden``, so its two rows do the same work;
 - ``cce-adamw``: cut-cross-entropy's ``linear_cross_entropy`` the same way;
-- ``<peer>-graphs`` (``--peer-graphs``): each of those three with its whole step (forward, backward, AdamW with
-  ``capturable=True``) captured once as a CUDA graph and replayed, the tuned backprop baseline;
+- ``hf-adamw-graphs`` (``--peer-graphs``): the unfused step captured whole (forward, backward, AdamW with
+  ``capturable=True``) as one CUDA graph and replayed, the tuned backprop baseline. Liger-Kernel's and
+  cut-cross-entropy's steps cannot be captured: each reads the count of scored labels on the host (liger-kernel
+  0.8.5: ``target_mask.sum().item()`` in ``fused_linear_cross_entropy_forward``; cut-cross-entropy 25.1.1:
+  ``(targets != ignore_index).nonzero()`` in ``_build_flat_valids``), which a capturing stream refuses, so eager is
+  their best setting;
 - ``dad-fused``: ``DADLMHead`` on backend and sweep ``auto``: fused loss, update in backward, no full logits;
 - ``floor``: the bare bf16 GEMMs of the step (logits, ``dL/dW``, and ``dL/dh`` for ``+dh``) and one fused AdamW
   over the ``V x D`` float32 weight, each timed alone; their sum bounds any implementation of the step.
@@ -194,8 +198,7 @@ def hf_adamw(data: Data, dtype: torch.dtype, grad_hidden: bool, graphs: bool = F
     return _adamw_step(loss, x, weight, opt, data, graphs), None
 
 
-def peer_adamw(library: str, data: Data, dtype: torch.dtype, grad_hidden: bool,
-               graphs: bool = False) -> tuple[Step, None]:
+def peer_adamw(library: str, data: Data, dtype: torch.dtype, grad_hidden: bool) -> tuple[Step, None]:
     """Liger-Kernel's or cut-cross-entropy's fused linear cross-entropy on a ``dtype`` copy of the float32
     master weight (autograd carries ``dL/dW`` back through the cast), then fused AdamW."""
     if library == "liger":
@@ -211,12 +214,12 @@ def peer_adamw(library: str, data: Data, dtype: torch.dtype, grad_hidden: bool,
         def loss_of(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
             return linear_cross_entropy(x, w, data.y)
 
-    weight, opt = _master(data, capturable=graphs)
+    weight, opt = _master(data)
     # Liger computes dL/dW only together with dL/dh: given an h that asks for no gradient it returns none for
     # W either (liger-kernel 0.8.5, ops/fused_linear_cross_entropy.py), and W never trains
     x = _input(data, grad_hidden or library == "liger")
 
-    return _adamw_step(lambda: loss_of(x, weight.to(dtype)), x, weight, opt, data, graphs), None
+    return _adamw_step(lambda: loss_of(x, weight.to(dtype)), x, weight, opt, data, graphs=False), None
 
 
 def dad_fused(
@@ -273,19 +276,18 @@ def systems_for(data: Data, dtype: torch.dtype, device: torch.device, sweep: dic
     ``weight_chunks``: also the DAD head casting its weight that many rows at a time (``-w<rows>``),
     at the default chunk and at every chunk of the sweep. ``orders``: also the DAD head with
     ``sweep=<order>`` (``-<order>``), alone and with each of ``weight_chunks``. ``peer_graphs`` (CUDA): also
-    every peer with its whole step replayed from a CUDA graph (``<peer>-graphs``)."""
+    the unfused step replayed whole from a CUDA graph (``hf-adamw-graphs``)."""
     systems: list[tuple[str, Callable[[], Any]]] = []
     for dh in (False, True):
         tag = "+dh" if dh else ""
-        for graphs in (False, True) if peer_graphs and device.type == "cuda" else (False,):
-            suffix = "-graphs" if graphs else ""
-            systems += [(f"hf-adamw{suffix}{tag}", lambda dh=dh, graphs=graphs: hf_adamw(data, dtype, dh, graphs))]
-            for library in ("liger", "cce"):
-                if device.type != "cuda":
-                    print(f"skip {library}-adamw{tag}: CUDA only")
-                    continue
-                systems += [(f"{library}-adamw{suffix}{tag}", lambda library=library, dh=dh, graphs=graphs:
-                             peer_adamw(library, data, dtype, dh, graphs))]
+        systems += [(f"hf-adamw{tag}", lambda dh=dh: hf_adamw(data, dtype, dh))]
+        if peer_graphs and device.type == "cuda":
+            systems += [(f"hf-adamw-graphs{tag}", lambda dh=dh: hf_adamw(data, dtype, dh, graphs=True))]
+        for library in ("liger", "cce"):
+            if device.type != "cuda":
+                print(f"skip {library}-adamw{tag}: CUDA only")
+                continue
+            systems += [(f"{library}-adamw{tag}", lambda library=library, dh=dh: peer_adamw(library, data, dtype, dh))]
         systems += [(f"dad-fused{tag}", lambda dh=dh: dad_fused(data, dtype, dh))]
         systems += [(f"dad-fused-w{w}{tag}", lambda dh=dh, w=w: dad_fused(data, dtype, dh, weight_chunk=w))
                     for w in weight_chunks]
@@ -390,7 +392,7 @@ def main() -> None:
                         help="also the DAD head with sweep=ORDER (the default is 'auto'; 'recompute-graphs': "
                         "sweep='recompute', cuda_graphs=True)")
     parser.add_argument("--peer-graphs", action="store_true",
-                        help="also every peer with its whole step (forward, backward, AdamW) replayed from a CUDA graph")
+                        help="also the unfused step (forward, backward, AdamW) replayed whole from a CUDA graph")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default results/lm_head.json)")
     parser.add_argument("--plot", type=Path, default=None,
                         help="only draw RESULTS.json's step time against peak memory into RESULTS.png")
@@ -429,14 +431,12 @@ def main() -> None:
         print("wrote", write_records("lm_head", records, args.smoke))
 
 
-# the fused peers, each eager and with its whole step graphed (--peer-graphs): a target is set by a peer's best setting
-PEERS = ("liger-adamw", "cce-adamw", "liger-adamw-graphs", "cce-adamw-graphs")
+PEERS = ("liger-adamw", "cce-adamw")
 
 
 def targets(rows: list[dict[str, Any]], tag: str) -> tuple[float, float] | None:
     """``(allowed ms, allowed MiB)`` of one cell: time at most max(0.85 x the fastest fused peer, 1.15 x the
-    floor), peak at most the lowest fused peer's, over every setting of the peers in ``rows``; ``None`` if a peer
-    or the floor is missing."""
+    floor), peak at most the lowest fused peer's; ``None`` if a peer or the floor is missing."""
     by_name = {r["system"]: r for r in rows if "error" not in r}
     peers = [by_name[p + tag] for p in PEERS if p + tag in by_name]
     floor_row = by_name.get("floor" + tag)
@@ -490,7 +490,7 @@ def _tradeoff_panel(ax: Any, rows: list[dict[str, Any]], tag: str, goal: tuple[f
     for r, name in points:
         peer = name in PEERS
         ax.scatter(r["peak_mib"], r["step_ms"], s=18, color="tab:red" if peer else "tab:blue")
-        label = name.replace("-adamw", "") if peer else name.removeprefix("dad-fused").removeprefix("-triton")
+        label = name.removesuffix("-adamw") if peer else name.removeprefix("dad-fused").removeprefix("-triton")
         ax.annotate(label.lstrip("-") or "default", (r["peak_mib"], r["step_ms"]), fontsize=7,
                     xytext=(3, 2), textcoords="offset points")
     mib = [r["peak_mib"] for r, _ in points] + ([goal[1]] if goal else [])
