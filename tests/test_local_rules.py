@@ -282,3 +282,26 @@ def test_trainer_checkpoint_round_trip_per_rule(rule):
         assert torch.equal(t_a, t_b), name
     with pytest.raises(RuntimeError):  # a ce model cannot silently load a drtp checkpoint (different buffers)
         td.DADTrainer(_model("ce")).model.load_state_dict(td.DADTrainer(_model(), local_loss="drtp").model.state_dict())
+
+
+@pytest.mark.parametrize("name", ["adamw", "sgd"])
+def test_row_updates_with_a_device_multiplier_are_one_update_of_the_scaled_gradient(name):
+    # apply_rows_ over row ranges, each gradient times a 0-dim tensor read where it lies, equals one apply_ of
+    # the whole gradient times that number (the CPU path; the Triton kernel's is tests/gpu/test_kernels.py)
+    from torch_dad.optim import LocalOptimizerState
+
+    g = torch.Generator().manual_seed(3)
+    shapes = [(23, 5), (23,)]
+    params = [torch.randn(s, generator=g) for s in shapes]
+    grads = [torch.randn(s, generator=g) for s in shapes]
+    config = td.OptimizerConfig(name=name, lr=1e-2, weight_decay=0.1)
+    want, got = [p.clone() for p in params], [p.clone() for p in params]
+    ref, state = LocalOptimizerState(shapes), LocalOptimizerState(shapes)
+    ref.apply_(want, [gr * 0.25 for gr in grads], config)
+    for start in range(0, 23, 10):
+        stop = min(start + 10, 23)
+        state.apply_rows_(got, [gr[start:stop] for gr in grads], config, start, stop, advance_step=start == 0,
+                          grad_multiplier=torch.tensor(0.25))
+    for a, b in zip(got, want):
+        assert relative_error(a, b) <= 1e-6
+    assert float(state.step) == float(ref.step) == 1.0

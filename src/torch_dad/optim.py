@@ -187,9 +187,11 @@ class LocalOptimizerState(torch.nn.Module):
         *,
         advance_step: bool,
         lr: float | Tensor | None = None,
+        grad_multiplier: Tensor | None = None,
     ) -> None:
         """:meth:`apply_` on rows ``start:stop`` (the leading dim) of the full ``params`` and their
-        moments, from those rows' gradients ``grads``; the step counter advances only with ``advance_step``.
+        moments, from those rows' gradients ``grads`` (times ``grad_multiplier``, a 0-dim device tensor, if
+        given); the step counter advances only with ``advance_step``.
 
         Both optimizers act elementwise, so updating a tensor slice by slice, the counter advanced
         with the first slice only, is one :meth:`apply_` of the whole.
@@ -205,8 +207,11 @@ class LocalOptimizerState(torch.nn.Module):
             lr = config.lr if lr is None else lr
             lr_tensor = lr if isinstance(lr, Tensor) else torch.full((), lr, dtype=torch.float32, device=rows[0].device)
             _adamw_kernel().launch_adamw(list(zip(rows, grads, moments[0], moments[1], [None] * len(rows))),
-                                         self.step, lr_tensor, config.betas, config.eps, config.weight_decay)
+                                         self.step, lr_tensor, config.betas, config.eps, config.weight_decay,
+                                         grad_multiplier)
             return
+        if grad_multiplier is not None:
+            grads = [g * grad_multiplier.to(g.dtype) for g in grads]
         self._update(rows, grads, moments[0], moments[1], config, lr, advance_step)
 
     def _update(self, params: Sequence[Tensor], grads: Sequence[Tensor], exp_avgs: list[Tensor],

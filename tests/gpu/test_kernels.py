@@ -226,10 +226,12 @@ def test_adamw_kernel_matches_fused_adamw(sizes, shadow):  # type: ignore[no-unt
             assert torch.equal(s, q.to(shadow))
 
 
+@pytest.mark.parametrize("multiplier", [None, 0.37])
 @pytest.mark.parametrize("bias", [False, True])
-def test_row_slices_on_the_kernel_match_one_fused_adamw(bias):  # type: ignore[no-untyped-def]
+def test_row_slices_on_the_kernel_match_one_fused_adamw(bias, multiplier):  # type: ignore[no-untyped-def]
     # LocalOptimizerState.apply_rows_ on the device runs the Triton kernel slice by slice (the counter advanced
-    # once); the reference is one torch AdamW step of the whole tensors on the CPU
+    # once); the reference is one torch AdamW step of the whole tensors on the CPU, from the gradients times
+    # the multiplier the kernel reads on the device
     shapes = [(101, 7), (101,)] if bias else [(101, 7)]
     g = torch.Generator(device="cpu").manual_seed(11)
     params = [torch.randn(s, generator=g) for s in shapes]
@@ -239,12 +241,13 @@ def test_row_slices_on_the_kernel_match_one_fused_adamw(bias):  # type: ignore[n
     for state in states:  # a second step, so the moments are not zero
         state.apply_([p.clone() for p in params], [gr * 0.5 for gr in grads], config)
     want = [p.clone() for p in params]
-    states[0].apply_(want, grads, config)
+    states[0].apply_(want, [gr * (multiplier or 1.0) for gr in grads], config)
     state = states[1].to(DEVICE)
     got = [p.to(DEVICE) for p in params]
+    on_device = None if multiplier is None else torch.tensor(multiplier, device=DEVICE)
     for start in range(0, 101, 40):
         state.apply_rows_(got, [gr[start:start + 40].to(DEVICE) for gr in grads], config, start, start + 40,
-                          advance_step=start == 0)
+                          advance_step=start == 0, grad_multiplier=on_device)
     assert float(state.step) == float(states[0].step) == 2.0
     for a, b in zip(got + state.moments("exp_avg") + state.moments("exp_avg_sq"),
                     want + states[0].moments("exp_avg") + states[0].moments("exp_avg_sq")):

@@ -1,7 +1,8 @@
 """The Triton kernel of :func:`torch_dad.ops.adamw.adamw_with_shadow_` and its launcher.
 
 One launch updates a layer's weight and bias: the programs of the first ``blocks1`` blocks
-take the first tensor, the rest the second. ``lr`` and the step are read from device tensors.
+take the first tensor, the rest the second. ``lr``, the step and an optional gradient multiplier
+are read from device tensors.
 """
 
 import math
@@ -49,11 +50,13 @@ def bias_corrections(step_ptr, log_b1, log_b2):
 
 
 @triton.jit
-def adamw_segment(p_ptr, g_ptr, m_ptr, v_ptr, s_ptr, offs, n, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt, HAS_SHADOW: tl.constexpr):
-    """AdamW in place on the 1-D elements ``offs < n`` of ``p, m, v`` with gradient ``g``; the low-precision copy too."""
+def adamw_segment(p_ptr, g_ptr, m_ptr, v_ptr, s_ptr, offs, n, lr, g_mul, b2, c1, c2, eps, wd, bc1, bc2_sqrt,
+                  HAS_SHADOW: tl.constexpr):
+    """AdamW in place on the 1-D elements ``offs < n`` of ``p, m, v`` with gradient ``g * g_mul``; the
+    low-precision copy too."""
     mask = offs < n
     p = tl.load(p_ptr + offs, mask=mask, other=0.0)
-    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask, other=0.0).to(tl.float32) * g_mul
     m = tl.load(m_ptr + offs, mask=mask, other=0.0)
     v = tl.load(v_ptr + offs, mask=mask, other=0.0)
     p, m, v = adamw_values(p, g, m, v, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt)
@@ -66,19 +69,20 @@ def adamw_segment(p_ptr, g_ptr, m_ptr, v_ptr, s_ptr, offs, n, lr, b2, c1, c2, ep
 
 @triton.jit
 def adamw_kernel(
-    p1, g1, m1, v1, s1, n1, p2, g2, m2, v2, s2, n2, step_ptr, lr_ptr,
+    p1, g1, m1, v1, s1, n1, p2, g2, m2, v2, s2, n2, step_ptr, lr_ptr, g_mul_ptr,
     b2, c1, c2, log_b1, log_b2, eps, wd, blocks1,
-    BLOCK: tl.constexpr, SHADOW1: tl.constexpr, SHADOW2: tl.constexpr,
+    BLOCK: tl.constexpr, SHADOW1: tl.constexpr, SHADOW2: tl.constexpr, GRAD_MULTIPLIER: tl.constexpr,
 ):
     pid = tl.program_id(0)
     bc1, bc2_sqrt = bias_corrections(step_ptr, log_b1, log_b2)
     lr = tl.load(lr_ptr).to(tl.float32)
+    g_mul = tl.load(g_mul_ptr).to(tl.float32) if GRAD_MULTIPLIER else 1.0
     if pid < blocks1:
         offs = pid * BLOCK + tl.arange(0, BLOCK)
-        adamw_segment(p1, g1, m1, v1, s1, offs, n1, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt, SHADOW1)
+        adamw_segment(p1, g1, m1, v1, s1, offs, n1, lr, g_mul, b2, c1, c2, eps, wd, bc1, bc2_sqrt, SHADOW1)
     else:
         offs = (pid - blocks1) * BLOCK + tl.arange(0, BLOCK)
-        adamw_segment(p2, g2, m2, v2, s2, offs, n2, lr, b2, c1, c2, eps, wd, bc1, bc2_sqrt, SHADOW2)
+        adamw_segment(p2, g2, m2, v2, s2, offs, n2, lr, g_mul, b2, c1, c2, eps, wd, bc1, bc2_sqrt, SHADOW2)
 
 
 def launch_adamw(
@@ -88,10 +92,11 @@ def launch_adamw(
     betas: tuple[float, float],
     eps: float,
     weight_decay: float,
+    grad_multiplier: Tensor | None = None,
 ) -> None:
     """AdamW in place on 1 or 2 contiguous fp32 ``(param, grad, exp_avg, exp_avg_sq, shadow)``
     tuples, then ``shadow.copy_(param)`` where ``shadow`` is not ``None``; ``step`` is not
-    incremented."""
+    incremented. ``grad_multiplier`` (0-dim, on the device): the update uses ``grad * grad_multiplier``."""
     block = 1024
     segs = []
     for i in range(2):
@@ -102,7 +107,8 @@ def launch_adamw(
     blocks1 = cdiv(segs[0][5], block)
     blocks2 = cdiv(segs[1][5], block)
     adamw_kernel[(blocks1 + blocks2,)](
-        *segs[0][:6], *segs[1][:6], step, lr,
+        *segs[0][:6], *segs[1][:6], step, lr, lr if grad_multiplier is None else grad_multiplier,
         *beta_args(betas), eps, weight_decay, blocks1,
         BLOCK=block, SHADOW1=segs[0][6], SHADOW2=segs[1][6] and segs[1][5] > 0,
+        GRAD_MULTIPLIER=grad_multiplier is not None,
     )

@@ -250,14 +250,16 @@ class LocalLayer(nn.Module):
 
     @torch.no_grad()
     def _local_update_rows(self, start: int, stop: int, grads: list[Tensor], *, first: bool,
-                           lr: float | Tensor | None = None) -> None:
+                           lr: float | Tensor | None = None, grad_multiplier: Tensor | None = None) -> None:
         """``update="inplace"`` on rows ``start:stop`` of every trained tensor, from those rows' final
-        gradients (:meth:`trained_tensors` order); ``first`` advances the step counter; ``lr`` overrides
-        ``config.lr``. Updating every row range once this way is one :meth:`apply_local_update` of the whole."""
+        gradients (:meth:`trained_tensors` order, times ``grad_multiplier`` if given); ``first`` advances the step
+        counter; ``lr`` overrides ``config.lr``. Updating every row range once this way is one
+        :meth:`apply_local_update` of the whole."""
         params, grads = self._matched(grads)
         if self.optim_state is None:
             raise RuntimeError(f"{type(self).__name__}(update='grad') has no optimizer state; its gradients go to .grad")
-        self.optim_state.apply_rows_(params, grads, self.config, start, stop, advance_step=first, lr=lr)
+        self.optim_state.apply_rows_(params, grads, self.config, start, stop, advance_step=first, lr=lr,
+                                     grad_multiplier=grad_multiplier)
 
     def _local_update(self, grads: list[Tensor]) -> list[Tensor] | None:
         """``update="inplace"``: step with ``self.config`` now, return ``None``. ``update="grad"``:

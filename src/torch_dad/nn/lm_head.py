@@ -166,8 +166,9 @@ def _slice_sweep(head: DADLMHead, res: LinearCrossEntropyResult, hidden: Tensor,
                  num_valid: int, lr: Tensor | None = None, weight_scale: Tensor | None = None) -> Tensor | None:
     """The weight updates of ``sweep="vocab"`` / ``"recompute"`` (``hidden`` in the compute dtype): each vocabulary
     slice's gradient (mean CE over the batch's ``num_valid`` scored tokens, as ``update="inplace"`` always uses; or
-    times ``weight_scale``, read on the device) is applied as soon as it is final, with ``lr`` (default
-    ``config.lr``). Returns ``-d sum_t log p_t / dh`` (pre-update weights, float32), or ``None``."""
+    the summed CE's times ``weight_scale``, a device tensor the AdamW kernel reads) is applied as soon as it is
+    final, with ``lr`` (default ``config.lr``). Returns ``-d sum_t log p_t / dh`` (pre-update weights, float32), or
+    ``None``."""
     if not num_valid:
         return None
     if lr is None and hidden.is_cuda:
@@ -177,12 +178,13 @@ def _slice_sweep(head: DADLMHead, res: LinearCrossEntropyResult, hidden: Tensor,
 
     def on_slice(start: int, stop: int, grad_weight: Tensor, grad_bias: Tensor | None) -> None:
         grads = [grad_weight] if grad_bias is None else [grad_weight, grad_bias]
-        head._local_update_rows(start, stop, grads, first=start == 0, lr=lr)
+        head._local_update_rows(start, stop, grads, first=start == 0, lr=lr, grad_multiplier=weight_scale)
 
+    # a host scale rides on the gradient GEMM's alpha; a device one on the AdamW kernel (no kernel of its own)
     return vocab_slice_backward(
         hidden, head.weight.detach(), on_slice, grad_logits=res.grad_logits, log_sum_exp=res.log_sum_exp,
         target=target, bias=None if head.bias is None else head.bias.detach(), ignore_index=head.ignore_index,
-        grad_input=want_gi, weight_scale=1.0 / num_valid if weight_scale is None else weight_scale,
+        grad_input=want_gi, weight_scale=1.0 / num_valid if weight_scale is None else 1.0,
         slice_rows=head.weight_chunk_size, backend=res.backend,
     )
 

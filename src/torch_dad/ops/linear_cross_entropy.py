@@ -174,7 +174,10 @@ class TokenLabelCheck:
             self._counts = [0, 0 if count is None else int(count.sum())]
             return
         valid = target != ignore_index
-        counts = torch.stack([_out_of_range(target, vocab, valid).sum(), (valid if count is None else count).sum()])
+        # one sum over both flags: each sum of a bool tensor is a cast and a reduction, and a step issues these
+        # before its forward
+        flags = [_out_of_range(target, vocab, valid), valid if count is None else count]
+        counts = torch.stack([f.reshape(-1) for f in flags]).sum(1)
         if counts.is_cuda:
             # into pinned memory behind an event: the host reads it once these kernels are done
             self._counts = torch.empty(2, dtype=counts.dtype, pin_memory=True).copy_(counts, non_blocking=True)
@@ -202,7 +205,7 @@ class TokenLabelCheck:
 
 def _out_of_range(target: Tensor, vocab: int, valid: Tensor) -> Tensor:
     """The entries of ``target`` that are not ignored (``valid``) and lie outside ``[0, vocab)``."""
-    return valid & ((target < 0) | (target >= vocab))
+    return valid & (target.clamp(0, vocab - 1) != target)
 
 
 def start_token_label_check(
@@ -664,7 +667,7 @@ def vocab_slice_backward(
     bias: Tensor | None = None,
     ignore_index: int = functional.IGNORE_INDEX,
     grad_input: bool = False,
-    weight_scale: float | Tensor = 1.0,
+    weight_scale: float = 1.0,
     slice_rows: int | None = None,
     backend: str = "auto",
 ) -> Tensor | None:
@@ -676,8 +679,7 @@ def vocab_slice_backward(
     For each slice ``s`` of ``slice_rows`` rows (default :func:`default_slice_rows`), in order:
     ``dh += d[:, s] @ W[s]`` (if ``grad_input``), then ``on_slice(start, stop, gw, gb)`` with
     ``gw = weight_scale * d[:, s].T @ hidden`` and ``gb = weight_scale * d[:, s].sum(0)`` (``None``
-    without ``bias``), float32 (float64 for float64); a 0-dim tensor ``weight_scale`` is read on the device
-    (a captured sweep replays with whatever it holds). ``gw`` is final: ``on_slice`` may update
+    without ``bias``), float32 (float64 for float64). ``gw`` is final: ``on_slice`` may update
     ``W[s]`` in place, since ``dh`` has already read it, and must not keep ``gw`` (its buffer is reused).
     ``backend`` (``"auto"``, ``"triton"``, ``"torch"``) runs the recomputed slice's softmax.
     Returns ``dh`` (N, D) in that float dtype, or ``None``. No V x D tensor is allocated.
@@ -697,9 +699,6 @@ def vocab_slice_backward(
     b = None if bias is None else bias.to(dtype)
     grad_hidden = _uninitialized((n, d), acc, hidden.device) if grad_input else None
     grad_slice = _uninitialized((w.slice_rows, d), acc, hidden.device)
-    # a tensor scale is read on the device after the GEMM (addmm's alpha is a host number)
-    device_scale = weight_scale if isinstance(weight_scale, Tensor) else None
-    alpha = 1.0 if isinstance(weight_scale, Tensor) else weight_scale
     with torch.no_grad():
         for start, stop, w_slice in w.slices():
             if grad_logits is not None:
@@ -712,9 +711,7 @@ def vocab_slice_backward(
             if grad_hidden is not None:
                 _accumulate_mm(grad_hidden, d_slice, w_slice, first=start == 0)
             gw = grad_slice[: stop - start]
-            _accumulate_mm(gw, d_slice.T, h, first=True, alpha=alpha)
-            if device_scale is not None:
-                gw.mul_(device_scale)
+            _accumulate_mm(gw, d_slice.T, h, first=True, alpha=weight_scale)
             gb = None if bias is None else d_slice.sum(0, dtype=acc).mul_(weight_scale)
             on_slice(start, stop, gw, gb)
             # a recomputed slice is freed before the next one is made: else two would be alive at once
