@@ -270,6 +270,21 @@ def test_check_token_labels_counts():
     assert check_token_labels(torch.tensor([[1, -100], [3, 0]]), (2, 2), 4) == 3
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.uint8, torch.int16, torch.int32, torch.int64])
+def test_check_token_labels_in_any_integer_dtype(dtype):
+    # a vocabulary larger than the dtype's range leaves only negative ids out of range
+    ids = torch.tensor([[1, 3], [0, 2]], dtype=dtype)
+    for vocab in (4, 49152):
+        assert check_token_labels(ids, (2, 2), vocab) == 4
+    with pytest.raises(ValueError, match=r"lie in \[0, 3\)"):
+        check_token_labels(ids, (2, 2), 3)
+    if dtype.is_signed:
+        bad = torch.tensor([[1, -100], [-2, 0]], dtype=dtype)
+        for vocab in (4, 49152):
+            with pytest.raises(ValueError, match="1 entries do not"):
+                check_token_labels(bad, (2, 2), vocab)
+
+
 # ---------------------------------------------------------------- DADLMHead
 
 

@@ -106,6 +106,7 @@ def launch_adamw(
         segs.append((p, g, m, v, s if s is not None else p, n, s is not None))
     blocks1 = cdiv(segs[0][5], block)
     blocks2 = cdiv(segs[1][5], block)
+    # without a multiplier the kernel never reads its pointer: lr stands in for it
     adamw_kernel[(blocks1 + blocks2,)](
         *segs[0][:6], *segs[1][:6], step, lr, lr if grad_multiplier is None else grad_multiplier,
         *beta_args(betas), eps, weight_decay, blocks1,

@@ -205,7 +205,8 @@ class TokenLabelCheck:
 
 def _out_of_range(target: Tensor, vocab: int, valid: Tensor) -> Tensor:
     """The entries of ``target`` that are not ignored (``valid``) and lie outside ``[0, vocab)``."""
-    return valid & (target.clamp(0, vocab - 1) != target)
+    # a narrow integer dtype cannot hold vocab - 1 (clamp refuses it): then only negative ids are out of range
+    return valid & (target.clamp(0, min(vocab - 1, torch.iinfo(target.dtype).max)) != target)
 
 
 def start_token_label_check(
