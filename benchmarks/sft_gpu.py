@@ -49,7 +49,9 @@ step, the last set to 1 for every system, over the steps after ``--warmup-steps`
 times), ``peak_mib`` (``torch.cuda.max_memory_allocated`` over
 model build and training, stats reset first), every logged loss (``trainer.state.log_history``), wall time, trainable
 parameters and the versions of torch, transformers, trl, peft, accelerate, datasets, liger-kernel, unsloth,
-unsloth_zoo, bitsandbytes. ``--profile-steps N`` adds ``profile``: ``torch.profiler`` over the N steps after the
+unsloth_zoo, bitsandbytes. ``--repeats N`` trains every system N times, round-robin within each shape and mode
+(each row records its ``repeat``); the table and the plot then give the median tokens/s, since at these batch sizes a
+step is bound by the host's Python and launches, whose speed drifts from run to run by a few percent. ``--profile-steps N`` adds ``profile``: ``torch.profiler`` over the N steps after the
 warm-up (wall and CUDA kernel time per step, kernel launches, the costliest kernels and host operators); those steps
 are left out of tokens/s. A system that fails leaves a row with ``error``, the end of its ``traceback`` and, when
 training itself raised, the model's facts (``param_dtypes_by_module`` among them). On CUDA every run
@@ -120,6 +122,7 @@ import importlib.util
 import json
 import math
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -568,17 +571,20 @@ def run_isolated(system: str, shape: str, mode: str, args: argparse.Namespace) -
 
 
 def run_grid(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
-    """Every selected (shape, mode, system); each row carries the environment and the package versions."""
+    """Every selected (shape, mode, system), ``--repeats`` times; each row carries the environment, the package
+    versions and its ``repeat`` index."""
     tokens = smoke_tokens(SMOKE_SHAPE["vocab_size"]) if args.smoke else torch.load(args.tokens)
     env = {**environment(), "versions": versions()}
     records = []
     for shape in args.shapes:
         for mode in args.modes:
-            for system in args.systems:
+            # round-robin over the systems: a drift of the host's speed during the runs reaches every system alike
+            for repeat, system in ((r, s) for r in range(args.repeats) for s in args.systems):
                 reason = skip_reason(system, device)
                 if reason is not None:
-                    print(f"skip {system} {shape} {mode}: {reason}")
-                    records.append({"system": system, "shape": shape, "mode": mode, "skipped": reason, **env})
+                    if repeat == 0:
+                        print(f"skip {system} {shape} {mode}: {reason}")
+                        records.append({"system": system, "shape": shape, "mode": mode, "skipped": reason, **env})
                     continue
                 if args.in_process:
                     try:
@@ -592,7 +598,7 @@ def run_grid(args: argparse.Namespace, device: torch.device) -> list[dict[str, A
                         row = {"system": system, "shape": shape, "mode": mode, **failure_row(exc)}
                 else:
                     row = run_isolated(system, shape, mode, args)
-                records.append({**row, **env})
+                records.append({**row, "repeat": repeat, **env})
                 report(records[-1])
     return records
 
@@ -606,6 +612,23 @@ def report(row: dict[str, Any]) -> None:
           f"peak {peak}  loss {row['losses'][0]:.3f} -> {row['losses'][-1]:.3f}  wall {row['wall_s']:.1f} s")
 
 
+def median_of_repeats(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per (shape, mode, system) of the runs that trained: the first run's row (its losses) with
+    ``tokens_per_s`` and ``step_ms_median`` the medians over the repeats, ``tokens_per_s_runs`` every run's
+    tokens/s, and ``peak_mib`` the largest peak."""
+    groups: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
+    for r in records:
+        if r.get("losses"):
+            groups.setdefault((r["shape"], r["mode"], r["system"]), []).append(r)
+    rows = []
+    for runs in groups.values():
+        rates = [r["tokens_per_s"] for r in runs]
+        rows.append({**runs[0], "tokens_per_s": statistics.median(rates), "tokens_per_s_runs": rates,
+                     "step_ms_median": statistics.median(r["step_ms_median"] for r in runs),
+                     "peak_mib": max(r["peak_mib"] for r in runs), "repeats": len(runs)})
+    return rows
+
+
 def loss_gap(row: dict[str, Any], stock: dict[str, Any]) -> float:
     """``max_step |loss - stock_loss| / stock_loss`` over the steps both logged."""
     ref = dict(zip(stock["loss_steps"], stock["losses"]))
@@ -613,29 +636,34 @@ def loss_gap(row: dict[str, Any], stock: dict[str, Any]) -> float:
 
 
 def summary_table(records: list[dict[str, Any]]) -> str:
-    """Markdown: tokens/s, median step, peak memory, last loss and the largest loss gap to the system's
-    reference (``unsloth`` for ``unsloth-dad``, ``stock`` for the others), per run."""
+    """Markdown: tokens/s (median of the repeats, the range beside it), median step, peak memory, last loss and
+    the largest loss gap to the system's reference (``unsloth`` for ``unsloth-dad``, ``stock`` for the others)."""
     lines = ["| shape | mode | system | steps | tokens/s | median step | peak MiB | last loss | max loss gap |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|"]
-    for r in sorted((r for r in records if r.get("losses")), key=lambda r: (r["shape"], r["mode"])):
+    errors = [r for r in records if r.get("error")]
+    records = median_of_repeats(records)
+    for r in sorted(records, key=lambda r: (r["shape"], r["mode"])):
         reference = "unsloth" if r["system"] == "unsloth-dad" else "stock"
         ref = next((s for s in records if s.get("losses") and (s["shape"], s["mode"], s["system"])
                     == (r["shape"], r["mode"], reference)), None)
         gap = "" if ref is None or r is ref else f"{100 * loss_gap(r, ref):.2f}% to {reference}"
-        lines.append(f"| {r['shape']} | {r['mode']} | {r['system']} | {r['steps']} | {r['tokens_per_s']:,.0f} | "
+        rates = r["tokens_per_s_runs"]
+        spread = f" ({min(rates):,.0f}-{max(rates):,.0f}, {len(rates)} runs)" if len(rates) > 1 else ""
+        lines.append(f"| {r['shape']} | {r['mode']} | {r['system']} | {r['steps']} | {r['tokens_per_s']:,.0f}{spread} | "
                      f"{r['step_ms_median']:.1f} ms | {r['peak_mib']:,.0f} | {r['losses'][-1]:.3f} | {gap} |")
-    lines += [f"| {r['shape']} | {r['mode']} | {r['system']} | {r['error']} |" for r in records if r.get("error")]
+    lines += [f"| {r['shape']} | {r['mode']} | {r['system']} | {r['error']} |" for r in errors]
     return "\n".join(lines)
 
 
 def plot(records: list[dict[str, Any]], path: Path) -> None:
-    """Loss curves per shape/mode (one line per system), then tokens/s and peak memory bars."""
+    """Loss curves per shape/mode (one line per system, its first run), then tokens/s (median of the repeats) and
+    peak memory bars."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    done = [r for r in records if "losses" in r]
+    done = median_of_repeats(records)
     groups = sorted({(r["shape"], r["mode"]) for r in done})
     cols = max(2, len(groups))
     fig, axes = plt.subplots(2, cols, figsize=(4.2 * cols, 7.2), squeeze=False)
@@ -679,6 +707,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--warmup-steps", type=int, default=5, help="steps left out of tokens/s")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="train every system this many times, round-robin; the table and plot give the median "
+                        "tokens/s")
     parser.add_argument("--max-grad-norm", type=float, default=0.0, help="0 = no clipping (see above)")
     parser.add_argument("--out", type=Path, help="write this JSON instead of results/sft_gpu.json (part of a grid)")
     parser.add_argument("--in-process", action="store_true", help="run every system in this process")

@@ -44,7 +44,7 @@ def test_skipped_where_unsloth_is_missing(monkeypatch: pytest.MonkeyPatch) -> No
 def test_run_grid_records_the_skip(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(sft_gpu, "environment", lambda: {})
     args = argparse.Namespace(smoke=True, shapes=["smoke"], modes=["full", "lora"],
-                              systems=list(sft_gpu.UNSLOTH_SYSTEMS), in_process=True, tokens=None)
+                              systems=list(sft_gpu.UNSLOTH_SYSTEMS), in_process=True, tokens=None, repeats=1)
     rows = sft_gpu.run_grid(args, CPU)
     assert [(r["system"], r["mode"]) for r in rows] == [(s, m) for m in ("full", "lora") for s in sft_gpu.UNSLOTH_SYSTEMS]
     assert all(r["skipped"] == "unsloth needs CUDA" and "losses" not in r for r in rows)
