@@ -88,13 +88,35 @@ def test_a_failed_run_keeps_its_traceback_and_the_models_dtypes(tmp_path: Path,
     monkeypatch.setattr(sft_gpu, "train_one", failing)
     monkeypatch.setattr(sft_gpu, "environment", lambda: {})
     args = argparse.Namespace(smoke=False, shapes=["smollm2-135m"], modes=["full"], systems=["stock", "dad"],
-                              in_process=True, tokens=tokens)
+                              in_process=True, tokens=tokens, repeats=1)
     rows = sft_gpu.run_grid(args, torch.device("cpu"))
     assert [r["system"] for r in rows] == ["stock", "dad"]
     for row in rows:
         assert row["error"] == "RuntimeError: expected mat1 and mat2 to have the same dtype"
         assert row["traceback"] == "Traceback: in failing"
         assert row["param_dtypes_by_module"]["q_proj"] == ["torch.bfloat16"]
+
+
+def test_repeats_run_round_robin_and_the_table_gives_their_median(monkeypatch: pytest.MonkeyPatch,
+                                                                   tmp_path: Path) -> None:
+    rates = iter([10.0, 40.0, 30.0, 20.0, 20.0, 50.0])
+
+    def trained(system: str, shape: str, mode: str, *_: object) -> dict[str, object]:
+        return {"system": system, "shape": shape, "mode": mode, "steps": 2, "tokens_per_s": next(rates),
+                "step_ms_median": 1e3 / 8, "peak_mib": 1.0, "losses": [2.0, 1.0], "loss_steps": [1, 2], "wall_s": 1.0}
+
+    tokens = tmp_path / "tokens.pt"
+    torch.save({"input_ids": torch.zeros(4, dtype=torch.int32)}, tokens)
+    monkeypatch.setattr(sft_gpu, "train_one", trained)
+    monkeypatch.setattr(sft_gpu, "environment", lambda: {})
+    args = argparse.Namespace(smoke=False, shapes=["smollm2-135m"], modes=["lora"], systems=["stock", "dad"],
+                              in_process=True, tokens=tokens, repeats=3)
+    rows = sft_gpu.run_grid(args, torch.device("cpu"))
+    assert [(r["system"], r["repeat"]) for r in rows] == [(s, k) for k in range(3) for s in ("stock", "dad")]
+    merged = {r["system"]: r for r in sft_gpu.median_of_repeats(rows)}
+    assert merged["stock"]["tokens_per_s"] == 20.0 and merged["stock"]["tokens_per_s_runs"] == [10.0, 30.0, 20.0]
+    assert merged["dad"]["tokens_per_s"] == 40.0 and merged["dad"]["repeats"] == 3
+    assert "| 20 (10-30, 3 runs) |" in sft_gpu.summary_table(rows)
 
 
 def test_cuda_kernel_times_groups_the_cuda_events_by_kernel() -> None:
