@@ -51,7 +51,10 @@ model build and training, stats reset first), every logged loss (``trainer.state
 parameters and the versions of torch, transformers, trl, peft, accelerate, datasets, liger-kernel, unsloth,
 unsloth_zoo, bitsandbytes. ``--repeats N`` trains every system N times, round-robin within each shape and mode
 (each row records its ``repeat``); the table and the plot then give the median tokens/s, since at these batch sizes a
-step is bound by the host's Python and launches, whose speed drifts from run to run by a few percent. ``--profile-steps N`` adds ``profile``: ``torch.profiler`` over the N steps after the
+step is bound by the host's Python and launches, whose speed drifts from run to run by a few percent.
+``--full-determinism`` runs every system with ``SFTConfig(full_determinism=True)`` (deterministic kernels; recorded
+as ``full_determinism``): without it two runs of stock differ in loss by up to 1% late in a full fine-tune, which
+hides whether another system's loss stays within 1% of stock's. ``--profile-steps N`` adds ``profile``: ``torch.profiler`` over the N steps after the
 warm-up (wall and CUDA kernel time per step, kernel launches, the costliest kernels and host operators); those steps
 are left out of tokens/s. A system that fails leaves a row with ``error``, the end of its ``traceback`` and, when
 training itself raised, the model's facts (``param_dtypes_by_module`` among them). On CUDA every run
@@ -299,6 +302,8 @@ def sft_config(system: str, args: argparse.Namespace, device: torch.device, out_
         # explicit, because Unsloth's patched SFTConfig defaults to 2: every system trains batch rows a step
         gradient_accumulation_steps=1,
         disable_tqdm=True, seed=0, use_liger_kernel=system in LIGER_SYSTEMS,
+        # deterministic kernels (transformers' enable_full_determinism): for comparing loss curves, not speed
+        full_determinism=args.full_determinism,
     )
 
 
@@ -535,6 +540,7 @@ def train_one(system: str, shape_name: str, mode: str, args: argparse.Namespace,
         "model_config": shape, "dad_backend": getattr(head, "last_backend", None),
         "dad_chunk_size": args.chunk_size if head is not None else None,
         "dad_weight_chunk_size": args.weight_chunk_size if head is not None else None,
+        "full_determinism": args.full_determinism,
     }
     if profiler.summary:
         record["profile"] = profiler.summary
@@ -555,6 +561,8 @@ def run_isolated(system: str, shape: str, mode: str, args: argparse.Namespace) -
                "--modes", mode, "--out", str(out), "--steps", str(args.steps), "--batch", str(args.batch),
                "--seq-len", str(args.seq_len), "--lr", str(args.lr), "--warmup-steps", str(args.warmup_steps),
                "--max-grad-norm", str(args.max_grad_norm)]
+        if args.full_determinism:
+            cmd.append("--full-determinism")
         for flag, value in (("--chunk-size", args.chunk_size), ("--weight-chunk-size", args.weight_chunk_size),
                             ("--profile-steps", args.profile_steps or None)):
             if value is not None:
@@ -707,6 +715,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--seq-len", type=int, default=512)
     parser.add_argument("--lr", type=float, default=3e-4)
     parser.add_argument("--warmup-steps", type=int, default=5, help="steps left out of tokens/s")
+    parser.add_argument("--full-determinism", action="store_true",
+                        help="SFTConfig(full_determinism=True): deterministic kernels in every system, so that two "
+                        "runs of one system give the same losses and a loss gap measures the system (slower: not for "
+                        "tokens/s)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="train every system this many times, round-robin; the table and plot give the median "
                         "tokens/s")

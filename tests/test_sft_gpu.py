@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -43,6 +44,28 @@ def test_without_profile_steps_there_is_no_profile(tmp_path: Path, monkeypatch: 
     assert "profile" not in row and row["steps"] == 6 and row["gradient_accumulation_steps"] == 1
 
 
+def test_full_determinism_turns_on_deterministic_kernels_and_is_recorded(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    pytest.importorskip("trl")
+    pytest.importorskip("datasets")
+    environ, rows = dict(os.environ), []
+    try:
+        for k in range(2):
+            out = tmp_path / f"run{k}.json"
+            monkeypatch.setattr(sys, "argv", ["sft_gpu.py", "--smoke", "--systems", "stock", "--modes", "full",
+                                              "--full-determinism", "--out", str(out)])
+            sft_gpu.main()
+            rows += json.loads(out.read_text())
+            # --smoke trains in this process: transformers switched the flag on here
+            assert torch.are_deterministic_algorithms_enabled()
+    finally:  # the flag and transformers' environment variables must not reach the other tests
+        torch.use_deterministic_algorithms(False)
+        os.environ.clear()
+        os.environ.update(environ)
+    assert [r["full_determinism"] for r in rows] == [True, True]
+    assert rows[0]["losses"] == rows[1]["losses"]
+
+
 def test_every_system_trains_one_micro_batch_a_step(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """Unsloth's patched SFTConfig defaults gradient_accumulation_steps to 2 (twice the rows a step); the shared
     config sets 1 explicitly, so tokens/s counts the same work for every system."""
@@ -54,7 +77,7 @@ def test_every_system_trains_one_micro_batch_a_step(tmp_path: Path, monkeypatch:
             super().__init__(*args, gradient_accumulation_steps=gradient_accumulation_steps, **kwargs)
 
     monkeypatch.setattr(trl, "SFTConfig", UnslothLikeConfig)
-    args = argparse.Namespace(steps=2, batch=2, lr=1e-3, max_grad_norm=0.0, seq_len=8)
+    args = argparse.Namespace(steps=2, batch=2, lr=1e-3, max_grad_norm=0.0, seq_len=8, full_determinism=False)
     assert UnslothLikeConfig(output_dir=str(tmp_path), use_cpu=True).gradient_accumulation_steps == 2
     for system in sft_gpu.SYSTEMS:
         assert sft_gpu.sft_config(system, args, torch.device("cpu"), str(tmp_path)).gradient_accumulation_steps == 1
