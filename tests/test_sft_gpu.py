@@ -142,6 +142,24 @@ def test_repeats_run_round_robin_and_the_table_gives_their_median(monkeypatch: p
     assert "| 20 (10-30, 3 runs) |" in sft_gpu.summary_table(rows)
 
 
+def test_the_loss_gap_is_the_largest_over_every_pair_of_runs() -> None:
+    def run(system: str, losses: list[float]) -> dict[str, object]:
+        return {"system": system, "shape": "s", "mode": "full", "loss_steps": [1, 2], "losses": losses}
+
+    records = [run("stock", [2.0, 1.0]), run("dad", [2.0, 1.01]), run("stock", [2.0, 0.98]), run("dad", [2.0, 1.0])]
+    # dad's first run against stock's second: |1.01 - 0.98| / 0.98
+    assert sft_gpu.largest_loss_gap(records, records[1], "stock") == pytest.approx(0.03 / 0.98)
+    assert sft_gpu.largest_loss_gap(records, records[0], "stock") == pytest.approx(0.02 / 0.98)  # stock against itself
+    assert sft_gpu.largest_loss_gap(records[:2], records[0], "stock") is None
+
+
+def test_repeats_below_one_are_refused(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(sys, "argv", ["sft_gpu.py", "--repeats", "0"])
+    with pytest.raises(SystemExit):
+        sft_gpu.parse_args()
+    assert "--repeats 0: train each system at least once" in capsys.readouterr().err
+
+
 def test_cuda_kernel_times_groups_the_cuda_events_by_kernel() -> None:
     from types import SimpleNamespace
 
