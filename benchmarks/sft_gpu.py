@@ -60,7 +60,8 @@ are left out of tokens/s. A system that fails leaves a row with ``error``, the e
 training itself raised, the model's facts (``param_dtypes_by_module`` among them). On CUDA every run
 is a fresh subprocess: fresh memory stats, and Liger's patches of transformers' Llama functions do not leak into
 the next system. Writes ``results/sft_gpu.json`` and ``results/sft_gpu.png`` (``--out`` for a part of the grid;
-``--merge`` joins parts and draws the plot where matplotlib is installed).
+``--merge`` joins parts and draws the plot where matplotlib is installed; ``--plot RECORDS.json`` prints one
+record's table and draws ``RECORDS.png``).
 
 On a GPU machine without network access (the H200 runs here: Python 3.12, torch, transformers, peft and
 accelerate installed), a git-ignored folder ``.gpu_trl/`` in the repository holds ``rt_tokens.pt`` and
@@ -673,8 +674,8 @@ def summary_table(records: list[dict[str, Any]]) -> str:
 
 
 def plot(records: list[dict[str, Any]], path: Path) -> None:
-    """Loss curves per shape/mode (one line per system, its first run), then tokens/s (median of the repeats) and
-    peak memory bars."""
+    """Loss curves per shape/mode (one line per system, its first run), then tokens/s (median of the repeats, the
+    whiskers spanning the runs) and peak memory bars."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -696,9 +697,14 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     width = 0.8 / max(1, len(systems))
     for ax, key, unit in ((axes[1][0], "tokens_per_s", "tokens/s"), (axes[1][1], "peak_mib", "peak MiB")):
         for k, system in enumerate(systems):
-            values = [next((r.get(key) or 0 for r in done if (r["shape"], r["mode"], r["system"]) == (*g, system)), 0)
-                      for g in groups]
-            ax.bar([i + k * width for i in range(len(groups))], values, width, label=system)
+            rows = [next((r for r in done if (r["shape"], r["mode"], r["system"]) == (*g, system)), None)
+                    for g in groups]
+            values = [(r.get(key) or 0) if r else 0 for r in rows]
+            # min / max of the repeats around the median (zero-length where a system ran once)
+            runs = [r["tokens_per_s_runs"] if r and key == "tokens_per_s" else [v] for r, v in zip(rows, values)]
+            spread = [[v - min(x) for v, x in zip(values, runs)], [max(x) - v for v, x in zip(values, runs)]]
+            ax.bar([i + k * width for i in range(len(groups))], values, width, label=system,
+                   yerr=spread if key == "tokens_per_s" else None, capsize=2)
         ax.set_xticks([i + width * (len(systems) - 1) / 2 for i in range(len(groups))], labels, fontsize=7)
         ax.set(title=unit, ylabel=unit)
         ax.legend(fontsize=7)
@@ -715,6 +721,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prepare-tokens", type=Path, metavar="OUT.pt", help="tokenize the corpus and exit (CPU)")
     parser.add_argument("--tokens", type=Path, help="token file from --prepare-tokens")
     parser.add_argument("--merge", type=Path, nargs="+", help="join these --out files into results/sft_gpu.json")
+    parser.add_argument("--plot", type=Path, metavar="RECORDS.json",
+                        help="only print RECORDS.json's table and draw it into RECORDS.png")
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(DEFAULT_SYSTEMS),
                         help="default: %(default)s (the Unsloth systems run only when named)")
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
@@ -753,6 +761,11 @@ def main() -> None:
     args = parse_args()
     if args.prepare_tokens is not None:
         prepare_tokens(args.prepare_tokens)
+        return
+    if args.plot is not None:
+        records = json.loads(args.plot.read_text())
+        print(summary_table(records))
+        plot(records, args.plot.with_suffix(".png"))
         return
     if args.merge:
         records = [row for path in args.merge for row in json.loads(path.read_text())]

@@ -153,6 +153,20 @@ def test_the_loss_gap_is_the_largest_over_every_pair_of_runs() -> None:
     assert sft_gpu.largest_loss_gap(records[:2], records[0], "stock") is None
 
 
+def test_plot_draws_a_record_beside_it_and_prints_its_table(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            capsys: pytest.CaptureFixture[str]) -> None:
+    pytest.importorskip("matplotlib")
+    rows = [{"system": system, "shape": "smollm2-135m", "mode": "lora", "steps": 2, "tokens_per_s": rate,
+             "step_ms_median": 1.0, "peak_mib": 3.0, "losses": [2.0, 1.0], "loss_steps": [1, 2]}
+            for system, rate in (("stock", 10.0), ("dad", 12.0), ("stock", 14.0), ("dad", 11.0))]
+    records = tmp_path / "runs.json"
+    records.write_text(json.dumps(rows))
+    monkeypatch.setattr(sys, "argv", ["sft_gpu.py", "--plot", str(records)])
+    sft_gpu.main()
+    assert (tmp_path / "runs.png").stat().st_size > 0
+    assert "| 12 (10-14, 2 runs) |" in capsys.readouterr().out
+
+
 def test_repeats_below_one_are_refused(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(sys, "argv", ["sft_gpu.py", "--repeats", "0"])
     with pytest.raises(SystemExit):
