@@ -88,6 +88,18 @@ def test_throughput_from_step_end_times() -> None:
     assert sft_gpu.throughput([3.0], 10) == {"tokens_per_s": None, "step_ms_median": None}
 
 
+def _grid_with(train_one: object, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, mode: str,
+               repeats: int) -> list[dict[str, object]]:
+    """``run_grid`` over stock and dad at one shape and ``mode``, in process, each run being ``train_one``."""
+    tokens = tmp_path / "tokens.pt"
+    torch.save({"input_ids": torch.zeros(4, dtype=torch.int32)}, tokens)
+    monkeypatch.setattr(sft_gpu, "train_one", train_one)
+    monkeypatch.setattr(sft_gpu, "environment", lambda: {})
+    args = argparse.Namespace(smoke=False, shapes=["smollm2-135m"], modes=[mode], systems=["stock", "dad"],
+                              in_process=True, tokens=tokens, repeats=repeats)
+    return sft_gpu.run_grid(args, torch.device("cpu"))
+
+
 def test_a_failed_run_keeps_its_traceback_and_the_models_dtypes(tmp_path: Path,
                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
     """A system whose training raises leaves a row with the error, the end of its traceback and the model's
@@ -106,13 +118,7 @@ def test_a_failed_run_keeps_its_traceback_and_the_models_dtypes(tmp_path: Path,
             facts = sft_gpu.model_facts(model, system, torch.device("cpu"))
             raise sft_gpu.TrainingFailed(exc, "Traceback: in failing", facts) from exc
 
-    tokens = tmp_path / "tokens.pt"
-    torch.save({"input_ids": torch.zeros(4, dtype=torch.int32)}, tokens)
-    monkeypatch.setattr(sft_gpu, "train_one", failing)
-    monkeypatch.setattr(sft_gpu, "environment", lambda: {})
-    args = argparse.Namespace(smoke=False, shapes=["smollm2-135m"], modes=["full"], systems=["stock", "dad"],
-                              in_process=True, tokens=tokens, repeats=1)
-    rows = sft_gpu.run_grid(args, torch.device("cpu"))
+    rows = _grid_with(failing, monkeypatch, tmp_path, mode="full", repeats=1)
     assert [r["system"] for r in rows] == ["stock", "dad"]
     for row in rows:
         assert row["error"] == "RuntimeError: expected mat1 and mat2 to have the same dtype"
@@ -128,13 +134,7 @@ def test_repeats_run_round_robin_and_the_table_gives_their_median(monkeypatch: p
         return {"system": system, "shape": shape, "mode": mode, "steps": 2, "tokens_per_s": next(rates),
                 "step_ms_median": 1e3 / 8, "peak_mib": 1.0, "losses": [2.0, 1.0], "loss_steps": [1, 2], "wall_s": 1.0}
 
-    tokens = tmp_path / "tokens.pt"
-    torch.save({"input_ids": torch.zeros(4, dtype=torch.int32)}, tokens)
-    monkeypatch.setattr(sft_gpu, "train_one", trained)
-    monkeypatch.setattr(sft_gpu, "environment", lambda: {})
-    args = argparse.Namespace(smoke=False, shapes=["smollm2-135m"], modes=["lora"], systems=["stock", "dad"],
-                              in_process=True, tokens=tokens, repeats=3)
-    rows = sft_gpu.run_grid(args, torch.device("cpu"))
+    rows = _grid_with(trained, monkeypatch, tmp_path, mode="lora", repeats=3)
     assert [(r["system"], r["repeat"]) for r in rows] == [(s, k) for k in range(3) for s in ("stock", "dad")]
     merged = {r["system"]: r for r in sft_gpu.median_of_repeats(rows)}
     assert merged["stock"]["tokens_per_s"] == 20.0 and merged["stock"]["tokens_per_s_runs"] == [10.0, 30.0, 20.0]
