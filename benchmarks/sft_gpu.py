@@ -700,11 +700,11 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
             rows = [next((r for r in done if (r["shape"], r["mode"], r["system"]) == (*g, system)), None)
                     for g in groups]
             values = [(r.get(key) or 0) if r else 0 for r in rows]
-            # min / max of the repeats around the median (zero-length where a system ran once)
-            runs = [r["tokens_per_s_runs"] if r and key == "tokens_per_s" else [v] for r, v in zip(rows, values)]
-            spread = [[v - min(x) for v, x in zip(values, runs)], [max(x) - v for v, x in zip(values, runs)]]
-            ax.bar([i + k * width for i in range(len(groups))], values, width, label=system,
-                   yerr=spread if key == "tokens_per_s" else None, capsize=2)
+            spread = None
+            if key == "tokens_per_s":  # whiskers: slowest and fastest run around the median
+                runs = [r["tokens_per_s_runs"] if r else [0] for r in rows]
+                spread = [[v - min(x) for v, x in zip(values, runs)], [max(x) - v for v, x in zip(values, runs)]]
+            ax.bar([i + k * width for i in range(len(groups))], values, width, label=system, yerr=spread, capsize=2)
         ax.set_xticks([i + width * (len(systems) - 1) / 2 for i in range(len(groups))], labels, fontsize=7)
         ax.set(title=unit, ylabel=unit)
         ax.legend(fontsize=7)
@@ -713,6 +713,15 @@ def plot(records: list[dict[str, Any]], path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     print("wrote", path)
+
+
+def show(records: list[dict[str, Any]], png: Path) -> None:
+    """Print the records' :func:`summary_table` and draw their :func:`plot` into ``png`` (where matplotlib is)."""
+    print(summary_table(records))
+    if importlib.util.find_spec("matplotlib") is not None:
+        plot(records, png)
+    else:
+        print("matplotlib is missing: plot skipped")
 
 
 def parse_args() -> argparse.Namespace:
@@ -763,16 +772,12 @@ def main() -> None:
         prepare_tokens(args.prepare_tokens)
         return
     if args.plot is not None:
-        records = json.loads(args.plot.read_text())
-        print(summary_table(records))
-        plot(records, args.plot.with_suffix(".png"))
+        show(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
         return
     if args.merge:
         records = [row for path in args.merge for row in json.loads(path.read_text())]
         print("wrote", write_records("sft_gpu", records, smoke=False))
-        print(summary_table(records))
-        if importlib.util.find_spec("matplotlib") is not None:
-            plot(records, RESULTS / "sft_gpu.png")
+        show(records, RESULTS / "sft_gpu.png")
         return
     if args.smoke and (importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None):
         print("skipped: trl and datasets are not installed (install torch-dad[trl])")
