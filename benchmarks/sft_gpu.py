@@ -579,9 +579,15 @@ def run_isolated(system: str, shape: str, mode: str, args: argparse.Namespace) -
         return records[0]
 
 
+def write_out(path: Path, records: list[dict[str, Any]]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(records, indent=2) + "\n")
+
+
 def run_grid(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
     """Every selected (shape, mode, system), ``--repeats`` times; each row carries the environment, the package
-    versions and its ``repeat`` index."""
+    versions and its ``repeat`` index. With ``--out`` the rows so far are rewritten after every run, so a grid
+    cut short by a time limit keeps its finished runs."""
     tokens = smoke_tokens(SMOKE_SHAPE["vocab_size"]) if args.smoke else torch.load(args.tokens)
     env = {**environment(), "versions": versions()}
     records = []
@@ -609,6 +615,8 @@ def run_grid(args: argparse.Namespace, device: torch.device) -> list[dict[str, A
                     row = run_isolated(system, shape, mode, args)
                 records.append({**row, "repeat": repeat, **env})
                 report(records[-1])
+                if args.out is not None:
+                    write_out(args.out, records)
     return records
 
 
@@ -789,8 +797,7 @@ def main() -> None:
         import unsloth  # noqa: F401  # before trl / transformers: Unsloth patches them at import
     records = run_grid(args, device)
     if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(records, indent=2) + "\n")
+        write_out(args.out, records)
         print("wrote", args.out)
         return
     print("wrote", write_records("sft_gpu", records, args.smoke))

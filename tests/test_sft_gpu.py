@@ -89,14 +89,14 @@ def test_throughput_from_step_end_times() -> None:
 
 
 def _grid_with(train_one: object, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, mode: str,
-               repeats: int) -> list[dict[str, object]]:
+               repeats: int, out: Path | None = None) -> list[dict[str, object]]:
     """``run_grid`` over stock and dad at one shape and ``mode``, in process, each run being ``train_one``."""
     tokens = tmp_path / "tokens.pt"
     torch.save({"input_ids": torch.zeros(4, dtype=torch.int32)}, tokens)
     monkeypatch.setattr(sft_gpu, "train_one", train_one)
     monkeypatch.setattr(sft_gpu, "environment", lambda: {})
     args = argparse.Namespace(smoke=False, shapes=["smollm2-135m"], modes=[mode], systems=["stock", "dad"],
-                              in_process=True, tokens=tokens, repeats=repeats)
+                              in_process=True, tokens=tokens, repeats=repeats, out=out)
     return sft_gpu.run_grid(args, torch.device("cpu"))
 
 
@@ -140,6 +140,21 @@ def test_repeats_run_round_robin_and_the_table_gives_their_median(monkeypatch: p
     assert merged["stock"]["tokens_per_s"] == 20.0 and merged["stock"]["tokens_per_s_runs"] == [10.0, 30.0, 20.0]
     assert merged["dad"]["tokens_per_s"] == 40.0 and merged["dad"]["repeats"] == 3
     assert "| 20 (10-30, 3 runs) |" in sft_gpu.summary_table(rows)
+
+
+def test_out_holds_every_finished_run_while_the_grid_goes_on(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A grid killed by a time limit keeps the runs it finished: ``--out`` is rewritten after every run."""
+    out = tmp_path / "part.json"
+    seen: list[list[str]] = []
+
+    def trained(system: str, shape: str, mode: str, *_: object) -> dict[str, object]:
+        seen.append([r["system"] for r in json.loads(out.read_text())] if out.exists() else [])
+        return {"system": system, "shape": shape, "mode": mode, "tokens_per_s": 1.0, "peak_mib": 1.0, "wall_s": 1.0,
+                "losses": [1.0], "loss_steps": [1]}
+
+    rows = _grid_with(trained, monkeypatch, tmp_path, mode="full", repeats=2, out=out)
+    assert seen == [[], ["stock"], ["stock", "dad"], ["stock", "dad", "stock"]]
+    assert json.loads(out.read_text()) == rows
 
 
 def test_the_loss_gap_is_the_largest_over_every_pair_of_runs() -> None:
