@@ -54,7 +54,9 @@ unsloth_zoo, bitsandbytes. ``--repeats N`` trains every system N times, round-ro
 step is bound by the host's Python and launches, whose speed drifts from run to run by a few percent.
 ``--full-determinism`` runs every system with ``SFTConfig(full_determinism=True)`` (deterministic kernels; recorded
 as ``full_determinism``): without it two runs of stock differ in loss by up to 1% late in a full fine-tune, which
-hides whether another system's loss stays within 1% of stock's. ``--profile-steps N`` adds ``profile``:
+hides whether another system's loss stays within 1% of stock's; with it each system's runs are bit-identical on an
+H200 (``results/sft_gpu_full_deterministic.json``). ``--out`` is rewritten after every run, so a grid cut short by a
+time limit keeps its finished runs. ``--profile-steps N`` adds ``profile``:
 ``torch.profiler`` over the N steps after the warm-up (wall and CUDA kernel time per step, kernel launches, the costliest kernels and host operators); those steps
 are left out of tokens/s. A system that fails leaves a row with ``error``, the end of its ``traceback`` and, when
 training itself raised, the model's facts (``param_dtypes_by_module`` among them). On CUDA every run
