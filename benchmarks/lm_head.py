@@ -18,10 +18,7 @@ bf16 compute. Systems per shape, each without and with ``dL/dhidden`` (``+dh``, 
   their best setting;
 - ``dad-fused``: ``DADLMHead`` on backend and sweep ``auto``: fused loss, update in backward, no full logits;
 - ``floor``: the bare bf16 GEMMs of the step (logits, ``dL/dW``, and ``dL/dh`` for ``+dh``) and one fused AdamW
-  over the ``V x D`` float32 weight, each timed alone; their sum bounds any implementation of the step;
-- ``floor-slices-w<rows>`` (``--slice-floors ROWS``): the same for a step that walks vocabulary slices of ``rows``
-  rows and holds neither the ``N x V`` logits nor a float32 ``V x D`` gradient: the logits GEMM twice, one read and
-  one read-write of the logits at the memory's speed, one cast of the weight, beside the other GEMMs and AdamW.
+  over the ``V x D`` float32 weight, each timed alone; their sum bounds any implementation of the step.
 
 ``--sweep`` adds ``dad-fused-<backend>[-c<rows>][-w<rows>][+dh]`` for each available backend, chunk size and
 ``--weight-chunks`` size (first shape only); ``--sweeps tokens vocab recompute`` adds ``dad-fused-<order>[-w<rows>][+dh]``,
@@ -262,40 +259,6 @@ def floor(data: Data, dtype: torch.dtype, grad_hidden: bool, warmup: int, repeat
     return {"step_ms": sum(times.values()), "peak_mib": None, **times}
 
 
-def slice_floor(data: Data, dtype: torch.dtype, grad_hidden: bool, rows: int, warmup: int,
-                repeats: int) -> dict[str, Any]:
-    """Median times of the kernels a step that holds neither the N x V logits nor a float32 V x D gradient runs at
-    least, over vocabulary slices of ``rows`` rows, and their sum: each slice's logits GEMM twice (``lse`` must be
-    final before any slice's ``dL/dW``, so the logits are made once for it and once for the gradient), its ``dL/dW``
-    GEMM (and ``dL/dh``), one read of its logits (``amax``, the log-sum-exp pass at the memory's speed) and one
-    read-write (``exp_``, the gradient pass), one cast of its float32 weight; one fused AdamW over the weight."""
-    vocab, hidden = data.init.shape
-    a, master = data.h.to(dtype), data.init
-    w = master.to(dtype)
-    slices = [(start, min(start + rows, vocab)) for start in range(0, vocab, rows)]
-    logits = torch.empty(a.shape[0], min(rows, vocab), device=a.device, dtype=dtype).normal_()
-    cast = torch.empty(min(rows, vocab), hidden, device=a.device, dtype=dtype)
-
-    def each_slice(body: Callable[[int, int, torch.Tensor], Any]) -> Step:
-        return lambda: [body(start, stop, logits[:, : stop - start]) for start, stop in slices]
-
-    parts: dict[str, Step] = {
-        "logits_gemm": each_slice(lambda start, stop, out: torch.mm(a, w[start:stop].t(), out=out)),
-        "grad_weight_gemm": each_slice(lambda start, stop, d: d.t() @ a),
-        "log_sum_exp_read": each_slice(lambda start, stop, x: torch.amax(x, dim=1)),
-        "grad_pass": each_slice(lambda start, stop, x: x.exp_()),
-        "weight_cast": each_slice(lambda start, stop, x: cast[: stop - start].copy_(master[start:stop])),
-    }
-    if grad_hidden:
-        parts["grad_hidden_gemm"] = each_slice(lambda start, stop, d: d @ w[start:stop])
-    weight, opt = _master(data)
-    weight.grad = torch.randn_like(weight)
-    parts["adamw"] = opt.step
-    times = {f"{name}_ms": measure(part, a.device, warmup, repeats)["step_ms"] for name, part in parts.items()}
-    # exp_ of random logits overflows to inf after a few repeats: the timing does not depend on the values
-    return {"step_ms": sum(times.values()) + times["logits_gemm_ms"], "peak_mib": None, "slice_rows": rows, **times}
-
-
 def loss_after(step: Step, data: Data, steps: int) -> float:
     """The loss of the last of ``steps`` steps over the cycled batches (then the first batch is loaded back)."""
     loss = torch.zeros(())
@@ -428,9 +391,6 @@ def main() -> None:
     parser.add_argument("--sweeps", nargs="*", default=[], choices=["tokens", "vocab", "recompute", "recompute-graphs"],
                         help="also the DAD head with sweep=ORDER (the default is 'auto'; 'recompute-graphs': "
                         "sweep='recompute', cuda_graphs=True)")
-    parser.add_argument("--slice-floors", type=int, nargs="*", default=[], metavar="ROWS",
-                        help="also the floor of a step that walks vocabulary slices of ROWS rows and holds neither "
-                        "the logits nor a V x D gradient (floor-slices-w<ROWS>)")
     parser.add_argument("--peer-graphs", action="store_true",
                         help="also the unfused step (forward, backward, AdamW) replayed whole from a CUDA graph")
     parser.add_argument("--out", type=Path, default=None, help="JSON path (default results/lm_head.json)")
@@ -458,8 +418,6 @@ def main() -> None:
         rows = [run_system(name, build, data, device, warmup, repeats, args.loss_steps, args.profile)
                 for name, build in systems]
         rows += [{"system": f"floor{tag}", **floor(data, dtype, dh, warmup, repeats)} for dh, tag in ((False, ""), (True, "+dh"))]
-        rows += [{"system": f"floor-slices-w{w}{tag}", **slice_floor(data, dtype, dh, w, warmup, repeats)}
-                 for w in args.slice_floors for dh, tag in ((False, ""), (True, "+dh"))]
         for row in rows:
             row.update(shape=shape, tokens=tokens, vocab=vocab, hidden=hidden, dtype=str(dtype).removeprefix("torch."), **env)
             report(row)

@@ -42,17 +42,3 @@ def test_plot_tradeoff_writes_one_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     out = lm_head.plot_tradeoff(json.loads(RECORD.read_text()), tmp_path / "tradeoff.png")
     assert out is not None and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
-
-
-@pytest.mark.parametrize("grad_hidden", [False, True])
-def test_slice_floor_sums_its_parts_with_the_logits_gemm_twice(grad_hidden: bool) -> None:
-    import torch
-
-    data = lm_head.Data(257, 24, 96, torch.float32, torch.device("cpu"))  # 100-row slices: the last one ragged
-    row = lm_head.slice_floor(data, torch.float32, grad_hidden, 100, warmup=1, repeats=2)
-    parts = {k: v for k, v in row.items() if k.endswith("_ms") and k != "step_ms"}
-    expected = {"logits_gemm_ms", "grad_weight_gemm_ms", "log_sum_exp_read_ms", "grad_pass_ms", "weight_cast_ms",
-                "adamw_ms"} | ({"grad_hidden_gemm_ms"} if grad_hidden else set())
-    assert set(parts) == expected
-    assert row["step_ms"] == pytest.approx(sum(parts.values()) + parts["logits_gemm_ms"])
-    assert row["slice_rows"] == 100 and row["peak_mib"] is None
