@@ -53,7 +53,9 @@ def _one_block_row(
     lse = m + tl.log(tl.sum(e, axis=0))
     if LSE:
         tl.store(lse_ptr + row, lse)
-    x_y = tl.sum(tl.where(cols == y_safe, x, 0.0), axis=0)
+    # the target's logit read again (from cache) rather than picked out of the registers: that would be a third
+    # reduction over the block, and the log-sum-exp pass of a 4096-wide slice took 0.34 ms instead of 0.26 with it
+    x_y = tl.load(x_row + y_safe).to(tl.float32)
     tl.store(logp_ptr + row, tl.where(valid, x_y - lse, 0.0))
     if TOP1:
         first = tl.min(tl.where(x == m, cols, V), axis=0)

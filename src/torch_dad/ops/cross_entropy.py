@@ -208,5 +208,15 @@ def _cross_entropy_rows_triton(logits: Tensor, rows: _Rows) -> None:
         vocab, logits.stride(0), rows.col_offset, float(rows.scale), int(rows.ignore_index),
         BLOCK_V=block, WRITE_GRAD=bool(rows.write_grad), ENTROPY=entropy is not None, TOP1=top1 is not None,
         LSE=rows.lse is not None, TARGET_LOGIT=rows.target_logit is not None, ONE_BLOCK=one_block,
-        num_warps=8 if block >= 2048 else 4,
+        num_warps=_row_warps(block, one_block and not rows.write_grad and entropy is None and top1 is None),
     )
+
+
+def _row_warps(block: int, reduce_only: bool) -> int:
+    """Warps per program of the row kernel. A row held whole that is only reduced (the log-sum-exp pass) gets 32
+    values a thread: on the H200 its pass over 8192 x 4096 bf16 took 0.34 ms at 4 warps and 0.40 at 8, and at
+    8192 x 2048, 0.35 at 2 warps and 0.54 at 8. One that is also rewritten keeps 8 warps (0.58 ms against 0.65
+    at 4), as do the blocked rows (equal at 8 and 16)."""
+    if reduce_only:
+        return max(1, min(8, block // 1024))
+    return 8 if block >= 2048 else 4
