@@ -43,7 +43,8 @@ def _one_block_row(
     BLOCK_V: tl.constexpr, WRITE_GRAD: tl.constexpr, ENTROPY: tl.constexpr, TOP1: tl.constexpr, LSE: tl.constexpr,
 ):
     """A row that fits one block (a vocabulary slice): read once and kept in registers, so the max, the sum of
-    exponentials and the gradient take one exponential per element and no second read. Returns ``x[y]``."""
+    exponentials and the gradient take one exponential per element and no second read of the row (only of
+    ``x[y]``). Returns ``x[y]``."""
     cols = tl.arange(0, BLOCK_V)
     inside = cols < V
     x = tl.load(x_row + cols, mask=inside, other=float("-inf")).to(tl.float32)
@@ -54,7 +55,7 @@ def _one_block_row(
     if LSE:
         tl.store(lse_ptr + row, lse)
     # the target's logit read again (from cache) rather than picked out of the registers: that would be a third
-    # reduction over the block, and the log-sum-exp pass of a 4096-wide slice took 0.34 ms instead of 0.26 with it
+    # reduction over the block: the log-sum-exp pass over 12 slices of 8192 x 4096 took 0.34 ms with it, 0.26 without
     x_y = tl.load(x_row + y_safe).to(tl.float32)
     tl.store(logp_ptr + row, tl.where(valid, x_y - lse, 0.0))
     if TOP1:
