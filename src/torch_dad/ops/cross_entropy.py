@@ -171,7 +171,7 @@ def logit_grad_from_lse_(
         block = min(_MAX_BLOCK_V, max(16, next_pow2(logits.shape[1])))
         _kernels().ce_grad_from_lse_kernel[(logits.shape[0], cdiv(logits.shape[1], block))](
             logits, target.contiguous(), lse.contiguous(), logits.shape[1], logits.stride(0), int(col_offset),
-            int(ignore_index), BLOCK_V=block, num_warps=8 if block >= 2048 else 4,
+            int(ignore_index), BLOCK_V=block, num_warps=_row_warps(block, reduce_only=False),
         )
         return
     valid = target != ignore_index
