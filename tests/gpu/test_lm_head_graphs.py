@@ -152,3 +152,28 @@ def test_an_all_ignored_batch_leaves_a_graphed_head_unchanged():
     assert float(loss) == 0.0 and (dh is None or not dh.any())
     for name, tensor in head.state_dict().items():
         assert torch.equal(tensor, before[name]), name
+
+
+def test_the_capture_thread_orders_its_work_with_the_callers_stream():
+    """Eager steps and captures of graphed heads run on one worker thread: its kernels come after the caller's and
+    before whatever the caller queues next, with the caller's grad mode; its exceptions reach the caller."""
+    import threading
+
+    from torch_dad.ops.cuda_graphs import on_capture_thread
+
+    x = torch.zeros(1 << 20, device="cuda")
+    torch.cuda._sleep(50_000_000)  # keeps the caller's stream busy: unordered work would read zeros
+    x.fill_(3.0)
+
+    def job():
+        return threading.current_thread().name, torch.is_grad_enabled(), x * 2
+
+    with torch.no_grad():
+        name, grad_enabled, doubled = on_capture_thread(x.device, job)
+    assert name.startswith("torch_dad-capture") and not grad_enabled
+    doubled.add_(1.0)  # queued on the caller's stream, after the job's kernels
+    assert torch.equal(doubled, torch.full_like(x, 7.0))
+    # a job may itself ask for the thread (it runs in place), and its error is raised in the caller
+    assert on_capture_thread(x.device, lambda: on_capture_thread(x.device, lambda: 5)) == 5
+    with pytest.raises(ZeroDivisionError):
+        on_capture_thread(x.device, lambda: 1 / 0)

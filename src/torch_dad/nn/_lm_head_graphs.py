@@ -8,8 +8,9 @@ once per input signature and then replayed with one launch.
 Per signature (the caller's key: batch shape, dtypes, options, addresses of the weight and optimizer state):
 
 - the first step runs eagerly: it compiles the Triton kernels and warms cuBLAS, and its backward marks the
-  signature warm (:meth:`RecomputeGraphs.mark_warm`). Eager steps run on the capture stream
-  (:meth:`RecomputeGraphs.eager`), so the graphs share their cuBLAS workspace instead of holding a second one;
+  signature warm (:meth:`RecomputeGraphs.mark_warm`). Eager steps and captures, forward and backward, run on
+  one worker thread and the capture stream (:meth:`RecomputeGraphs.eager`, :func:`~torch_dad.ops.cuda_graphs.
+  on_capture_thread`), so they hold one cuBLAS workspace between them, not one per thread;
 - the next forward is captured, then the next backward, into graphs that share one memory pool (the backward's
   buffers reuse the forward's);
 - from then on both replay. Inputs are copied into the graphs' buffers; what autograd receives is copied out.
@@ -22,14 +23,15 @@ from __future__ import annotations
 import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor
 
-from ..ops.cuda_graphs import capture, capture_stream, on_stream
+from ..ops.cuda_graphs import capture, capture_stream, on_capture_thread
+
+T = TypeVar("T")
 
 #: signatures remembered as warm before the set is cleared (batch shapes that vary every step never capture)
 MAX_WARM = 64
@@ -78,10 +80,9 @@ class RecomputeGraphs:
         """Whether a graphed forward still awaits its backward."""
         return self._pending is not None and self._pending() is not None
 
-    def eager(self, device: torch.device) -> AbstractContextManager[None]:
-        """Where an eager step of this head runs: on the stream its graphs are captured on (ordered with the
-        current stream both ways)."""
-        return on_stream(capture_stream(device))
+    def eager(self, device: torch.device, run: Callable[[], T]) -> T:
+        """``run()``, an eager step of this head, where its graphs are captured (:func:`on_capture_thread`)."""
+        return on_capture_thread(device, run)
 
     def mark_warm(self, key: Hashable) -> None:
         """An eager step of ``key`` ran forward and backward: the next one may be captured."""
@@ -114,9 +115,9 @@ class RecomputeGraphs:
         step.lr.fill_(lr)
         step.scale.fill_(scale)
         if step.backward is None:
-            with torch.cuda.device(step.hidden.device):
-                step.backward, step.grad_hidden = capture(lambda: run(step), self._pool_for(step.hidden.device),
-                                                          capture_stream(step.hidden.device))
+            device = step.hidden.device
+            step.backward, step.grad_hidden = on_capture_thread(
+                device, lambda: capture(lambda: run(step), self._pool_for(device), capture_stream(device)))
         step.backward.replay()
         self._pending = None
         return step.grad_hidden
@@ -134,9 +135,10 @@ class RecomputeGraphs:
         static_hidden = torch.empty(hidden.shape, dtype=dtype, device=hidden.device)
         static_target = torch.empty_like(target)
         lr, scale = (torch.zeros((), dtype=torch.float32, device=hidden.device) for _ in range(2))
-        with torch.cuda.device(hidden.device):
-            graph, outputs = capture(lambda: run(static_hidden, static_target), self._pool_for(hidden.device),
-                                      capture_stream(hidden.device))
+        device = hidden.device
+        graph, outputs = on_capture_thread(
+            device, lambda: capture(lambda: run(static_hidden, static_target), self._pool_for(device),
+                                    capture_stream(device)))
         step = GraphedStep(static_hidden, static_target, lr, scale, graph, outputs)
         self._steps[key] = step
         return step

@@ -8,9 +8,9 @@ V x D is kept and the user's optimizer never holds moments for it.
 from __future__ import annotations
 
 import math
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from torch import Tensor, nn
@@ -31,6 +31,8 @@ from ..ops.linear_cross_entropy import (
 from ..optim import OptimizerConfig
 from ._lm_head_graphs import RecomputeGraphs
 from ._local import LocalLayer, check_update
+
+T = TypeVar("T")
 
 __all__ = ["SWEEPS", "DADLMHead", "LMHeadOutput", "linear_cross_entropy"]
 
@@ -113,10 +115,11 @@ class _DADLMHeadFunction(torch.autograd.Function):
             log_probs, entropy, top1 = (None if t is None else t.clone() for t in (res.log_probs, res.entropy,
                                                                                     res.is_top1))
         else:
-            with _eager_region(head, ctx, hidden.device):
-                res = run(hidden, target)
-                # what the vocabulary sweeps read again in backward
-                ctx.sliced = None if sweep == "tokens" else (hidden.to(dtype), target)
+            def eager() -> tuple[LinearCrossEntropyResult, tuple[Tensor, Tensor] | None]:
+                # with what the vocabulary sweeps read again in backward
+                return run(hidden, target), None if sweep == "tokens" else (hidden.to(dtype), target)
+
+            res, ctx.sliced = _eager(head, ctx, hidden.device, eager)
             log_probs, entropy, top1 = res.log_probs, res.entropy, res.is_top1
         ctx.res = res
         head.last_backend, head.last_sweep = res.backend, sweep
@@ -156,10 +159,10 @@ class _DADLMHeadFunction(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
-def _eager_region(head: DADLMHead, ctx: Any, device: torch.device) -> AbstractContextManager[None]:
-    """Where an eager step runs: a head with CUDA graphs runs it on their capture stream (one cuBLAS workspace for
+def _eager(head: DADLMHead, ctx: Any, device: torch.device, run: Callable[[], T]) -> T:
+    """``run()``, an eager step: a head with CUDA graphs runs it where they are captured (one cuBLAS workspace for
     the eager steps and the graphs), any other head where it is called."""
-    return head._graphs.eager(device) if ctx.graph_key is not None else nullcontext()
+    return head._graphs.eager(device, run) if ctx.graph_key is not None else run()
 
 
 def _slice_sweep(head: DADLMHead, res: LinearCrossEntropyResult, hidden: Tensor, target: Tensor, want_gi: bool,
@@ -201,8 +204,8 @@ def _vocab_sweep_backward(head: DADLMHead, ctx: Any, grad_log_probs: Tensor) -> 
             step, head.config.lr, 1.0 / num_valid,
             lambda s: _slice_sweep(head, s.outputs, s.hidden, s.target, ctx.want_gi, 1, lr=s.lr, weight_scale=s.scale))
     else:
-        with _eager_region(head, ctx, hidden.device):
-            grad_hidden = _slice_sweep(head, ctx.res, hidden, target, ctx.want_gi, num_valid)
+        grad_hidden = _eager(head, ctx, hidden.device,
+                             lambda: _slice_sweep(head, ctx.res, hidden, target, ctx.want_gi, num_valid))
         if ctx.graph_key is not None and num_valid:
             head._graphs.mark_warm(ctx.graph_key)
     if grad_hidden is None:

@@ -7,25 +7,26 @@ stops being bound by the host's time to issue them.
 from __future__ import annotations
 
 import gc
+import threading
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, TypeVar
 
 import torch
 
-__all__ = ["capture", "capture_stream", "no_garbage_collection", "on_stream"]
+__all__ = ["capture", "capture_stream", "no_garbage_collection", "on_capture_thread", "on_stream"]
 
 T = TypeVar("T")
 
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
+_CAPTURE_THREAD: ThreadPoolExecutor | None = None
+_CAPTURE_THREAD_NAME = "torch_dad-capture"
 
 
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
-    """One side stream per device for captures that also run their warm-up steps on it.
-
-    cuBLAS keeps a workspace per stream (64 MiB on the H200). A warm-up on the current stream and a
-    capture on another would hold two; warming up where the capture runs holds one.
-    """
+    """One side stream per device for captures that also run their warm-up steps on it (see
+    :func:`on_capture_thread`)."""
     index = torch.device(device).index
     index = torch.cuda.current_device() if index is None else index
     if index not in _CAPTURE_STREAMS:
@@ -33,11 +34,39 @@ def capture_stream(device: torch.device) -> torch.cuda.Stream:
     return _CAPTURE_STREAMS[index]
 
 
+def on_capture_thread(device: torch.device, run: Callable[[], T]) -> T:
+    """``run()`` on one worker thread shared by every caller, on ``device``'s :func:`capture_stream`, ordered
+    after the caller's current stream and before anything the caller queues afterwards; grad mode is the
+    caller's. Blocks until ``run`` has queued its kernels (not until they finish); its exception is raised here.
+
+    cuBLAS keeps a workspace per (thread, stream) pair (32 MiB on the H200, torch 2.11), held for the life of
+    the process. A head's forward runs on the caller's thread and its backward on autograd's, so warm-up steps
+    and captures made where they are called would hold two workspaces on the capture stream; made here, they
+    hold one. Replays need no cuBLAS handle and run where they are called.
+    """
+    global _CAPTURE_THREAD
+    device = torch.device(device)
+    current = torch.cuda.current_stream(device)
+    grad_enabled = torch.is_grad_enabled()
+
+    def job() -> T:
+        stream = capture_stream(device)
+        with torch.cuda.device(device), torch.set_grad_enabled(grad_enabled), on_stream(stream, current):
+            return run()
+
+    if threading.current_thread().name.startswith(_CAPTURE_THREAD_NAME):
+        return job()  # called from a job: waiting for the one worker would wait forever
+    if _CAPTURE_THREAD is None:
+        _CAPTURE_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix=_CAPTURE_THREAD_NAME)
+    return _CAPTURE_THREAD.submit(job).result()
+
+
 @contextmanager
-def on_stream(stream: torch.cuda.Stream) -> Iterator[None]:
-    """Run the block's kernels on ``stream``, ordered after everything queued on the current stream and
-    before anything queued on it afterwards (so tensors may pass between the two in either direction)."""
-    current = torch.cuda.current_stream(stream.device)
+def on_stream(stream: torch.cuda.Stream, current: torch.cuda.Stream | None = None) -> Iterator[None]:
+    """Run the block's kernels on ``stream``, ordered after everything queued on ``current`` (default: the
+    current stream) and before anything queued on it afterwards (so tensors may pass between the two in either
+    direction)."""
+    current = torch.cuda.current_stream(stream.device) if current is None else current
     stream.wait_stream(current)
     try:
         with torch.cuda.stream(stream):

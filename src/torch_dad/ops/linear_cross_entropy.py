@@ -610,9 +610,15 @@ def _chunked(step: _Step, backend: str, chunk_size: int | None,
     )
 
 
-def _slice_logits(h: Tensor, w_slice: Tensor, bias: Tensor | None, start: int, stop: int) -> Tensor:
-    """``h @ W[start:stop].T + b[start:stop]`` (N, stop - start), given that slice of the weight."""
-    return h @ w_slice.T if bias is None else torch.addmm(bias[start:stop], h, w_slice.T)
+def _slice_logits(h: Tensor, w_slice: Tensor, bias: Tensor | None, start: int, stop: int,
+                  scratch: Tensor | None = None) -> Tensor:
+    """``h @ W[start:stop].T + b[start:stop]`` (N, stop - start), given that slice of the weight; written into the
+    front of the flat buffer ``scratch`` if given."""
+    out = None if scratch is None else scratch[: h.shape[0] * (stop - start)].view(h.shape[0], stop - start)
+    if bias is None:
+        return torch.mm(h, w_slice.T, out=out) if out is not None else h @ w_slice.T
+    return torch.addmm(bias[start:stop], h, w_slice.T, out=out) if out is not None else \
+        torch.addmm(bias[start:stop], h, w_slice.T)
 
 
 def _sliced_log_sum_exp(step: _Step, backend: str, slice_rows: int | None) -> LinearCrossEntropyResult:
@@ -696,7 +702,11 @@ def vocab_slice_backward(
     acc = torch.promote_types(dtype, torch.float32)
     h = hidden if hidden.dtype == dtype else hidden.to(dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
-    w = _ComputeWeight(weight, dtype, slice_rows or default_slice_rows(d, n if recompute else 0, itemsize))
+    rows = min(slice_rows or default_slice_rows(d, n if recompute else 0, itemsize), vocab)
+    # the recomputed slices' buffer is allocated first: it is the largest, and so takes the block the forward's
+    # slice logits left free, where a CUDA graph's pool would otherwise add a second block of that size
+    scratch = torch.empty(n * rows, dtype=dtype, device=hidden.device) if recompute else None
+    w = _ComputeWeight(weight, dtype, rows)
     b = None if bias is None else bias.to(dtype)
     grad_hidden = _uninitialized((n, d), acc, hidden.device) if grad_input else None
     grad_slice = _uninitialized((w.slice_rows, d), acc, hidden.device)
@@ -706,7 +716,7 @@ def vocab_slice_backward(
                 d_slice = grad_logits[:, start:stop]
             else:
                 assert log_sum_exp is not None and target is not None
-                d_slice = _slice_logits(h, w_slice, b, start, stop)
+                d_slice = _slice_logits(h, w_slice, b, start, stop, scratch)
                 logit_grad_from_lse_(d_slice, target, log_sum_exp, col_offset=start, ignore_index=ignore_index,
                                      backend=backend)
             if grad_hidden is not None:
@@ -715,8 +725,6 @@ def vocab_slice_backward(
             _accumulate_mm(gw, d_slice.T, h, first=True, alpha=weight_scale)
             gb = None if bias is None else d_slice.sum(0, dtype=acc).mul_(weight_scale)
             on_slice(start, stop, gw, gb)
-            # a recomputed slice is freed before the next one is made: else two would be alive at once
-            del d_slice
     return grad_hidden
 
 
