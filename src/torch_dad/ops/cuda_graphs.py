@@ -22,6 +22,7 @@ T = TypeVar("T")
 _CAPTURE_STREAMS: dict[int, torch.cuda.Stream] = {}
 _CAPTURE_THREAD: ThreadPoolExecutor | None = None
 _CAPTURE_THREAD_NAME = "torch_dad-capture"
+_CAPTURE_THREAD_LOCK = threading.Lock()
 
 
 def capture_stream(device: torch.device) -> torch.cuda.Stream:
@@ -56,8 +57,9 @@ def on_capture_thread(device: torch.device, run: Callable[[], T]) -> T:
 
     if threading.current_thread().name.startswith(_CAPTURE_THREAD_NAME):
         return job()  # called from a job: waiting for the one worker would wait forever
-    if _CAPTURE_THREAD is None:
-        _CAPTURE_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix=_CAPTURE_THREAD_NAME)
+    with _CAPTURE_THREAD_LOCK:
+        if _CAPTURE_THREAD is None:
+            _CAPTURE_THREAD = ThreadPoolExecutor(max_workers=1, thread_name_prefix=_CAPTURE_THREAD_NAME)
     return _CAPTURE_THREAD.submit(job).result()
 
 

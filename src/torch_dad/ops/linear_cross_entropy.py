@@ -614,11 +614,10 @@ def _slice_logits(h: Tensor, w_slice: Tensor, bias: Tensor | None, start: int, s
                   scratch: Tensor | None = None) -> Tensor:
     """``h @ W[start:stop].T + b[start:stop]`` (N, stop - start), given that slice of the weight; written into the
     front of the flat buffer ``scratch`` if given."""
-    out = None if scratch is None else scratch[: h.shape[0] * (stop - start)].view(h.shape[0], stop - start)
-    if bias is None:
-        return torch.mm(h, w_slice.T, out=out) if out is not None else h @ w_slice.T
-    return torch.addmm(bias[start:stop], h, w_slice.T, out=out) if out is not None else \
-        torch.addmm(bias[start:stop], h, w_slice.T)
+    if scratch is None:
+        return h @ w_slice.T if bias is None else torch.addmm(bias[start:stop], h, w_slice.T)
+    out = scratch[: h.shape[0] * (stop - start)].view(h.shape[0], stop - start)
+    return torch.mm(h, w_slice.T, out=out) if bias is None else torch.addmm(bias[start:stop], h, w_slice.T, out=out)
 
 
 def _sliced_log_sum_exp(step: _Step, backend: str, slice_rows: int | None) -> LinearCrossEntropyResult:
