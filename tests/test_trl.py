@@ -11,7 +11,8 @@ transformers = pytest.importorskip("transformers")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from torch_dad.integrations.causal_lm import replace_lm_head  # noqa: E402
-from torch_dad.nn.lm_head import DADLMHead, shift_labels  # noqa: E402
+from torch_dad.nn.lm_head import DADLMHead  # noqa: E402
+from torch_dad.ops.linear_cross_entropy import shift_labels  # noqa: E402
 
 VOCAB_WORDS = [f"w{i}" for i in range(90)]
 

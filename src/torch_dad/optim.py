@@ -163,6 +163,10 @@ class LocalOptimizerState(torch.nn.Module):
             self.register_buffer(f"exp_avg_{i}", torch.zeros(shape, device=device, dtype=dtype))
             self.register_buffer(f"exp_avg_sq_{i}", torch.zeros(shape, device=device, dtype=dtype))
 
+    def data_ptrs(self) -> tuple[int, ...]:
+        """The addresses of ``step`` and the moments: they change when the state is moved or its buffers replaced."""
+        return tuple(t.data_ptr() for t in (self.step, *self.moments("exp_avg"), *self.moments("exp_avg_sq")))
+
     def moments(self, kind: str) -> list[Tensor]:
         """The ``exp_avg`` or ``exp_avg_sq`` buffers, in parameter order."""
         return [getattr(self, f"{kind}_{i}") for i in range(self._count)]

@@ -154,6 +154,48 @@ def test_an_all_ignored_batch_leaves_a_graphed_head_unchanged():
         assert torch.equal(tensor, before[name]), name
 
 
+@pytest.mark.parametrize("label_dtype", [torch.int64, torch.int32])
+def test_labels_are_shifted_checked_and_counted_inside_the_forward_graph(label_dtype):
+    # a replayed forward takes the labels unshifted: their shift, mask and count come from the graph, per batch
+    eager, graphed = head_pair(64, 3001, lr=1e-2, compute_dtype=torch.bfloat16)
+    masks = []
+    for seed in range(5):  # eager, captured, then replayed with a different count of scored tokens each step
+        h, y = case(4 * 75, 64, 3001, seed, ignored=0.1 * seed)
+        h, y = h.float().cuda().reshape(4, 75, 64), y.to(label_dtype).cuda().reshape(4, 75)
+        outs = [head.fused_loss(h, y) for head in (eager, graphed)]
+        for out in outs:
+            out.loss.backward()
+        want = torch.cat([y[:, 1:], torch.full_like(y[:, :1], -100)], dim=1) != -100
+        assert torch.equal(outs[1].label_mask, want) and torch.equal(outs[0].label_mask, want)
+        assert rel(outs[1].loss, outs[0].loss) <= 1e-5
+        masks.append((outs[1].label_mask, outs[0].label_mask.clone()))
+    assert graphed.num_cuda_graphs == 2
+    for kept, expected in masks:  # what a step returned is not overwritten by later replays
+        assert torch.equal(kept, expected)
+    assert rel(graphed.weight, eager.weight) <= 1e-6
+
+
+def test_a_replayed_step_keeps_nothing_of_its_inputs_alive():
+    # copying a batch into the graph's buffers must not tie the buffers into that batch's autograd graph: a step
+    # dropped before its backward frees its hidden states (tanh's backward would hold them)
+    import weakref
+
+    head = DADLMHead(64, 3001, device="cuda", sweep="recompute", cuda_graphs=True, compute_dtype=torch.bfloat16,
+                     backprop_gradients=True)
+    for seed in range(2):  # eager, captured
+        h, y = case(300, 64, 3001, seed)
+        step(head, h.float().cuda(), y.cuda())
+    h, y = case(300, 64, 3001, 2)
+    hidden = torch.tanh(h.float().cuda().requires_grad_(True))
+    ref = weakref.ref(hidden)
+    out = head.fused_loss(hidden, y.cuda(), shift=False)
+    assert out.loss.requires_grad and head.num_cuda_graphs == 2
+    del hidden, out
+    assert ref() is None
+    step(head, h.float().cuda(), y.cuda())  # the graphs are free again and replay
+    assert head.num_cuda_graphs == 2
+
+
 def test_the_capture_thread_orders_its_work_with_the_callers_stream():
     """Eager steps and captures of graphed heads run on one worker thread: its kernels come after the caller's and
     before whatever the caller queues next, with the caller's grad mode; its exceptions reach the caller."""

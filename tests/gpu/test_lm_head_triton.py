@@ -218,3 +218,32 @@ def test_grad_logits_and_vocab_slices_match_float64(dtype, bias):
         assert rel(gw.cpu(), ref.grad_weight) <= tol and rel(gh.cpu() / res.num_valid, gi) <= tol
         if bias:
             assert rel(gb.cpu(), ref.grad_bias) <= tol
+
+
+@pytest.mark.parametrize("shape", [(1,), (7,), (3, 1), (5, 37), (2, 3, 1031)])
+@pytest.mark.parametrize("shift", [False, True])
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32])
+@pytest.mark.parametrize("ignore_index", [-100, 0])
+def test_next_token_targets_kernel_equals_the_torch_ops(shape, shift, dtype, ignore_index):
+    # one launch for the shift, the mask and both counts, against shift_labels and compares on the CPU
+    from torch_dad.kernels.labels import next_token_targets as kernel
+    from torch_dad.ops.linear_cross_entropy import next_token_targets, shift_labels
+
+    vocab = 50
+    g = torch.Generator().manual_seed(sum(shape) + shift)
+    labels = torch.randint(-3, vocab + 3, shape, generator=g).to(dtype)  # a few ids out of range
+    labels[torch.rand(shape, generator=g) < 0.3] = ignore_index
+    targets, mask, counts = kernel(labels.to(DEVICE), vocab, ignore_index, shift)
+    want = shift_labels(labels, ignore_index) if shift else labels
+    bad = (labels != ignore_index) & ((labels < 0) | (labels >= vocab))
+    assert targets.dtype == dtype and torch.equal(targets.cpu(), want)
+    assert torch.equal(mask.cpu(), want != ignore_index)
+    assert counts.cpu().tolist() == [int(bad.sum()), int((want != ignore_index).sum())]
+    # the op reads the counts through the check: the count of the mask, or the error naming the bad ids
+    good = labels.masked_fill(bad, 1)
+    _, _, check = next_token_targets(good.to(DEVICE), vocab, ignore_index, shift=shift)
+    assert check.result() == int((shift_labels(good, ignore_index) if shift else good).ne(ignore_index).sum())
+    if bad.any():
+        _, _, check = next_token_targets(labels.to(DEVICE), vocab, ignore_index, shift=shift)
+        with pytest.raises(ValueError, match=r"labels must lie in \[0, 50\)"):
+            check.result()

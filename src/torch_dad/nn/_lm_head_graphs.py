@@ -14,6 +14,8 @@ Per signature (the caller's key: batch shape, dtypes, options, addresses of the 
 - the next forward is captured, then the next backward, into graphs that share one memory pool (the backward's
   buffers reuse the forward's);
 - from then on both replay. Inputs are copied into the graphs' buffers; what autograd receives is copied out.
+  The forward graph takes the labels as given: their shift, range check and count run in it (the head's
+  ``fused_loss``), so the host issues two copies and one replay before the forward's kernels start.
 
 A forward while an earlier graphed forward still awaits its backward runs eagerly: the buffers are taken.
 """
@@ -43,12 +45,12 @@ class Pending:
 
 @dataclass
 class GraphedStep:
-    """One signature's graphs and their buffers: inputs ``hidden`` (compute dtype), ``target``, ``lr`` (0-dim
+    """One signature's graphs and their buffers: inputs ``hidden`` (compute dtype), ``labels``, ``lr`` (0-dim
     float32, read by the AdamW kernel), ``scale`` (0-dim float32, the gradient's ``1 / scored tokens``);
     ``outputs`` of the forward run; ``grad_hidden`` of the backward run."""
 
     hidden: Tensor
-    target: Tensor
+    labels: Tensor
     lr: Tensor
     scale: Tensor
     forward: torch.cuda.CUDAGraph
@@ -90,18 +92,18 @@ class RecomputeGraphs:
             self._warm.clear()
         self._warm.add(key)
 
-    def forward(self, key: Hashable, hidden: Tensor, target: Tensor, dtype: torch.dtype,
+    def forward(self, key: Hashable, hidden: Tensor, labels: Tensor, dtype: torch.dtype,
                 run: Callable[[Tensor, Tensor], Any]) -> tuple[GraphedStep, Pending] | None:
-        """Replay (capturing first if needed) ``run(hidden.to(dtype), target)``; ``None`` where the step must run
+        """Replay (capturing first if needed) ``run(hidden.to(dtype), labels)``; ``None`` where the step must run
         eagerly (``key`` not warm yet, or the buffers are taken). Keep the returned :class:`Pending` until the
         backward: it marks the buffers taken."""
         if key not in self._warm or self.busy():
             return None
         step = self._steps.get(key)
         if step is None:
-            step = self._capture_forward(key, hidden, target, dtype, run)
+            step = self._capture_forward(key, hidden, labels, dtype, run)
         step.hidden.copy_(hidden)
-        step.target.copy_(target)
+        step.labels.copy_(labels)
         step.forward.replay()
         pending = Pending()
         self._pending = weakref.ref(pending)
@@ -128,17 +130,17 @@ class RecomputeGraphs:
                 self._pool = torch.cuda.graph_pool_handle()
         return self._pool
 
-    def _capture_forward(self, key: Hashable, hidden: Tensor, target: Tensor, dtype: torch.dtype,
+    def _capture_forward(self, key: Hashable, hidden: Tensor, labels: Tensor, dtype: torch.dtype,
                          run: Callable[[Tensor, Tensor], Any]) -> GraphedStep:
         if len(self._steps) >= self.max_signatures:
             self._steps.popitem(last=False)
         static_hidden = torch.empty(hidden.shape, dtype=dtype, device=hidden.device)
-        static_target = torch.empty_like(target)
+        static_labels = torch.empty_like(labels)
         lr, scale = (torch.zeros((), dtype=torch.float32, device=hidden.device) for _ in range(2))
         device = hidden.device
         graph, outputs = on_capture_thread(
-            device, lambda: capture(lambda: run(static_hidden, static_target), self._pool_for(device),
+            device, lambda: capture(lambda: run(static_hidden, static_labels), self._pool_for(device),
                                     capture_stream(device)))
-        step = GraphedStep(static_hidden, static_target, lr, scale, graph, outputs)
+        step = GraphedStep(static_hidden, static_labels, lr, scale, graph, outputs)
         self._steps[key] = step
         return step

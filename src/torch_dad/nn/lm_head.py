@@ -22,14 +22,14 @@ from ..ops.linear_cross_entropy import (
     LinearCrossEntropyResult,
     TokenLabelCheck,
     autocast_dtype,
+    check_token_layout,
     linear_cross_entropy,
+    next_token_targets,
     resolve_backend,
-    shift_labels,
-    start_token_label_check,
     vocab_slice_backward,
 )
 from ..optim import OptimizerConfig
-from ._lm_head_graphs import RecomputeGraphs
+from ._lm_head_graphs import GraphedStep, Pending, RecomputeGraphs
 from ._local import LocalLayer, check_update
 
 T = TypeVar("T")
@@ -68,53 +68,57 @@ def _uniform_token_weight(grad_log_probs: Tensor) -> float:
 
 
 @dataclass
-class _ScoredCount:
-    """The scored tokens of a step whose labels' check is read after its forward was queued (CUDA graphs): the
-    forward scores every position, and :meth:`DADLMHead.fused_loss` fills ``num_valid`` before backward."""
+class _GraphedForward:
+    """What the forward graph of ``cuda_graphs=True`` leaves in its buffers: the fused step's ``result`` on the
+    shifted ``targets`` (flat), the labels' ``mask`` and their ``check`` (see :meth:`DADLMHead._prepare_labels`)."""
 
+    result: LinearCrossEntropyResult
+    targets: Tensor
+    mask: Tensor
+    check: TokenLabelCheck
+
+
+@dataclass
+class _GraphsCall:
+    """A training step of ``cuda_graphs=True``: its signature ``key`` and, where that is captured, its forward
+    graph's replay (``None``: the step runs eagerly and its backward marks ``key`` warm). Every position is
+    scored, so the count of scored tokens comes from the labels' check after the forward was queued:
+    :meth:`DADLMHead.fused_loss` fills ``num_valid`` before backward."""
+
+    key: tuple[Any, ...]
+    replayed: tuple[GraphedStep, Pending] | None = None
     num_valid: int = 0
 
 
 class _DADLMHeadFunction(torch.autograd.Function):
     """``log p(y_t)`` per valid token; backward = the head's update (+ ``dL/dhidden`` if asked).
 
-    ``apply(hidden, weight, bias, head, target, token_stats)`` with ``hidden`` (n, D) holding only
-    valid rows. Forward runs the fused step once (loss, summed ``dW``, per-row ``dh``, or what the vocabulary
-    sweeps keep) and keeps it on ``ctx``; backward scales the gradients by the incoming per-token gradient.
+    ``apply(hidden, weight, bias, head, target, token_stats, graphs_call)`` with ``hidden`` (n, D) holding only
+    valid rows (every row for a ``_GraphsCall``, whose replayed forward replaces ``target``). Forward runs the
+    fused step once (loss, summed ``dW``, per-row ``dh``, or what the vocabulary sweeps keep) and keeps it on
+    ``ctx``; backward scales the gradients by the incoming per-token gradient.
     """
 
     @staticmethod
     def forward(  # type: ignore[override]
-        ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, head: DADLMHead, target: Tensor,
-        token_stats: bool, scored: _ScoredCount | None,
+        ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, head: DADLMHead, target: Tensor | None,
+        token_stats: bool, graphs_call: _GraphsCall | None,
     ) -> tuple[Tensor, Tensor, Tensor]:
         want_gi = bool(ctx.needs_input_grad[0]) and head.backprop_gradients
-        sweep = head._sweep_for(hidden, want_gi, token_stats)
-        dtype = head._compute_dtype(hidden) or torch.promote_types(hidden.dtype, weight.dtype)
-        ctx.head, ctx.used, ctx.want_gi, ctx.graphed, ctx.graph_key = head, False, want_gi, None, None
-        ctx.scored = scored
-
-        def run(rows: Tensor, ids: Tensor) -> LinearCrossEntropyResult:
-            tokens = sweep == "tokens"
-            return linear_cross_entropy(
-                rows, weight, ids, bias, ignore_index=head.ignore_index, reduction="sum",
-                grad_weight=head._trains() and tokens, grad_input=want_gi and tokens, grad_logits=sweep == "vocab",
-                log_sum_exp=sweep == "recompute", token_stats=token_stats, chunk_size=head.chunk_size,
-                weight_chunk_size=head.weight_chunk_size, backend=head.backend, compute_dtype=dtype,
-                num_valid=ids.numel(),
-            )
-
-        if sweep == "recompute" and head.cuda_graphs and hidden.is_cuda and hidden.shape[0]:
-            ctx.graph_key = head._graph_key(hidden, dtype, want_gi, token_stats)
-            ctx.graphed = head._graphs.forward(ctx.graph_key, hidden, target, dtype, run)
+        ctx.head, ctx.used, ctx.want_gi, ctx.graphs_call = head, False, want_gi, graphs_call
+        ctx.graph_key = None if graphs_call is None else graphs_call.key
+        ctx.graphed = None if graphs_call is None else graphs_call.replayed
         if ctx.graphed is not None:
             step = ctx.graphed[0]
-            res = step.outputs
-            ctx.sliced = (step.hidden, step.target)
+            res, sweep = step.outputs.result, "recompute"
+            ctx.sliced = (step.hidden, step.outputs.targets)
             # the graph's buffers are overwritten by its next replay: autograd gets copies
             log_probs, entropy, top1 = (None if t is None else t.clone() for t in (res.log_probs, res.entropy,
                                                                                     res.is_top1))
         else:
+            assert target is not None
+            sweep, dtype, run = head._fused_step(hidden, want_gi, token_stats)
+
             def eager() -> tuple[LinearCrossEntropyResult, tuple[Tensor, Tensor] | None]:
                 # with what the vocabulary sweeps read again in backward
                 return run(hidden, target), None if sweep == "tokens" else (hidden.to(dtype), target)
@@ -197,12 +201,13 @@ def _vocab_sweep_backward(head: DADLMHead, ctx: Any, grad_log_probs: Tensor) -> 
     :func:`_slice_sweep`, then ``dL/dhidden`` scaled by the incoming per-token gradient, or ``None``."""
     hidden, target = ctx.sliced
     # a graphed head scores every position and learns the count only after its forward was queued
-    num_valid = ctx.res.num_valid if ctx.scored is None else ctx.scored.num_valid
+    num_valid = ctx.res.num_valid if ctx.graphs_call is None else ctx.graphs_call.num_valid
     if ctx.graphed is not None:
         step = ctx.graphed[0]
         grad_hidden = None if not num_valid else head._graphs.backward(
             step, head.config.lr, 1.0 / num_valid,
-            lambda s: _slice_sweep(head, s.outputs, s.hidden, s.target, ctx.want_gi, 1, lr=s.lr, weight_scale=s.scale))
+            lambda s: _slice_sweep(head, s.outputs.result, s.hidden, s.outputs.targets, ctx.want_gi, 1, lr=s.lr,
+                                   weight_scale=s.scale))
     else:
         grad_hidden = _eager(head, ctx, hidden.device,
                              lambda: _slice_sweep(head, ctx.res, hidden, target, ctx.want_gi, num_valid))
@@ -333,21 +338,48 @@ class DADLMHead(LocalLayer):
 
     def _graphs_step(self, hidden: Tensor) -> bool:
         """Whether this call is a training step that ``cuda_graphs=True`` captures or replays."""
-        return self.cuda_graphs and hidden.is_cuda and self.training and torch.is_grad_enabled() and self._trains()
+        return (self.cuda_graphs and hidden.is_cuda and hidden.numel() > 0 and self.training
+                and torch.is_grad_enabled() and self._trains())
 
     @property
     def num_cuda_graphs(self) -> int:
         """CUDA graphs captured and kept by ``cuda_graphs=True`` (a forward and a backward per batch shape)."""
         return self._graphs.num_graphs
 
-    def _graph_key(self, hidden: Tensor, dtype: torch.dtype, want_gi: bool, token_stats: bool) -> tuple[Any, ...]:
+    def _graph_key(self, rows: Tensor, labels: Tensor, shift: bool, dtype: torch.dtype, want_gi: bool,
+                   token_stats: bool) -> tuple[Any, ...]:
         """What a captured step depends on: input layout, options, and the addresses the graphs read and write
         (a moved or reassigned weight or optimizer state gets new graphs)."""
-        state = [self.weight, self.bias, *([] if self.optim_state is None else self.optim_state.buffers())]
-        config = self.config
-        return (tuple(hidden.shape), hidden.dtype, hidden.device, dtype, want_gi, token_stats, self.chunk_size,
-                self.weight_chunk_size, self.backend, self.ignore_index, config.name, config.betas, config.eps,
-                config.weight_decay, tuple(None if t is None else t.data_ptr() for t in state))
+        bias, state, config = self.bias, self.optim_state, self.config
+        addresses = (self.weight.data_ptr(), None if bias is None else bias.data_ptr(),
+                     None if state is None else state.data_ptrs())
+        # the learning rate is not part of it: the graphs read it from a device tensor filled per step
+        return (rows.shape, rows.dtype, rows.device, labels.shape, labels.dtype, shift, dtype, want_gi, token_stats,
+                self.chunk_size, self.weight_chunk_size, self.backend, self.ignore_index, config.name, config.betas,
+                config.eps, config.weight_decay, addresses)
+
+    def _fused_step(self, rows: Tensor, want_gi: bool,
+                    token_stats: bool) -> tuple[str, torch.dtype, Callable[[Tensor, Tensor], LinearCrossEntropyResult]]:
+        """``(sweep, compute dtype, run)`` of a training step on ``rows``: ``run(rows, targets)`` is its fused
+        forward, :func:`linear_cross_entropy` with what that sweep keeps for backward."""
+        sweep = self._sweep_for(rows, want_gi, token_stats)
+        dtype = self._compute_dtype(rows) or torch.promote_types(rows.dtype, self.weight.dtype)
+        weight, bias, tokens = self.weight, self.bias, sweep == "tokens"
+
+        def run(rows: Tensor, targets: Tensor) -> LinearCrossEntropyResult:
+            return linear_cross_entropy(
+                rows, weight, targets, bias, ignore_index=self.ignore_index, reduction="sum",
+                grad_weight=self._trains() and tokens, grad_input=want_gi and tokens, grad_logits=sweep == "vocab",
+                log_sum_exp=sweep == "recompute", token_stats=token_stats, chunk_size=self.chunk_size,
+                weight_chunk_size=self.weight_chunk_size, backend=self.backend, compute_dtype=dtype,
+                num_valid=targets.numel(),
+            )
+
+        return sweep, dtype, run
+
+    def _prepare_labels(self, labels: Tensor, shift: bool) -> tuple[Tensor, Tensor, TokenLabelCheck]:
+        """``(targets, mask, check)`` of :func:`~torch_dad.ops.linear_cross_entropy.next_token_targets`."""
+        return next_token_targets(labels, self.vocab_size, self.ignore_index, shift=shift)
 
     def _compute_dtype(self, hidden: Tensor) -> torch.dtype | None:
         """``compute_dtype``, else the autocast dtype, else bf16/fp16 if ``hidden`` is (mixed precision
@@ -381,20 +413,41 @@ class DADLMHead(LocalLayer):
         index = torch.argsort((~flat_mask).to(torch.uint8), stable=True)[:num_valid]
         return flat_rows.index_select(0, index), flat_targets.index_select(0, index), index
 
-    def _graphed_rows(self, hidden: Tensor, targets: Tensor, check: TokenLabelCheck,
-                      token_stats: bool) -> tuple[Tensor, Tensor, Tensor, int]:
+    def _graphed_rows(self, hidden: Tensor, labels: Tensor, shift: bool,
+                      token_stats: bool) -> tuple[Tensor, Tensor, Tensor, int, Tensor]:
         """A training step of ``cuda_graphs=True``: every position is scored (ignored ones at zero weight), so the
-        captured forward's shape is known before the count of scored tokens; it is queued first, and the host reads
-        the labels' check while the device runs it. Returns per-position outputs and the count."""
-        scored = _ScoredCount()
-        lp, ent, top1 = _DADLMHeadFunction.apply(hidden.reshape(-1, self.in_features), self.weight, self.bias, self,
-                                                 targets.reshape(-1), token_stats, scored)
+        forward graph's shape is known before the labels are read. The labels are copied in and the graph replayed
+        first: it shifts and checks them (:meth:`_prepare_labels`) ahead of its GEMMs, and the host reads that
+        check while the device runs the rest. Returns per-position outputs, the count and the labels' mask."""
+        want_gi = hidden.requires_grad and self.backprop_gradients
+
+        def graphed_forward(static_rows: Tensor, static_labels: Tensor) -> _GraphedForward:
+            targets, mask, check = self._prepare_labels(static_labels, shift)
+            return _GraphedForward(run(static_rows, targets.reshape(-1)), targets.reshape(-1), mask, check)
+
+        # outside autograd: the copies into the graph's buffers are not part of the model, and the replay is
+        # issued before autograd's bookkeeping, which the host then does while the device runs the forward
+        with torch.no_grad():
+            flat = hidden.reshape(-1, self.in_features)
+            _, dtype, run = self._fused_step(flat, want_gi, token_stats)
+            call = _GraphsCall(self._graph_key(flat, labels, shift, dtype, want_gi, token_stats))
+            call.replayed = self._graphs.forward(call.key, flat, labels, dtype, graphed_forward)
+        rows = hidden.reshape(-1, self.in_features)
+        if call.replayed is None:
+            targets, mask, check = self._prepare_labels(labels, shift)
+            lp, ent, top1 = _DADLMHeadFunction.apply(rows, self.weight, self.bias, self, targets.reshape(-1),
+                                                     token_stats, call)
+        else:
+            graphed: _GraphedForward = call.replayed[0].outputs
+            mask, check = graphed.mask.clone(), graphed.check
+            lp, ent, top1 = _DADLMHeadFunction.apply(rows, self.weight, self.bias, self, None, token_stats, call)
         try:
-            scored.num_valid = check.result()
+            call.num_valid = check.result()
         except ValueError:
+            call.replayed = None
             del lp, ent, top1  # frees the step's graph buffers for the next call
             raise
-        return lp, ent, top1, scored.num_valid
+        return lp, ent, top1, call.num_valid, mask
 
     def _scored_rows(self, rows: Tensor, targets: Tensor, num_valid: int,
                      token_stats: bool) -> tuple[Tensor, Tensor, Tensor]:
@@ -431,20 +484,15 @@ class DADLMHead(LocalLayer):
             raise ValueError(
                 f"hidden has shape {tuple(hidden.shape)}; the last dim must be in_features={self.in_features}"
             )
-        rows_shape = tuple(hidden.shape[:-1])
         if isinstance(labels, Tensor) and labels.device != hidden.device:
             labels = labels.to(hidden.device)
-        targets = shift_labels(labels, self.ignore_index) if shift and isinstance(labels, Tensor) and labels.dim() > 0 \
-            else labels
-        mask = targets != self.ignore_index if isinstance(targets, Tensor) else None
-        # the labels' range check and the count of scored positions: queued now, read once (the step's only sync)
-        check = start_token_label_check(labels, rows_shape, self.vocab_size, self.ignore_index, count=mask)
-        assert mask is not None
+        check_token_layout(labels, tuple(hidden.shape[:-1]), self.ignore_index, "labels")
         index: Tensor | None = None
         if self._graphs_step(hidden):
-            lp, ent, top1, num_valid = self._graphed_rows(hidden, targets, check, token_stats)
+            lp, ent, top1, num_valid, mask = self._graphed_rows(hidden, labels, shift, token_stats)
         else:
-            num_valid = check.result()
+            targets, mask, check = self._prepare_labels(labels, shift)
+            num_valid = check.result()  # the step's only sync
             rows, valid_targets, index = self._valid_rows(hidden, targets, mask, num_valid)
             lp, ent, top1 = self._scored_rows(rows, valid_targets, num_valid, token_stats)
 

@@ -56,9 +56,11 @@ __all__ = [
     "TokenLabelCheck",
     "autocast_dtype",
     "check_token_labels",
+    "check_token_layout",
     "default_chunk_size",
     "default_slice_rows",
     "linear_cross_entropy",
+    "next_token_targets",
     "resolve_backend",
     "shift_labels",
     "start_token_label_check",
@@ -152,46 +154,38 @@ def shift_labels(labels: Tensor, ignore_index: int = functional.IGNORE_INDEX) ->
 
 def check_token_labels(
     target: Tensor, rows_shape: tuple[int, ...], vocab: int, ignore_index: int = functional.IGNORE_INDEX, *,
-    name: str = "labels", count: Tensor | None = None,
+    name: str = "labels",
 ) -> int:
     """Raise unless ``target`` holds integer ids of shape ``rows_shape`` in ``[0, vocab)`` or ``ignore_index``.
 
-    Returns the number of non-ignored entries, or with ``count`` (a bool tensor) its number of true entries,
-    in the same host sync as the range check.
+    Returns the number of non-ignored entries, read in the same host sync as the range check.
     """
-    return start_token_label_check(target, rows_shape, vocab, ignore_index, name=name, count=count).result()
+    return start_token_label_check(target, rows_shape, vocab, ignore_index, name=name).result()
 
 
 class TokenLabelCheck:
     """The range check and count of :func:`check_token_labels`, its kernels queued but not waited for:
-    :meth:`result` waits for those kernels alone (not for work queued after them) and raises or counts."""
+    :meth:`result` waits for those kernels alone (not for work queued after them) and raises or counts.
+    ``counts`` (device) holds the number of ``target`` entries out of range and the count. Made during a CUDA
+    graph's capture, it reads the counts of the graph's latest replay."""
 
-    def __init__(self, target: Tensor, vocab: int, ignore_index: int, name: str, count: Tensor | None) -> None:
+    def __init__(self, target: Tensor, vocab: int, ignore_index: int, name: str, counts: Tensor) -> None:
         self._target, self._vocab, self._ignore_index, self._name = target, vocab, ignore_index, name
-        self._counts: Tensor | list[int]
+        self._counts = counts
         self._done: torch.cuda.Event | None = None
-        if target.numel() == 0:
-            self._counts = [0, 0 if count is None else int(count.sum())]
-            return
-        valid = target != ignore_index
-        # one sum over both flags: each sum of a bool tensor is a cast and a reduction, and a step issues these
-        # before its forward
-        flags = [_out_of_range(target, vocab, valid), valid if count is None else count]
-        counts = torch.stack([f.reshape(-1) for f in flags]).sum(1)
         if counts.is_cuda:
             # into pinned memory behind an event: the host reads it once these kernels are done
             self._counts = torch.empty(2, dtype=counts.dtype, pin_memory=True).copy_(counts, non_blocking=True)
-            self._done = torch.cuda.Event()
+            # inside a graph's capture the event becomes a node of its own: the host that replays the graph can
+            # wait for these kernels alone, not for the whole graph
+            self._done = torch.cuda.Event(external=torch.cuda.is_current_stream_capturing())
             self._done.record()
-        else:
-            self._counts = counts
 
     def result(self) -> int:
         """The count; raises ``ValueError`` if an id lies outside ``[0, vocab)`` and is not ``ignore_index``."""
         if self._done is not None:
             self._done.synchronize()
-        counts = self._counts
-        n_bad, n_valid = (int(v) for v in (counts if isinstance(counts, list) else counts.tolist()))
+        n_bad, n_valid = (int(v) for v in self._counts.tolist())
         if n_bad:
             target, vocab, ignore_index, name = self._target, self._vocab, self._ignore_index, self._name
             values = target[_out_of_range(target, vocab, target != ignore_index)]
@@ -209,18 +203,43 @@ def _out_of_range(target: Tensor, vocab: int, valid: Tensor) -> Tensor:
     return valid & (target.clamp(0, min(vocab - 1, torch.iinfo(target.dtype).max)) != target)
 
 
+def _label_counts(target: Tensor, vocab: int, ignore_index: int, count: Tensor) -> Tensor:
+    """``[entries of target out of range, true entries of count]``."""
+    # one sum over both flags: each sum of a bool tensor is a cast and a reduction
+    flags = [_out_of_range(target, vocab, target != ignore_index), count]
+    return torch.stack([f.reshape(-1) for f in flags]).sum(1)
+
+
 def start_token_label_check(
     target: Tensor, rows_shape: tuple[int, ...], vocab: int, ignore_index: int = functional.IGNORE_INDEX, *,
-    name: str = "labels", count: Tensor | None = None,
+    name: str = "labels",
 ) -> TokenLabelCheck:
     """:func:`check_token_labels` in two halves: the layout is checked now (``TypeError``/``ValueError``), the
     range check and count are queued on the device, and ``.result()`` gives them. Work queued in between (a
     captured forward) does not wait for the host to read them."""
-    _check_token_layout(target, rows_shape, ignore_index, name)
-    return TokenLabelCheck(target, vocab, ignore_index, name, count)
+    check_token_layout(target, rows_shape, ignore_index, name)
+    return next_token_targets(target, vocab, ignore_index, shift=False, name=name)[2]
 
 
-def _check_token_layout(target: Tensor, rows_shape: tuple[int, ...], ignore_index: int, name: str) -> None:
+def next_token_targets(labels: Tensor, vocab: int, ignore_index: int = functional.IGNORE_INDEX, *, shift: bool,
+                       name: str = "labels") -> tuple[Tensor, Tensor, TokenLabelCheck]:
+    """``(targets, mask, check)`` of ``labels`` whose layout is checked (:func:`check_token_layout`): ``targets =
+    shift_labels(labels)`` if ``shift`` (HF's causal-LM shift), else ``labels``; ``mask = targets !=
+    ignore_index``; ``check`` the labels' range check and the count of ``mask``, queued on the device. One Triton
+    kernel on CUDA (int32/int64 labels), torch ops elsewhere."""
+    shift = shift and labels.dim() > 0
+    if labels.numel() and labels.dtype in (torch.int32, torch.int64) and _triton_runnable(labels.device) is None:
+        from ..kernels import labels as kernels
+
+        targets, mask, counts = kernels.next_token_targets(labels.contiguous(), vocab, ignore_index, shift)
+    else:
+        targets = shift_labels(labels, ignore_index) if shift else labels
+        mask = targets != ignore_index
+        counts = _label_counts(labels, vocab, ignore_index, mask)
+    return targets, mask, TokenLabelCheck(labels, vocab, ignore_index, name, counts)
+
+
+def check_token_layout(target: Tensor, rows_shape: tuple[int, ...], ignore_index: int, name: str) -> None:
     """Raise unless ``target`` is an integer tensor of shape ``rows_shape`` (no host sync)."""
     if not isinstance(target, Tensor):
         raise TypeError(f"{name} must be a torch.Tensor of token ids, got {type(target).__name__}")
@@ -408,7 +427,7 @@ def linear_cross_entropy(
     if num_valid is None:
         num_valid = check_token_labels(target, (hidden.shape[0],), weight.shape[0], ignore_index, name="target")
     else:
-        _check_token_layout(target, (hidden.shape[0],), ignore_index, "target")
+        check_token_layout(target, (hidden.shape[0],), ignore_index, "target")
         if isinstance(num_valid, bool) or not isinstance(num_valid, int) or not 0 <= num_valid <= target.numel():
             raise ValueError(
                 f"num_valid={num_valid!r} must be the number of targets that are not ignore_index, an int in "
