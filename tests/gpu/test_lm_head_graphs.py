@@ -196,6 +196,20 @@ def test_a_replayed_step_keeps_nothing_of_its_inputs_alive():
     assert head.num_cuda_graphs == 2
 
 
+def test_an_option_changed_between_steps_is_not_replayed_from_the_old_graphs():
+    # the next step's forward graph starts before its key is made; a changed weight decay (part of the backward
+    # graph) makes a new key, so that early replay is dropped and the step runs as a new signature
+    eager, graphed = head_pair(64, 3001, lr=1e-2, compute_dtype=torch.bfloat16, backprop_gradients=True)
+    for seed in range(6):
+        if seed == 3:
+            for head in (eager, graphed):
+                head.config.weight_decay = 0.5
+        h, y = case(300, 64, 3001, seed)
+        for head in (eager, graphed):
+            step(head, h.float().cuda(), y.cuda())
+    assert graphed.num_cuda_graphs == 4 and rel(graphed.weight, eager.weight) <= 1e-6
+
+
 def test_the_capture_thread_orders_its_work_with_the_callers_stream():
     """Eager steps and captures of graphed heads run on one worker thread: its kernels come after the caller's and
     before whatever the caller queues next, with the caller's grad mode; its exceptions reach the caller."""

@@ -346,7 +346,7 @@ class DADLMHead(LocalLayer):
         """CUDA graphs captured and kept by ``cuda_graphs=True`` (a forward and a backward per batch shape)."""
         return self._graphs.num_graphs
 
-    def _graph_key(self, rows: Tensor, labels: Tensor, shift: bool, dtype: torch.dtype, want_gi: bool,
+    def _graph_key(self, hidden: Tensor, labels: Tensor, shift: bool, dtype: torch.dtype, want_gi: bool,
                    token_stats: bool) -> tuple[Any, ...]:
         """What a captured step depends on: input layout, options, and the addresses the graphs read and write
         (a moved or reassigned weight or optimizer state gets new graphs)."""
@@ -354,7 +354,7 @@ class DADLMHead(LocalLayer):
         addresses = (self.weight.data_ptr(), None if bias is None else bias.data_ptr(),
                      None if state is None else state.data_ptrs())
         # the learning rate is not part of it: the graphs read it from a device tensor filled per step
-        return (rows.shape, rows.dtype, rows.device, labels.shape, labels.dtype, shift, dtype, want_gi, token_stats,
+        return (hidden.shape, hidden.dtype, hidden.device, labels.shape, labels.dtype, shift, dtype, want_gi, token_stats,
                 self.chunk_size, self.weight_chunk_size, self.backend, self.ignore_index, config.name, config.betas,
                 config.eps, config.weight_decay, addresses)
 
@@ -362,8 +362,7 @@ class DADLMHead(LocalLayer):
                     token_stats: bool) -> tuple[str, torch.dtype, Callable[[Tensor, Tensor], LinearCrossEntropyResult]]:
         """``(sweep, compute dtype, run)`` of a training step on ``rows``: ``run(rows, targets)`` is its fused
         forward, :func:`linear_cross_entropy` with what that sweep keeps for backward."""
-        sweep = self._sweep_for(rows, want_gi, token_stats)
-        dtype = self._compute_dtype(rows) or torch.promote_types(rows.dtype, self.weight.dtype)
+        sweep, dtype = self._sweep_for(rows, want_gi, token_stats), self._step_dtype(rows)
         weight, bias, tokens = self.weight, self.bias, sweep == "tokens"
 
         def run(rows: Tensor, targets: Tensor) -> LinearCrossEntropyResult:
@@ -380,6 +379,10 @@ class DADLMHead(LocalLayer):
     def _prepare_labels(self, labels: Tensor, shift: bool) -> tuple[Tensor, Tensor, TokenLabelCheck]:
         """``(targets, mask, check)`` of :func:`~torch_dad.ops.linear_cross_entropy.next_token_targets`."""
         return next_token_targets(labels, self.vocab_size, self.ignore_index, shift=shift)
+
+    def _step_dtype(self, hidden: Tensor) -> torch.dtype:
+        """The dtype a training step's GEMMs run in: :meth:`_compute_dtype`, else ``hidden``'s and the weight's."""
+        return self._compute_dtype(hidden) or torch.promote_types(hidden.dtype, self.weight.dtype)
 
     def _compute_dtype(self, hidden: Tensor) -> torch.dtype | None:
         """``compute_dtype``, else the autocast dtype, else bf16/fp16 if ``hidden`` is (mixed precision
@@ -413,25 +416,34 @@ class DADLMHead(LocalLayer):
         index = torch.argsort((~flat_mask).to(torch.uint8), stable=True)[:num_valid]
         return flat_rows.index_select(0, index), flat_targets.index_select(0, index), index
 
-    def _graphed_rows(self, hidden: Tensor, labels: Tensor, shift: bool,
-                      token_stats: bool) -> tuple[Tensor, Tensor, Tensor, int, Tensor]:
+    def _graphs_guard(self, hidden: Tensor, labels: Tensor, shift: bool, token_stats: bool) -> tuple[Any, ...]:
+        """A summary of a step's inputs that is cheaper to make than :meth:`_graph_key`: equal guards may replay
+        the same forward graph before the key confirms it (:meth:`RecomputeGraphs.replay_early`). It holds what
+        makes that replay valid: the inputs' layout (the graph's buffers) and the addresses the graph reads."""
+        bias = self.bias
+        return (hidden.shape, hidden.dtype, hidden.device, labels.shape, labels.dtype, shift, token_stats,
+                hidden.requires_grad, self.weight.data_ptr(), None if bias is None else bias.data_ptr())
+
+    def _graphed_rows(self, hidden: Tensor, labels: Tensor, shift: bool, token_stats: bool, guard: tuple[Any, ...],
+                      early: tuple[GraphedStep, Pending] | None) -> tuple[Tensor, Tensor, Tensor, int, Tensor]:
         """A training step of ``cuda_graphs=True``: every position is scored (ignored ones at zero weight), so the
-        forward graph's shape is known before the labels are read. The labels are copied in and the graph replayed
-        first: it shifts and checks them (:meth:`_prepare_labels`) ahead of its GEMMs, and the host reads that
+        forward graph's shape is known before the labels are read. The labels are copied in as given and the graph
+        replayed (``early``, by :meth:`fused_loss`, where ``guard`` matches the last step's) before any autograd
+        bookkeeping: it shifts and checks them (:meth:`_prepare_labels`) ahead of its GEMMs, and the host reads that
         check while the device runs the rest. Returns per-position outputs, the count and the labels' mask."""
         want_gi = hidden.requires_grad and self.backprop_gradients
 
-        def graphed_forward(static_rows: Tensor, static_labels: Tensor) -> _GraphedForward:
+        def graphed_forward(static_hidden: Tensor, static_labels: Tensor) -> _GraphedForward:
+            rows = static_hidden.reshape(-1, self.in_features)
+            run = self._fused_step(rows, want_gi, token_stats)[2]
             targets, mask, check = self._prepare_labels(static_labels, shift)
-            return _GraphedForward(run(static_rows, targets.reshape(-1)), targets.reshape(-1), mask, check)
+            return _GraphedForward(run(rows, targets.reshape(-1)), targets.reshape(-1), mask, check)
 
-        # outside autograd: the copies into the graph's buffers are not part of the model, and the replay is
-        # issued before autograd's bookkeeping, which the host then does while the device runs the forward
+        # outside autograd: the copies into the graph's buffers are not part of the model
         with torch.no_grad():
-            flat = hidden.reshape(-1, self.in_features)
-            _, dtype, run = self._fused_step(flat, want_gi, token_stats)
-            call = _GraphsCall(self._graph_key(flat, labels, shift, dtype, want_gi, token_stats))
-            call.replayed = self._graphs.forward(call.key, flat, labels, dtype, graphed_forward)
+            dtype = self._step_dtype(hidden)
+            call = _GraphsCall(self._graph_key(hidden, labels, shift, dtype, want_gi, token_stats))
+            call.replayed = self._graphs.forward(call.key, guard, hidden, labels, dtype, graphed_forward, early)
         rows = hidden.reshape(-1, self.in_features)
         if call.replayed is None:
             targets, mask, check = self._prepare_labels(labels, shift)
@@ -486,10 +498,16 @@ class DADLMHead(LocalLayer):
             )
         if isinstance(labels, Tensor) and labels.device != hidden.device:
             labels = labels.to(hidden.device)
+        early, graphed = None, isinstance(labels, Tensor) and self._graphs_step(hidden)
+        if graphed:
+            # a step shaped like the last one starts its forward graph first; _graphed_rows confirms it
+            guard = self._graphs_guard(hidden, labels, shift, token_stats)
+            with torch.no_grad():
+                early = self._graphs.replay_early(guard, hidden, labels)
         check_token_layout(labels, tuple(hidden.shape[:-1]), self.ignore_index, "labels")
         index: Tensor | None = None
-        if self._graphs_step(hidden):
-            lp, ent, top1, num_valid, mask = self._graphed_rows(hidden, labels, shift, token_stats)
+        if graphed:
+            lp, ent, top1, num_valid, mask = self._graphed_rows(hidden, labels, shift, token_stats, guard, early)
         else:
             targets, mask, check = self._prepare_labels(labels, shift)
             num_valid = check.result()  # the step's only sync
