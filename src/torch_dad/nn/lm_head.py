@@ -69,10 +69,12 @@ def _uniform_token_weight(grad_log_probs: Tensor) -> float:
 
 @dataclass
 class _GraphedForward:
-    """What the forward graph of ``cuda_graphs=True`` leaves in its buffers: the fused step's ``result`` on the
-    shifted ``targets`` (flat), the labels' ``mask`` and their ``check`` (see :meth:`DADLMHead._prepare_labels`)."""
+    """What the forward graph of ``cuda_graphs=True`` leaves in its buffers: the fused step's ``result`` on its
+    ``rows`` (the hidden states' buffer, flat) and the shifted ``targets`` (flat), the labels' ``mask`` and their
+    ``check`` (see :meth:`DADLMHead._prepare_labels`)."""
 
     result: LinearCrossEntropyResult
+    rows: Tensor
     targets: Tensor
     mask: Tensor
     check: TokenLabelCheck
@@ -111,7 +113,7 @@ class _DADLMHeadFunction(torch.autograd.Function):
         if ctx.graphed is not None:
             step = ctx.graphed[0]
             res, sweep = step.outputs.result, "recompute"
-            ctx.sliced = (step.hidden, step.outputs.targets)
+            ctx.sliced = (step.outputs.rows, step.outputs.targets)
             # the graph's buffers are overwritten by its next replay: autograd gets copies
             log_probs, entropy, top1 = (None if t is None else t.clone() for t in (res.log_probs, res.entropy,
                                                                                     res.is_top1))
@@ -206,8 +208,8 @@ def _vocab_sweep_backward(head: DADLMHead, ctx: Any, grad_log_probs: Tensor) -> 
         step = ctx.graphed[0]
         grad_hidden = None if not num_valid else head._graphs.backward(
             step, head.config.lr, 1.0 / num_valid,
-            lambda s: _slice_sweep(head, s.outputs.result, s.hidden, s.outputs.targets, ctx.want_gi, 1, lr=s.lr,
-                                   weight_scale=s.scale))
+            lambda s: _slice_sweep(head, s.outputs.result, s.outputs.rows, s.outputs.targets, ctx.want_gi, 1,
+                                   lr=s.lr, weight_scale=s.scale))
     else:
         grad_hidden = _eager(head, ctx, hidden.device,
                              lambda: _slice_sweep(head, ctx.res, hidden, target, ctx.want_gi, num_valid))
@@ -330,7 +332,7 @@ class DADLMHead(LocalLayer):
             return self.sweep
         if self.update != "inplace" or hidden.shape[0] == 0:
             return "tokens"
-        dtype = self._compute_dtype(hidden) or torch.promote_types(hidden.dtype, self.weight.dtype)
+        dtype = self._step_dtype(hidden)
         backend = resolve_backend(self.backend, hidden.device, bias=self.bias is not None, token_stats=token_stats,
                                   grad_input=want_gi, dtype=dtype)
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -437,7 +439,7 @@ class DADLMHead(LocalLayer):
             rows = static_hidden.reshape(-1, self.in_features)
             run = self._fused_step(rows, want_gi, token_stats)[2]
             targets, mask, check = self._prepare_labels(static_labels, shift)
-            return _GraphedForward(run(rows, targets.reshape(-1)), targets.reshape(-1), mask, check)
+            return _GraphedForward(run(rows, targets.reshape(-1)), rows, targets.reshape(-1), mask, check)
 
         # outside autograd: the copies into the graph's buffers are not part of the model
         with torch.no_grad():
