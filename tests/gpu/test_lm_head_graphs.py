@@ -197,8 +197,8 @@ def test_a_replayed_step_keeps_nothing_of_its_inputs_alive():
 
 
 def test_an_option_changed_between_steps_is_not_replayed_from_the_old_graphs():
-    # the next step's forward graph starts before its key is made; a changed weight decay (part of the backward
-    # graph) makes a new key, so that early replay is dropped and the step runs as a new signature
+    # the weight decay is part of the backward graph: changing it makes a new signature (eager, captured, replayed),
+    # never a replay of the old graphs
     eager, graphed = head_pair(64, 3001, lr=1e-2, compute_dtype=torch.bfloat16, backprop_gradients=True)
     for seed in range(6):
         if seed == 3:

@@ -68,7 +68,6 @@ class RecomputeGraphs:
         self._steps: OrderedDict[Hashable, GraphedStep] = OrderedDict()
         self._warm: set[Hashable] = set()
         self._pending: weakref.ref[Pending] | None = None
-        self._last: tuple[Hashable, Hashable] | None = None  # (guard, key) of the last forward replayed
 
     def __reduce__(self) -> tuple[type, tuple[int]]:
         # graphs belong to one process and device: a copied or pickled head starts without any
@@ -93,36 +92,16 @@ class RecomputeGraphs:
             self._warm.clear()
         self._warm.add(key)
 
-    def replay_early(self, guard: Hashable, hidden: Tensor, labels: Tensor) -> tuple[GraphedStep, Pending] | None:
-        """Replay the forward graph that :meth:`forward` last replayed under ``guard`` (the caller's summary of its
-        inputs, cheaper to make than the key), before the key is known; ``None`` if there is none or the buffers are
-        taken. Pass the result to :meth:`forward`, which keeps it if the key confirms that graph and drops it
-        otherwise: a forward graph writes only its own buffers, so a dropped replay changes nothing."""
-        last = self._last
-        if last is None or last[0] != guard or self.busy():
-            return None
-        step = self._steps.get(last[1])
-        return None if step is None else self._replay(step, hidden, labels)
-
-    def forward(self, key: Hashable, guard: Hashable, hidden: Tensor, labels: Tensor, dtype: torch.dtype,
-                run: Callable[[Tensor, Tensor], Any],
-                early: tuple[GraphedStep, Pending] | None = None) -> tuple[GraphedStep, Pending] | None:
-        """Replay (capturing first if needed) ``run(hidden.to(dtype), labels)``, or keep ``early`` if it replayed
-        ``key``'s graph; ``None`` where the step must run eagerly (``key`` not warm yet, or the buffers are taken).
-        Keep the returned :class:`Pending` until the backward: it marks the buffers taken."""
-        step = self._steps.get(key)
-        if early is not None:
-            if early[0] is step:
-                return early
-            self._pending = None  # a replay of another signature's graph: dropped
+    def forward(self, key: Hashable, hidden: Tensor, labels: Tensor, dtype: torch.dtype,
+                run: Callable[[Tensor, Tensor], Any]) -> tuple[GraphedStep, Pending] | None:
+        """Replay (capturing first if needed) ``run(hidden.to(dtype), labels)``; ``None`` where the step must run
+        eagerly (``key`` not warm yet, or the buffers are taken). Keep the returned :class:`Pending` until the
+        backward: it marks the buffers taken."""
         if key not in self._warm or self.busy():
             return None
+        step = self._steps.get(key)
         if step is None:
             step = self._capture_forward(key, hidden, labels, dtype, run)
-        self._last = (guard, key)
-        return self._replay(step, hidden, labels)
-
-    def _replay(self, step: GraphedStep, hidden: Tensor, labels: Tensor) -> tuple[GraphedStep, Pending]:
         step.hidden.copy_(hidden)
         step.labels.copy_(labels)
         step.forward.replay()

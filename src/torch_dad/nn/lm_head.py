@@ -69,12 +69,10 @@ def _uniform_token_weight(grad_log_probs: Tensor) -> float:
 
 @dataclass
 class _GraphedForward:
-    """What the forward graph of ``cuda_graphs=True`` leaves in its buffers: the fused step's ``result`` on its
-    ``rows`` (the hidden states' buffer, flat) and the shifted ``targets`` (flat), the labels' ``mask`` and their
-    ``check`` (see :meth:`DADLMHead._prepare_labels`)."""
+    """What the forward graph of ``cuda_graphs=True`` leaves in its buffers: the fused step's ``result`` on the
+    shifted ``targets`` (flat), the labels' ``mask`` and their ``check`` (see :meth:`DADLMHead._prepare_labels`)."""
 
     result: LinearCrossEntropyResult
-    rows: Tensor
     targets: Tensor
     mask: Tensor
     check: TokenLabelCheck
@@ -113,7 +111,7 @@ class _DADLMHeadFunction(torch.autograd.Function):
         if ctx.graphed is not None:
             step = ctx.graphed[0]
             res, sweep = step.outputs.result, "recompute"
-            ctx.sliced = (step.outputs.rows, step.outputs.targets)
+            ctx.sliced = (step.hidden, step.outputs.targets)
             # the graph's buffers are overwritten by its next replay: autograd gets copies
             log_probs, entropy, top1 = (None if t is None else t.clone() for t in (res.log_probs, res.entropy,
                                                                                     res.is_top1))
@@ -208,8 +206,8 @@ def _vocab_sweep_backward(head: DADLMHead, ctx: Any, grad_log_probs: Tensor) -> 
         step = ctx.graphed[0]
         grad_hidden = None if not num_valid else head._graphs.backward(
             step, head.config.lr, 1.0 / num_valid,
-            lambda s: _slice_sweep(head, s.outputs.result, s.outputs.rows, s.outputs.targets, ctx.want_gi, 1,
-                                   lr=s.lr, weight_scale=s.scale))
+            lambda s: _slice_sweep(head, s.outputs.result, s.hidden, s.outputs.targets, ctx.want_gi, 1, lr=s.lr,
+                                   weight_scale=s.scale))
     else:
         grad_hidden = _eager(head, ctx, hidden.device,
                              lambda: _slice_sweep(head, ctx.res, hidden, target, ctx.want_gi, num_valid))
@@ -332,7 +330,7 @@ class DADLMHead(LocalLayer):
             return self.sweep
         if self.update != "inplace" or hidden.shape[0] == 0:
             return "tokens"
-        dtype = self._step_dtype(hidden)
+        dtype = self._compute_dtype(hidden) or torch.promote_types(hidden.dtype, self.weight.dtype)
         backend = resolve_backend(self.backend, hidden.device, bias=self.bias is not None, token_stats=token_stats,
                                   grad_input=want_gi, dtype=dtype)
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -348,7 +346,7 @@ class DADLMHead(LocalLayer):
         """CUDA graphs captured and kept by ``cuda_graphs=True`` (a forward and a backward per batch shape)."""
         return self._graphs.num_graphs
 
-    def _graph_key(self, hidden: Tensor, labels: Tensor, shift: bool, dtype: torch.dtype, want_gi: bool,
+    def _graph_key(self, rows: Tensor, labels: Tensor, shift: bool, dtype: torch.dtype, want_gi: bool,
                    token_stats: bool) -> tuple[Any, ...]:
         """What a captured step depends on: input layout, options, and the addresses the graphs read and write
         (a moved or reassigned weight or optimizer state gets new graphs)."""
@@ -356,7 +354,7 @@ class DADLMHead(LocalLayer):
         addresses = (self.weight.data_ptr(), None if bias is None else bias.data_ptr(),
                      None if state is None else state.data_ptrs())
         # the learning rate is not part of it: the graphs read it from a device tensor filled per step
-        return (hidden.shape, hidden.dtype, hidden.device, labels.shape, labels.dtype, shift, dtype, want_gi, token_stats,
+        return (rows.shape, rows.dtype, rows.device, labels.shape, labels.dtype, shift, dtype, want_gi, token_stats,
                 self.chunk_size, self.weight_chunk_size, self.backend, self.ignore_index, config.name, config.betas,
                 config.eps, config.weight_decay, addresses)
 
@@ -364,7 +362,8 @@ class DADLMHead(LocalLayer):
                     token_stats: bool) -> tuple[str, torch.dtype, Callable[[Tensor, Tensor], LinearCrossEntropyResult]]:
         """``(sweep, compute dtype, run)`` of a training step on ``rows``: ``run(rows, targets)`` is its fused
         forward, :func:`linear_cross_entropy` with what that sweep keeps for backward."""
-        sweep, dtype = self._sweep_for(rows, want_gi, token_stats), self._step_dtype(rows)
+        sweep = self._sweep_for(rows, want_gi, token_stats)
+        dtype = self._compute_dtype(rows) or torch.promote_types(rows.dtype, self.weight.dtype)
         weight, bias, tokens = self.weight, self.bias, sweep == "tokens"
 
         def run(rows: Tensor, targets: Tensor) -> LinearCrossEntropyResult:
@@ -381,10 +380,6 @@ class DADLMHead(LocalLayer):
     def _prepare_labels(self, labels: Tensor, shift: bool) -> tuple[Tensor, Tensor, TokenLabelCheck]:
         """``(targets, mask, check)`` of :func:`~torch_dad.ops.linear_cross_entropy.next_token_targets`."""
         return next_token_targets(labels, self.vocab_size, self.ignore_index, shift=shift)
-
-    def _step_dtype(self, hidden: Tensor) -> torch.dtype:
-        """The dtype a training step's GEMMs run in: :meth:`_compute_dtype`, else ``hidden``'s and the weight's."""
-        return self._compute_dtype(hidden) or torch.promote_types(hidden.dtype, self.weight.dtype)
 
     def _compute_dtype(self, hidden: Tensor) -> torch.dtype | None:
         """``compute_dtype``, else the autocast dtype, else bf16/fp16 if ``hidden`` is (mixed precision
@@ -418,34 +413,25 @@ class DADLMHead(LocalLayer):
         index = torch.argsort((~flat_mask).to(torch.uint8), stable=True)[:num_valid]
         return flat_rows.index_select(0, index), flat_targets.index_select(0, index), index
 
-    def _graphs_guard(self, hidden: Tensor, labels: Tensor, shift: bool, token_stats: bool) -> tuple[Any, ...]:
-        """A summary of a step's inputs that is cheaper to make than :meth:`_graph_key`: equal guards may replay
-        the same forward graph before the key confirms it (:meth:`RecomputeGraphs.replay_early`). It holds what
-        makes that replay valid: the inputs' layout (the graph's buffers) and the addresses the graph reads."""
-        bias = self.bias
-        return (hidden.shape, hidden.dtype, hidden.device, labels.shape, labels.dtype, shift, token_stats,
-                hidden.requires_grad, self.weight.data_ptr(), None if bias is None else bias.data_ptr())
-
-    def _graphed_rows(self, hidden: Tensor, labels: Tensor, shift: bool, token_stats: bool, guard: tuple[Any, ...],
-                      early: tuple[GraphedStep, Pending] | None) -> tuple[Tensor, Tensor, Tensor, int, Tensor]:
+    def _graphed_rows(self, hidden: Tensor, labels: Tensor, shift: bool,
+                      token_stats: bool) -> tuple[Tensor, Tensor, Tensor, int, Tensor]:
         """A training step of ``cuda_graphs=True``: every position is scored (ignored ones at zero weight), so the
-        forward graph's shape is known before the labels are read. The labels are copied in as given and the graph
-        replayed (``early``, by :meth:`fused_loss`, where ``guard`` matches the last step's) before any autograd
-        bookkeeping: it shifts and checks them (:meth:`_prepare_labels`) ahead of its GEMMs, and the host reads that
+        forward graph's shape is known before the labels are read. The labels are copied in and the graph replayed
+        first: it shifts and checks them (:meth:`_prepare_labels`) ahead of its GEMMs, and the host reads that
         check while the device runs the rest. Returns per-position outputs, the count and the labels' mask."""
         want_gi = hidden.requires_grad and self.backprop_gradients
 
-        def graphed_forward(static_hidden: Tensor, static_labels: Tensor) -> _GraphedForward:
-            rows = static_hidden.reshape(-1, self.in_features)
-            run = self._fused_step(rows, want_gi, token_stats)[2]
+        def graphed_forward(static_rows: Tensor, static_labels: Tensor) -> _GraphedForward:
             targets, mask, check = self._prepare_labels(static_labels, shift)
-            return _GraphedForward(run(rows, targets.reshape(-1)), rows, targets.reshape(-1), mask, check)
+            return _GraphedForward(run(static_rows, targets.reshape(-1)), targets.reshape(-1), mask, check)
 
-        # outside autograd: the copies into the graph's buffers are not part of the model
+        # outside autograd: the copies into the graph's buffers are not part of the model, and the replay is
+        # issued before autograd's bookkeeping, which the host then does while the device runs the forward
         with torch.no_grad():
-            dtype = self._step_dtype(hidden)
-            call = _GraphsCall(self._graph_key(hidden, labels, shift, dtype, want_gi, token_stats))
-            call.replayed = self._graphs.forward(call.key, guard, hidden, labels, dtype, graphed_forward, early)
+            flat = hidden.reshape(-1, self.in_features)
+            _, dtype, run = self._fused_step(flat, want_gi, token_stats)
+            call = _GraphsCall(self._graph_key(flat, labels, shift, dtype, want_gi, token_stats))
+            call.replayed = self._graphs.forward(call.key, flat, labels, dtype, graphed_forward)
         rows = hidden.reshape(-1, self.in_features)
         if call.replayed is None:
             targets, mask, check = self._prepare_labels(labels, shift)
@@ -500,16 +486,10 @@ class DADLMHead(LocalLayer):
             )
         if isinstance(labels, Tensor) and labels.device != hidden.device:
             labels = labels.to(hidden.device)
-        early, graphed = None, isinstance(labels, Tensor) and self._graphs_step(hidden)
-        if graphed:
-            # a step shaped like the last one starts its forward graph first; _graphed_rows confirms it
-            guard = self._graphs_guard(hidden, labels, shift, token_stats)
-            with torch.no_grad():
-                early = self._graphs.replay_early(guard, hidden, labels)
         check_token_layout(labels, tuple(hidden.shape[:-1]), self.ignore_index, "labels")
         index: Tensor | None = None
-        if graphed:
-            lp, ent, top1, num_valid, mask = self._graphed_rows(hidden, labels, shift, token_stats, guard, early)
+        if self._graphs_step(hidden):
+            lp, ent, top1, num_valid, mask = self._graphed_rows(hidden, labels, shift, token_stats)
         else:
             targets, mask, check = self._prepare_labels(labels, shift)
             num_valid = check.result()  # the step's only sync
