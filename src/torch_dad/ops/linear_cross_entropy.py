@@ -166,8 +166,8 @@ def check_token_labels(
 class TokenLabelCheck:
     """The range check and count of :func:`check_token_labels`, its kernels queued but not waited for:
     :meth:`result` waits for those kernels alone (not for work queued after them) and raises or counts.
-    ``counts`` (device) holds the number of ``target`` entries out of range and the count. Made during a CUDA
-    graph's capture, it reads the counts of the graph's latest replay."""
+    ``counts`` holds the number of ``target`` entries out of range, then the count. Made during a CUDA graph's
+    capture, it reads the counts of the graph's latest replay."""
 
     def __init__(self, target: Tensor, vocab: int, ignore_index: int, name: str, counts: Tensor) -> None:
         self._target, self._vocab, self._ignore_index, self._name = target, vocab, ignore_index, name
