@@ -330,7 +330,7 @@ class DADLMHead(LocalLayer):
             return self.sweep
         if self.update != "inplace" or hidden.shape[0] == 0:
             return "tokens"
-        dtype = self._compute_dtype(hidden) or torch.promote_types(hidden.dtype, self.weight.dtype)
+        dtype = self._step_dtype(hidden)
         backend = resolve_backend(self.backend, hidden.device, bias=self.bias is not None, token_stats=token_stats,
                                   grad_input=want_gi, dtype=dtype)
         itemsize = torch.empty((), dtype=dtype).element_size()
@@ -362,8 +362,7 @@ class DADLMHead(LocalLayer):
                     token_stats: bool) -> tuple[str, torch.dtype, Callable[[Tensor, Tensor], LinearCrossEntropyResult]]:
         """``(sweep, compute dtype, run)`` of a training step on ``rows``: ``run(rows, targets)`` is its fused
         forward, :func:`linear_cross_entropy` with what that sweep keeps for backward."""
-        sweep = self._sweep_for(rows, want_gi, token_stats)
-        dtype = self._compute_dtype(rows) or torch.promote_types(rows.dtype, self.weight.dtype)
+        sweep, dtype = self._sweep_for(rows, want_gi, token_stats), self._step_dtype(rows)
         weight, bias, tokens = self.weight, self.bias, sweep == "tokens"
 
         def run(rows: Tensor, targets: Tensor) -> LinearCrossEntropyResult:
@@ -380,6 +379,10 @@ class DADLMHead(LocalLayer):
     def _prepare_labels(self, labels: Tensor, shift: bool) -> tuple[Tensor, Tensor, TokenLabelCheck]:
         """``(targets, mask, check)`` of :func:`~torch_dad.ops.linear_cross_entropy.next_token_targets`."""
         return next_token_targets(labels, self.vocab_size, self.ignore_index, shift=shift)
+
+    def _step_dtype(self, hidden: Tensor) -> torch.dtype:
+        """The dtype a training step's GEMMs run in: :meth:`_compute_dtype`, else ``hidden``'s and the weight's."""
+        return self._compute_dtype(hidden) or torch.promote_types(hidden.dtype, self.weight.dtype)
 
     def _compute_dtype(self, hidden: Tensor) -> torch.dtype | None:
         """``compute_dtype``, else the autocast dtype, else bf16/fp16 if ``hidden`` is (mixed precision
@@ -422,6 +425,8 @@ class DADLMHead(LocalLayer):
         want_gi = hidden.requires_grad and self.backprop_gradients
 
         def graphed_forward(static_rows: Tensor, static_labels: Tensor) -> _GraphedForward:
+            # called only to capture: a replayed step does not build the fused step again
+            run = self._fused_step(static_rows, want_gi, token_stats)[2]
             targets, mask, check = self._prepare_labels(static_labels, shift)
             return _GraphedForward(run(static_rows, targets.reshape(-1)), targets.reshape(-1), mask, check)
 
@@ -429,7 +434,7 @@ class DADLMHead(LocalLayer):
         # issued before autograd's bookkeeping, which the host then does while the device runs the forward
         with torch.no_grad():
             flat = hidden.reshape(-1, self.in_features)
-            _, dtype, run = self._fused_step(flat, want_gi, token_stats)
+            dtype = self._step_dtype(flat)
             call = _GraphsCall(self._graph_key(flat, labels, shift, dtype, want_gi, token_stats))
             call.replayed = self._graphs.forward(call.key, flat, labels, dtype, graphed_forward)
         rows = hidden.reshape(-1, self.in_features)
