@@ -220,6 +220,42 @@ def test_grad_logits_and_vocab_slices_match_float64(dtype, bias):
             assert rel(gb.cpu(), ref.grad_bias) <= tol
 
 
+
+@pytest.mark.parametrize("n,d,v,slice_rows,fused", [
+    (37, 24, 101, 40, 3),     # a last slice of 21 rows: its gradient rows padded to 24 for TMA
+    (130, 64, 300, 112, 3),   # token and vocabulary tiles both partial
+    (5, 8, 17, 16, 2),
+    (37, 23, 101, 40, 0),     # 46-byte rows: no TMA, cuBLAS + the row kernel
+])
+@pytest.mark.parametrize("bias", [False, True])
+def test_recomputed_slices_in_one_kernel_match_float64(n, d, v, slice_rows, fused, bias, monkeypatch):
+    from torch_dad.kernels import logits as kernels
+
+    launches = []
+    launch = kernels.logit_grad
+    monkeypatch.setattr(kernels, "logit_grad", lambda *args: launches.append(args[-2]) or launch(*args))
+    h, w, b, y = make(n, d, v, torch.float32, bias, seed=n + d)
+    ref, gi, _, _, _ = reference(h, w, b, y)
+    hh, ww, bb, yy = _to(h, w, b, y)
+    lse = linear_cross_entropy(hh.to(LOW), ww, yy, bb, compute_dtype=LOW, backend="triton", grad_weight=False,
+                               grad_input=False, log_sum_exp=True).log_sum_exp
+    gw, gb = torch.full_like(ww, float("nan")), torch.full((v,), float("nan"), device=ww.device)
+
+    def on_slice(start, stop, grad_weight, grad_bias):
+        gw[start:stop] = grad_weight
+        if bias:
+            gb[start:stop] = grad_bias
+
+    num_valid = int((y != -100).sum())
+    gh = vocab_slice_backward(hh.to(LOW), ww, on_slice, log_sum_exp=lse, target=yy, bias=bb, grad_input=True,
+                              backend="triton", weight_scale=1.0 / num_valid, slice_rows=slice_rows)
+    assert launches == list(range(0, v, slice_rows))[:fused]
+    tol = 2e-2
+    assert rel(gw.cpu(), ref.grad_weight) <= tol and rel(gh.cpu() / num_valid, gi) <= tol
+    if bias:
+        assert rel(gb.cpu(), ref.grad_bias) <= tol
+
+
 @pytest.mark.parametrize("shape", [(1,), (7,), (3, 1), (5, 37), (2, 3, 1031)])
 @pytest.mark.parametrize("shift", [False, True])
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])

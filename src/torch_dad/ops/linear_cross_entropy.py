@@ -36,6 +36,7 @@ from __future__ import annotations
 import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -681,6 +682,35 @@ def _chunk_gradients(sums: _ChunkSums, grad_logits: Tensor, h: Tensor, w: _Compu
         sums.grad_input[start:stop] = w.left_mul(grad_logits)
 
 
+def _fused_slices(h: Tensor, log_sum_exp: Tensor | None, backend: str) -> Any:
+    """The kernel module that recomputes a slice's gradient in one launch (:mod:`torch_dad.kernels.logits`), or
+    ``None`` where the cuBLAS GEMM + row kernel pair runs instead: backends ``"torch"``, float32/float64 ``h``, no
+    Triton here, or ``h`` unfit for TMA."""
+    if (backend == "torch" or h.dtype not in HALF_DTYPES or _triton_runnable(h.device) is not None
+            or log_sum_exp is None or log_sum_exp.dtype != torch.float32):
+        return None
+    from ..kernels import logits as kernels  # imports triton
+
+    return kernels if kernels.tma_compatible(h) else None
+
+
+def _recomputed_grad(h: Tensor, w_slice: Tensor, bias: Tensor | None, target: Tensor, log_sum_exp: Tensor,
+                     start: int, stop: int, scratch: Tensor, ignore_index: int, backend: str, fused: Any) -> Tensor:
+    """``d[:, start:stop] = exp(h @ W[start:stop].T + b[start:stop] - lse) - onehot(y)`` (0 on ignored rows), in
+    ``scratch``: by the ``fused`` kernel where it applies, else cuBLAS's logits turned over by the row kernel."""
+    n, cols = h.shape[0], stop - start
+    # rows padded to 16 bytes, as TMA needs; the GEMMs that read d take its row stride as given
+    padded = -(-cols * h.element_size() // 16) * 16 // h.element_size()
+    if fused is not None and n * padded <= scratch.numel() and fused.tma_compatible(w_slice):
+        d = scratch[: n * padded].view(n, padded)[:, :cols]
+        fused.logit_grad(h, w_slice, None if bias is None else bias[start:stop], target.contiguous(),
+                         log_sum_exp.contiguous(), d, start, ignore_index)
+        return d
+    d = _slice_logits(h, w_slice, bias, start, stop, scratch)
+    logit_grad_from_lse_(d, target, log_sum_exp, col_offset=start, ignore_index=ignore_index, backend=backend)
+    return d
+
+
 def vocab_slice_backward(
     hidden: Tensor,
     weight: Tensor,
@@ -726,6 +756,7 @@ def vocab_slice_backward(
     scratch = torch.empty(n * rows, dtype=dtype, device=hidden.device) if recompute else None
     w = _ComputeWeight(weight, dtype, rows)
     b = None if bias is None else bias.to(dtype)
+    fused = _fused_slices(h, log_sum_exp, backend) if recompute else None
     grad_hidden = _uninitialized((n, d), acc, hidden.device) if grad_input else None
     grad_slice = _uninitialized((w.slice_rows, d), acc, hidden.device)
     with torch.no_grad():
@@ -733,10 +764,9 @@ def vocab_slice_backward(
             if grad_logits is not None:
                 d_slice = grad_logits[:, start:stop]
             else:
-                assert log_sum_exp is not None and target is not None
-                d_slice = _slice_logits(h, w_slice, b, start, stop, scratch)
-                logit_grad_from_lse_(d_slice, target, log_sum_exp, col_offset=start, ignore_index=ignore_index,
-                                     backend=backend)
+                assert log_sum_exp is not None and target is not None and scratch is not None
+                d_slice = _recomputed_grad(h, w_slice, b, target, log_sum_exp, start, stop, scratch, ignore_index,
+                                           backend, fused)
             if grad_hidden is not None:
                 _accumulate_mm(grad_hidden, d_slice, w_slice, first=start == 0)
             gw = grad_slice[: stop - start]

@@ -1,0 +1,84 @@
+"""The Triton kernel behind :func:`torch_dad.ops.linear_cross_entropy.vocab_slice_backward`'s recomputed slices.
+
+:func:`logit_grad_kernel` computes a vocabulary slice's logits tile by tile and writes their gradient in its
+epilogue, ``out = exp(h @ W.T + b - lse) - onehot(y)``, so the slice's logits never reach memory: done by cuBLAS
+then a row kernel, they are written, reread and rewritten (an 8192 x 4096 bf16 slice is 64 MiB each way).
+
+It is persistent (one program per SM walks the tiles) and loads through TMA descriptors, and its loop nest is
+flattened so that the next tile's loads overlap this tile's epilogue. On the H200 (8192 tokens x 4096-row slice x
+576, bf16) it took 0.083 ms a slice against 0.096 for cuBLAS + the row kernel; one program per tile took 0.090,
+and without TMA 0.101. Fused the same way, the forward's log-sum-exp was slower than cuBLAS + its row kernel (1.17
+against 1.05 ms over the vocabulary): its epilogue's two reductions over a 128 x 128 tile do not overlap the GEMM.
+"""
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+from torch import Tensor
+from triton.tools.tensor_descriptor import TensorDescriptor
+
+from . import cdiv
+
+# the fastest tile of the measurements above (128 x 128 took 0.089 ms, 256 x 128 0.092)
+BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, WARPS, STAGES = 128, 256, 64, 8, 8, 3
+
+
+@triton.jit
+def logit_grad_kernel(
+    h_desc, w_desc, out_desc, b_ptr, y_ptr, lse_ptr, M, N, K: tl.constexpr, col_offset, ignore_index,
+    HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
+    PROGRAMS: tl.constexpr,
+):
+    """``out[r, c] = exp(x[r, c] - lse[r]) - (c + col_offset == y[r])`` with ``x = h @ W.T + b`` (float32
+    accumulator); 0 on rows whose ``y`` is ``ignore_index``. Tiles of ``BM x BN``, ``GROUP`` token tiles
+    at a time (the weight rows a group reads stay in L2 across its token tiles)."""
+    tiles_m, tiles_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    per_group = GROUP * tiles_n
+    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=True):
+        first_m = (tile // per_group) * GROUP
+        group_m = tl.minimum(tiles_m - first_m, GROUP)
+        row0 = (first_m + (tile % per_group) % group_m) * BM
+        col0 = ((tile % per_group) // group_m) * BN
+        x = tl.zeros((BM, BN), tl.float32)
+        # K is a compile-time constant (the model's hidden size): the trip count is known to the pipeliner
+        for k in range(0, K, BK):
+            x = tl.dot(h_desc.load([row0, k]), w_desc.load([col0, k]).T, x)
+        rows = row0 + tl.arange(0, BM)
+        cols = col0 + tl.arange(0, BN)
+        if HAS_BIAS:
+            x += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+        lse = tl.load(lse_ptr + rows, mask=rows < M, other=0.0)
+        y = tl.load(y_ptr + rows, mask=rows < M, other=ignore_index).to(tl.int64)
+        g = tl.exp(x - lse[:, None]) - tl.where(cols[None, :] + col_offset == y[:, None], 1.0, 0.0)
+        g = tl.where((y != ignore_index)[:, None], g, 0.0)
+        out_desc.store([row0, col0], g.to(out_desc.dtype))
+
+
+@functools.lru_cache(maxsize=8)
+def _programs(device: torch.device) -> int:
+    """One program per SM (4 under the interpreter)."""
+    if device.type != "cuda":
+        return 4
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def logit_grad(h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, lse: Tensor, out: Tensor,
+               col_offset: int, ignore_index: int) -> None:
+    """Launch :func:`logit_grad_kernel`: ``out`` (N, S) from ``h`` (N, D), a weight slice (S, D) and its ``bias``
+    (S,), the tokens' ``target`` and ``lse`` (N,). ``h``, ``weight`` and ``out`` are :func:`tma_compatible`."""
+    (m, k), n = h.shape, weight.shape[0]
+    programs = _programs(h.device)
+    logit_grad_kernel[(min(programs, cdiv(m, BLOCK_M) * cdiv(n, BLOCK_N)),)](
+        TensorDescriptor.from_tensor(h, [BLOCK_M, BLOCK_K]), TensorDescriptor.from_tensor(weight, [BLOCK_N, BLOCK_K]),
+        TensorDescriptor.from_tensor(out, [BLOCK_M, BLOCK_N]), lse if bias is None else bias, target, lse, m, n, k,
+        int(col_offset), int(ignore_index), HAS_BIAS=bias is not None, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
+        GROUP=GROUP_M, PROGRAMS=programs, num_warps=WARPS, num_stages=STAGES,
+    )
+
+
+def tma_compatible(t: Tensor) -> bool:
+    """Whether a 2-D ``t`` can back a TMA descriptor: unit last stride, 16-byte aligned start and row stride."""
+    size = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and t.stride(0) * size % 16 == 0
