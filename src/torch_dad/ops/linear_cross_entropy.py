@@ -682,33 +682,38 @@ def _chunk_gradients(sums: _ChunkSums, grad_logits: Tensor, h: Tensor, w: _Compu
         sums.grad_input[start:stop] = w.left_mul(grad_logits)
 
 
-def _fused_slices(h: Tensor, log_sum_exp: Tensor | None, backend: str) -> Any:
-    """The kernel module that recomputes a slice's gradient in one launch (:mod:`torch_dad.kernels.logits`), or
-    ``None`` where the cuBLAS GEMM + row kernel pair runs instead: backends ``"torch"``, float32/float64 ``h``, no
-    Triton here, or ``h`` unfit for TMA."""
-    if (backend == "torch" or h.dtype not in HALF_DTYPES or _triton_runnable(h.device) is not None
-            or log_sum_exp is None or log_sum_exp.dtype != torch.float32):
-        return None
-    from ..kernels import logits as kernels  # imports triton
+class _RecomputedSlices:
+    """``d[:, s] = exp(h @ W[s].T + b[s] - lse) - onehot(y)[:, s]`` (0 on ignored rows) of one slice ``s`` at a
+    time, written into ``scratch``. One Triton kernel (:mod:`torch_dad.kernels.logits`) computes the logits tile by
+    tile and writes only ``d`` where it runs: a backend other than ``"torch"``, fp16/bf16 ``h`` and float32 ``lse``
+    where Triton runs, rows fit for TMA. Elsewhere cuBLAS writes the logits and the row kernel turns them over."""
 
-    return kernels if kernels.tma_compatible(h) else None
+    def __init__(self, h: Tensor, bias: Tensor | None, target: Tensor, log_sum_exp: Tensor, scratch: Tensor,
+                 ignore_index: int, backend: str) -> None:
+        self.h, self.bias, self.scratch, self.ignore_index, self.backend = h, bias, scratch, ignore_index, backend
+        self.target, self.log_sum_exp = target.contiguous(), log_sum_exp.contiguous()
+        self.kernels: Any = None
+        if (backend != "torch" and h.dtype in HALF_DTYPES and log_sum_exp.dtype == torch.float32
+                and _triton_runnable(h.device) is None):
+            from ..kernels import logits as kernels  # imports triton
 
+            self.kernels = kernels if kernels.tma_compatible(h) else None
 
-def _recomputed_grad(h: Tensor, w_slice: Tensor, bias: Tensor | None, target: Tensor, log_sum_exp: Tensor,
-                     start: int, stop: int, scratch: Tensor, ignore_index: int, backend: str, fused: Any) -> Tensor:
-    """``d[:, start:stop] = exp(h @ W[start:stop].T + b[start:stop] - lse) - onehot(y)`` (0 on ignored rows), in
-    ``scratch``: by the ``fused`` kernel where it applies, else cuBLAS's logits turned over by the row kernel."""
-    n, cols = h.shape[0], stop - start
-    # rows padded to 16 bytes, as TMA needs; the GEMMs that read d take its row stride as given
-    padded = -(-cols * h.element_size() // 16) * 16 // h.element_size()
-    if fused is not None and n * padded <= scratch.numel() and fused.tma_compatible(w_slice):
-        d = scratch[: n * padded].view(n, padded)[:, :cols]
-        fused.logit_grad(h, w_slice, None if bias is None else bias[start:stop], target.contiguous(),
-                         log_sum_exp.contiguous(), d, start, ignore_index)
+    def grad(self, start: int, stop: int, w_slice: Tensor) -> Tensor:
+        """``d[:, start:stop]`` (N, stop - start), given ``W[start:stop]`` in ``h``'s dtype; a view of ``scratch``."""
+        h, bias, kernels = self.h, self.bias, self.kernels
+        n, itemsize = h.shape[0], h.element_size()
+        # rows padded to 16 bytes, as TMA needs; the GEMMs that read d take its row stride as given
+        padded = -(-(stop - start) * itemsize // 16) * 16 // itemsize
+        if kernels is not None and n * padded <= self.scratch.numel() and kernels.tma_compatible(w_slice):
+            d = self.scratch[: n * padded].view(n, padded)[:, : stop - start]
+            kernels.logit_grad(h, w_slice, None if bias is None else bias[start:stop], self.target, self.log_sum_exp,
+                               d, start, self.ignore_index)
+            return d
+        d = _slice_logits(h, w_slice, bias, start, stop, self.scratch)
+        logit_grad_from_lse_(d, self.target, self.log_sum_exp, col_offset=start, ignore_index=self.ignore_index,
+                             backend=self.backend)
         return d
-    d = _slice_logits(h, w_slice, bias, start, stop, scratch)
-    logit_grad_from_lse_(d, target, log_sum_exp, col_offset=start, ignore_index=ignore_index, backend=backend)
-    return d
 
 
 def vocab_slice_backward(
@@ -736,7 +741,9 @@ def vocab_slice_backward(
     ``gw = weight_scale * d[:, s].T @ hidden`` and ``gb = weight_scale * d[:, s].sum(0)`` (``None``
     without ``bias``), float32 (float64 for float64). ``gw`` is final: ``on_slice`` may update
     ``W[s]`` in place, since ``dh`` has already read it, and must not keep ``gw`` (its buffer is reused).
-    ``backend`` (``"auto"``, ``"triton"``, ``"torch"``) runs the recomputed slice's softmax.
+    ``backend`` (``"auto"``, ``"triton"``, ``"torch"``) runs the recomputed slice: on CUDA with fp16/bf16
+    ``hidden`` whose rows are 16-byte aligned, one Triton kernel for its logits and their gradient (the logits never
+    reach memory), else cuBLAS's logits and the row kernel (``"torch"``: its PyTorch twin).
     Returns ``dh`` (N, D) in that float dtype, or ``None``. No V x D tensor is allocated.
     """
     (n, d), vocab = hidden.shape, weight.shape[0]
@@ -756,17 +763,19 @@ def vocab_slice_backward(
     scratch = torch.empty(n * rows, dtype=dtype, device=hidden.device) if recompute else None
     w = _ComputeWeight(weight, dtype, rows)
     b = None if bias is None else bias.to(dtype)
-    fused = _fused_slices(h, log_sum_exp, backend) if recompute else None
+    slices: _RecomputedSlices | None = None
+    if recompute:
+        assert log_sum_exp is not None and target is not None and scratch is not None
+        slices = _RecomputedSlices(h, b, target, log_sum_exp, scratch, ignore_index, backend)
     grad_hidden = _uninitialized((n, d), acc, hidden.device) if grad_input else None
     grad_slice = _uninitialized((w.slice_rows, d), acc, hidden.device)
     with torch.no_grad():
         for start, stop, w_slice in w.slices():
-            if grad_logits is not None:
-                d_slice = grad_logits[:, start:stop]
+            if slices is not None:
+                d_slice = slices.grad(start, stop, w_slice)
             else:
-                assert log_sum_exp is not None and target is not None and scratch is not None
-                d_slice = _recomputed_grad(h, w_slice, b, target, log_sum_exp, start, stop, scratch, ignore_index,
-                                           backend, fused)
+                assert grad_logits is not None
+                d_slice = grad_logits[:, start:stop]
             if grad_hidden is not None:
                 _accumulate_mm(grad_hidden, d_slice, w_slice, first=start == 0)
             gw = grad_slice[: stop - start]
