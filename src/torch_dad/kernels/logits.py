@@ -5,10 +5,12 @@ epilogue, ``out = exp(h @ W.T + b - lse) - onehot(y)``, so the slice's logits ne
 then a row kernel, they are written, reread and rewritten (an 8192 x 4096 bf16 slice is 64 MiB each way).
 
 It is persistent (one program per SM walks the tiles) and loads through TMA descriptors, and its loop nest is
-flattened so that the next tile's loads overlap this tile's epilogue. On the H200 (8192 tokens x 4096-row slice x
-576, bf16) it took 0.083 ms a slice against 0.096 for cuBLAS + the row kernel; one program per tile took 0.090,
-and without TMA 0.101. Fused the same way, the forward's log-sum-exp was slower than cuBLAS + its row kernel (1.17
-against 1.05 ms over the vocabulary): its epilogue's two reductions over a 128 x 128 tile do not overlap the GEMM.
+flattened so that the next tile's loads overlap this tile's epilogue. On the H200 (8192 tokens x a 4096-row slice,
+bf16) it took 0.082 ms a slice against 0.095 for cuBLAS + the row kernel at hidden size 576, and 0.414 against
+0.438 at 4096 (``python benchmarks/lm_head_slice_kernel.py``, ``results/lm_head_slice_kernel.json``, which also times
+the other tiles). Probes on the way: one program per tile took 0.090 ms, plain pointer loads 0.101. The forward's
+log-sum-exp fused the same way was slower than cuBLAS + its row kernel (1.17 against 1.05 ms over the vocabulary),
+so the forward keeps that pair (docs/lm_head.md, "The SmolLM2 head with dL/dh").
 """
 
 import functools
@@ -21,7 +23,7 @@ from triton.tools.tensor_descriptor import TensorDescriptor
 
 from . import cdiv
 
-# the fastest tile of the measurements above (128 x 128 took 0.089 ms, 256 x 128 0.092)
+# the fastest tile at both hidden sizes in results/lm_head_slice_kernel.json
 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, WARPS, STAGES = 128, 256, 64, 8, 8, 3
 
 
@@ -79,6 +81,7 @@ def logit_grad(h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, l
 
 
 def tma_compatible(t: Tensor) -> bool:
-    """Whether a 2-D ``t`` can back a TMA descriptor: unit last stride, 16-byte aligned start and row stride."""
+    """Whether a 2-D ``t`` can back a TMA descriptor: not empty, unit last stride, 16-byte aligned start and row
+    stride."""
     size = t.element_size()
-    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and t.stride(0) * size % 16 == 0
+    return t.numel() > 0 and t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and t.stride(0) * size % 16 == 0

@@ -29,6 +29,8 @@ lines, all rows in one chunk: N x V held in the compute dtype, the smaller of th
 (one more logits GEMM, and nothing of size N x V or V x D held)::
 
     d[:, s] = exp(h @ W[s].T + b[s] - lse) - onehot(y)[:, s]
+
+On CUDA that line is one Triton kernel (:mod:`torch_dad.kernels.logits`) whose GEMM tiles never write the logits.
 """
 
 from __future__ import annotations
