@@ -220,11 +220,10 @@ def test_grad_logits_and_vocab_slices_match_float64(dtype, bias):
             assert rel(gb.cpu(), ref.grad_bias) <= tol
 
 
-
 @pytest.mark.parametrize("n,d,v,slice_rows,fused", [
     (37, 24, 101, 40, 3),     # a last slice of 21 rows: its gradient rows padded to 24 for TMA
     (130, 64, 300, 112, 3),   # token and vocabulary tiles both partial
-    (5, 8, 17, 16, 2),
+    (5, 8, 17, 16, 2),        # fewer tokens than a tile has rows; a last slice of one row
     (37, 23, 101, 40, 0),     # 46-byte rows: no TMA, cuBLAS + the row kernel
 ])
 @pytest.mark.parametrize("bias", [False, True])

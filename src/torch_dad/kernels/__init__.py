@@ -1,7 +1,7 @@
 """Triton kernels for the GPU fast path (CUDA only) and their launchers.
 
-Each module of this package (``local_error``, ``adamw``, ``gram``, ``reservoir``) holds
-``@triton.jit`` kernels and the functions that launch them, imports triton at the top and
+Each module of this package (``local_error``, ``adamw``, ``cross_entropy``, ``logits``, ``labels``, ...)
+holds ``@triton.jit`` kernels and the functions that launch them, imports triton at the top and
 nothing from ``torch_dad`` except this package. This file imports no triton, so
 ``import torch_dad`` stays torch+numpy: the ops of :mod:`torch_dad.ops` (argument checks,
 the choice of path, the PyTorch twin) import a kernel module on their first launch only.
