@@ -647,6 +647,14 @@ def test_vocab_slice_backward_bad_input():
         vocab_slice_backward(h, w, lambda *a: None, grad_logits=torch.zeros(6, 16))
     with pytest.raises(ValueError, match="log_sum_exp and target"):
         vocab_slice_backward(h, w, lambda *a: None, log_sum_exp=torch.zeros(6))
+    # the recomputing path reads one log-sum-exp and one target per row: anything else is refused before any slice
+    called = []
+    for lse, target, error in ((torch.zeros(5), y, ValueError), (torch.zeros(6), y[:5], ValueError),
+                               (torch.zeros(6, 1), y, ValueError), (torch.zeros(6), y.float(), TypeError),
+                               (torch.zeros(6, dtype=torch.long), y, TypeError)):
+        with pytest.raises(error, match="log_sum_exp"):
+            vocab_slice_backward(h, w, lambda *a: called.append(a), log_sum_exp=lse, target=target)
+    assert not called
 
 
 @pytest.mark.parametrize("optimizer", ["adamw", "sgd"])

@@ -718,6 +718,17 @@ class _RecomputedSlices:
         return d
 
 
+def _check_recompute_inputs(log_sum_exp: Tensor | None, target: Tensor | None, rows: int) -> None:
+    """Raise unless ``log_sum_exp`` is a float tensor and ``target`` an integer tensor, both ``(rows,)``."""
+    assert log_sum_exp is not None and target is not None
+    if not log_sum_exp.dtype.is_floating_point or target.dtype.is_floating_point or target.dtype == torch.bool:
+        raise TypeError(f"log_sum_exp ({log_sum_exp.dtype}) must be floating point and target ({target.dtype}) "
+                        "integer ids, as linear_cross_entropy(log_sum_exp=True) returns and takes them")
+    if log_sum_exp.shape != (rows,) or target.shape != (rows,):
+        raise ValueError(f"log_sum_exp has shape {tuple(log_sum_exp.shape)} and target {tuple(target.shape)}; both "
+                         f"must be ({rows},), one value per row of hidden")
+
+
 def vocab_slice_backward(
     hidden: Tensor,
     weight: Tensor,
@@ -752,6 +763,8 @@ def vocab_slice_backward(
     recompute = grad_logits is None
     if recompute and (log_sum_exp is None or target is None):
         raise ValueError("vocab_slice_backward needs grad_logits, or log_sum_exp and target to recompute it from")
+    if recompute:
+        _check_recompute_inputs(log_sum_exp, target, n)
     if grad_logits is not None and grad_logits.shape != (n, vocab):
         raise ValueError(f"grad_logits has shape {tuple(grad_logits.shape)}; expected ({n}, {vocab}) "
                          "(tokens of hidden, rows of weight)")
