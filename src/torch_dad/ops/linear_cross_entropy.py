@@ -718,15 +718,18 @@ class _RecomputedSlices:
         return d
 
 
-def _check_recompute_inputs(log_sum_exp: Tensor | None, target: Tensor | None, rows: int) -> None:
-    """Raise unless ``log_sum_exp`` is a float tensor and ``target`` an integer tensor, both ``(rows,)``."""
-    assert log_sum_exp is not None and target is not None
+def _recompute_inputs(log_sum_exp: Tensor | None, target: Tensor | None, rows: int) -> tuple[Tensor, Tensor]:
+    """``(log_sum_exp, target)``; raises unless both are given, ``log_sum_exp`` a float tensor and ``target`` an
+    integer tensor, both ``(rows,)``."""
+    if log_sum_exp is None or target is None:
+        raise ValueError("vocab_slice_backward needs grad_logits, or log_sum_exp and target to recompute it from")
     if not log_sum_exp.dtype.is_floating_point or target.dtype.is_floating_point or target.dtype == torch.bool:
         raise TypeError(f"log_sum_exp ({log_sum_exp.dtype}) must be floating point and target ({target.dtype}) "
                         "integer ids, as linear_cross_entropy(log_sum_exp=True) returns and takes them")
     if log_sum_exp.shape != (rows,) or target.shape != (rows,):
         raise ValueError(f"log_sum_exp has shape {tuple(log_sum_exp.shape)} and target {tuple(target.shape)}; both "
                          f"must be ({rows},), one value per row of hidden")
+    return log_sum_exp, target
 
 
 def vocab_slice_backward(
@@ -761,10 +764,7 @@ def vocab_slice_backward(
     """
     (n, d), vocab = hidden.shape, weight.shape[0]
     recompute = grad_logits is None
-    if recompute and (log_sum_exp is None or target is None):
-        raise ValueError("vocab_slice_backward needs grad_logits, or log_sum_exp and target to recompute it from")
-    if recompute:
-        _check_recompute_inputs(log_sum_exp, target, n)
+    recompute_from = _recompute_inputs(log_sum_exp, target, n) if recompute else None
     if grad_logits is not None and grad_logits.shape != (n, vocab):
         raise ValueError(f"grad_logits has shape {tuple(grad_logits.shape)}; expected ({n}, {vocab}) "
                          "(tokens of hidden, rows of weight)")
@@ -778,10 +778,9 @@ def vocab_slice_backward(
     scratch = torch.empty(n * rows, dtype=dtype, device=hidden.device) if recompute else None
     w = _ComputeWeight(weight, dtype, rows)
     b = None if bias is None else bias.to(dtype)
-    slices: _RecomputedSlices | None = None
-    if recompute:
-        assert log_sum_exp is not None and target is not None and scratch is not None
-        slices = _RecomputedSlices(h, b, target, log_sum_exp, scratch, ignore_index, backend)
+    slices = None
+    if recompute_from is not None and scratch is not None:
+        slices = _RecomputedSlices(h, b, recompute_from[1], recompute_from[0], scratch, ignore_index, backend)
     grad_hidden = _uninitialized((n, d), acc, hidden.device) if grad_input else None
     grad_slice = _uninitialized((w.slice_rows, d), acc, hidden.device)
     with torch.no_grad():
