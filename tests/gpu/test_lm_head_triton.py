@@ -255,6 +255,40 @@ def test_recomputed_slices_in_one_kernel_match_float64(n, d, v, slice_rows, fuse
         assert rel(gb.cpu(), ref.grad_bias) <= tol
 
 
+@pytest.mark.parametrize("n,d,v,slice_rows,fused", [
+    (37, 24, 101, 40, 3),     # three slices, the last of 21 rows: partial column tiles
+    (130, 64, 300, 112, 3),   # token and vocabulary tiles both partial
+    (5, 8, 17, 16, 2),        # fewer tokens than a tile has rows; a last slice of one row
+    (37, 23, 101, 40, 0),     # 46-byte rows: no TMA, cuBLAS + the row kernel
+])
+@pytest.mark.parametrize("bias", [False, True])
+def test_sliced_log_sum_exp_in_one_kernel_matches_float64(n, d, v, slice_rows, fused, bias, monkeypatch):
+    # the recomputing sweep's forward: each slice's logits reduced in registers, each target's logit a dot product
+    from torch_dad.kernels import logits as kernels
+
+    launches, picks = [], []
+    reduce, pick = kernels.tile_log_sum_exp, kernels.target_logit
+    monkeypatch.setattr(kernels, "tile_log_sum_exp", lambda *args: launches.append(args[-1]) or reduce(*args))
+    monkeypatch.setattr(kernels, "target_logit", lambda *args: picks.append(1) or pick(*args))
+    h, w, b, y = make(n, d, v, torch.float32, bias, seed=n + d)
+    y[:3] = torch.tensor([0, v - 1, -100])  # the vocabulary's first and last rows, and an ignored row
+    hh, ww, bb, yy = _to(h, w, b, y)
+    res = linear_cross_entropy(hh.to(LOW), ww, yy, bb, compute_dtype=LOW, backend="triton", grad_weight=False,
+                               grad_input=False, log_sum_exp=True, weight_chunk_size=slice_rows)
+    # the first tile row each slice writes: 256-column tiles, so one per slice at these sizes
+    assert launches == list(range(fused)) and picks == [1] * bool(fused)
+    # float64 over the inputs as the kernels read them, rounded to the compute dtype
+    logits = h.to(LOW).double() @ w.to(LOW).double().T + (0 if b is None else b.to(LOW).double())
+    lse = torch.logsumexp(logits, 1)
+    valid = y != -100
+    want = torch.where(valid, logits.gather(1, y.clamp(min=0)[:, None])[:, 0] - lse, 0.0)
+    # without the fused kernels the logits are the GEMM's, rounded to the compute dtype
+    tol = 1e-5 if fused else 2e-3
+    assert res.log_sum_exp.dtype == torch.float32 and rel(res.log_sum_exp.cpu(), lse) <= tol
+    assert rel(res.log_probs.cpu(), want) <= tol and not res.log_probs.cpu()[~valid].any()
+    assert abs(float(res.loss) + float(want.sum()) / int(valid.sum())) <= tol * abs(float(want.sum()))
+
+
 @pytest.mark.parametrize("shape", [(1,), (7,), (3, 1), (5, 37), (2, 3, 1031)])
 @pytest.mark.parametrize("shift", [False, True])
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32])

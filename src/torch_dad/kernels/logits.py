@@ -28,34 +28,83 @@ BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, WARPS, STAGES = 128, 256, 64, 8, 8, 3
 
 
 @triton.jit
+def _logits_tile(h_desc, w_desc, b_ptr, tile, M, N, K: tl.constexpr, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
+                 BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr):
+    """Tile number ``tile`` of ``x = h @ W.T + b`` (float32 accumulator), ``GROUP`` token tiles at a time (the
+    weight rows a group reads stay in L2 across its token tiles): ``(x, first row, first column)``."""
+    tiles_m, tiles_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
+    per_group = GROUP * tiles_n
+    first_m = (tile // per_group) * GROUP
+    group_m = tl.minimum(tiles_m - first_m, GROUP)
+    row0 = (first_m + (tile % per_group) % group_m) * BM
+    col0 = ((tile % per_group) // group_m) * BN
+    x = tl.zeros((BM, BN), tl.float32)
+    # K is a compile-time constant (the model's hidden size): the trip count is known to the pipeliner
+    for k in range(0, K, BK):
+        x = tl.dot(h_desc.load([row0, k]), w_desc.load([col0, k]).T, x)
+    if HAS_BIAS:
+        cols = col0 + tl.arange(0, BN)
+        x += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    return x, row0, col0
+
+
+@triton.jit
 def logit_grad_kernel(
     h_desc, w_desc, out_desc, b_ptr, y_ptr, lse_ptr, M, N, K: tl.constexpr, col_offset, ignore_index,
     HAS_BIAS: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr,
     PROGRAMS: tl.constexpr,
 ):
     """``out[r, c] = exp(x[r, c] - lse[r]) - (c + col_offset == y[r])`` with ``x = h @ W.T + b`` (float32
-    accumulator); 0 on rows whose ``y`` is ``ignore_index``. Tiles of ``BM x BN``, ``GROUP`` token tiles
-    at a time (the weight rows a group reads stay in L2 across its token tiles)."""
-    tiles_m, tiles_n = tl.cdiv(M, BM), tl.cdiv(N, BN)
-    per_group = GROUP * tiles_n
-    for tile in tl.range(tl.program_id(0), tiles_m * tiles_n, PROGRAMS, flatten=True):
-        first_m = (tile // per_group) * GROUP
-        group_m = tl.minimum(tiles_m - first_m, GROUP)
-        row0 = (first_m + (tile % per_group) % group_m) * BM
-        col0 = ((tile % per_group) // group_m) * BN
-        x = tl.zeros((BM, BN), tl.float32)
-        # K is a compile-time constant (the model's hidden size): the trip count is known to the pipeliner
-        for k in range(0, K, BK):
-            x = tl.dot(h_desc.load([row0, k]), w_desc.load([col0, k]).T, x)
-        rows = row0 + tl.arange(0, BM)
-        cols = col0 + tl.arange(0, BN)
-        if HAS_BIAS:
-            x += tl.load(b_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)[None, :]
+    accumulator); 0 on rows whose ``y`` is ``ignore_index``. Tiles of ``BM x BN``."""
+    for tile in tl.range(tl.program_id(0), tl.cdiv(M, BM) * tl.cdiv(N, BN), PROGRAMS, flatten=True):
+        x, row0, col0 = _logits_tile(h_desc, w_desc, b_ptr, tile, M, N, K, HAS_BIAS, BM, BN, BK, GROUP)
+        rows, cols = row0 + tl.arange(0, BM), col0 + tl.arange(0, BN)
         lse = tl.load(lse_ptr + rows, mask=rows < M, other=0.0)
         y = tl.load(y_ptr + rows, mask=rows < M, other=ignore_index).to(tl.int64)
         g = tl.exp(x - lse[:, None]) - tl.where(cols[None, :] + col_offset == y[:, None], 1.0, 0.0)
         g = tl.where((y != ignore_index)[:, None], g, 0.0)
         out_desc.store([row0, col0], g.to(out_desc.dtype))
+
+
+@triton.jit
+def tile_log_sum_exp_kernel(
+    h_desc, w_desc, b_ptr, out_ptr, M, N, K: tl.constexpr, first_tile, HAS_BIAS: tl.constexpr, BM: tl.constexpr,
+    BN: tl.constexpr, BK: tl.constexpr, GROUP: tl.constexpr, PROGRAMS: tl.constexpr,
+):
+    """``out[first_tile + j, r] = log(sum(exp(x[r, j*BN : (j+1)*BN])))`` for each ``BN``-column tile ``j`` of
+    ``x = h @ W.T + b`` (float32 accumulator); the logits stay in registers."""
+    for tile in tl.range(tl.program_id(0), tl.cdiv(M, BM) * tl.cdiv(N, BN), PROGRAMS, flatten=True):
+        x, row0, col0 = _logits_tile(h_desc, w_desc, b_ptr, tile, M, N, K, HAS_BIAS, BM, BN, BK, GROUP)
+        rows, cols = row0 + tl.arange(0, BM), col0 + tl.arange(0, BN)
+        x = tl.where(cols[None, :] < N, x, float("-inf"))
+        top = tl.max(x, axis=1)
+        total = tl.sum(tl.exp(x - top[:, None]), axis=1)
+        out = out_ptr + (first_tile + col0 // BN).to(tl.int64) * M + rows
+        tl.store(out, top + tl.log(total), mask=rows < M)
+
+
+@triton.jit
+def target_logit_kernel(
+    h_ptr, w_ptr, b_ptr, y_ptr, out_ptr, M, V, K, stride_h, stride_w, ignore_index, HAS_BIAS: tl.constexpr,
+    ROWS: tl.constexpr, BK: tl.constexpr,
+):
+    """``out[r] = sum_k h[r, k] * W[y[r], k] + b[y[r]]`` with ``W`` and ``b`` rounded to ``h``'s dtype (float32
+    sum); 0 on rows whose ``y`` is ``ignore_index`` or outside ``[0, V)``."""
+    rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    y = tl.load(y_ptr + rows, mask=rows < M, other=ignore_index).to(tl.int64)
+    # an id out of range reads nothing (the caller's label check reports it)
+    scored = (rows < M) & (y != ignore_index) & (y >= 0) & (y < V)
+    y = tl.where(scored, y, 0)
+    acc = tl.zeros((ROWS,), tl.float32)
+    for k in range(0, K, BK):
+        ks = k + tl.arange(0, BK)
+        inside = scored[:, None] & (ks < K)[None, :]
+        h = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + ks[None, :], mask=inside, other=0.0)
+        w = tl.load(w_ptr + y[:, None] * stride_w + ks[None, :], mask=inside, other=0.0)
+        acc += tl.sum(h.to(tl.float32) * w.to(h.dtype).to(tl.float32), axis=1)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + y, mask=scored, other=0.0).to(h_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(out_ptr + rows, tl.where(scored, acc, 0.0), mask=rows < M)
 
 
 @functools.lru_cache(maxsize=8)
@@ -77,6 +126,39 @@ def logit_grad(h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, l
         TensorDescriptor.from_tensor(out, [BLOCK_M, BLOCK_N]), lse if bias is None else bias, target, lse, m, n, k,
         int(col_offset), int(ignore_index), HAS_BIAS=bias is not None, BM=BLOCK_M, BN=BLOCK_N, BK=BLOCK_K,
         GROUP=GROUP_M, PROGRAMS=programs, num_warps=WARPS, num_stages=STAGES,
+    )
+
+
+def log_sum_exp_tiles(columns: int) -> int:
+    """Rows of :func:`tile_log_sum_exp`'s output that a weight slice of ``columns`` rows fills."""
+    return cdiv(columns, BLOCK_N)
+
+
+def tile_log_sum_exp(h: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor, first_tile: int) -> int:
+    """Launch :func:`tile_log_sum_exp_kernel`: rows ``first_tile ..`` of ``out`` (tiles, N), float32, get the
+    log-sum-exp of each ``BLOCK_N``-column tile of ``h @ weight.T + bias`` (``h`` (N, D) and the weight slice (S, D)
+    :func:`tma_compatible`). Returns the number of rows written, :func:`log_sum_exp_tiles` ``(S)``."""
+    (m, k), n = h.shape, weight.shape[0]
+    programs = _programs(h.device)
+    tile_log_sum_exp_kernel[(min(programs, cdiv(m, BLOCK_M) * cdiv(n, BLOCK_N)),)](
+        TensorDescriptor.from_tensor(h, [BLOCK_M, BLOCK_K]), TensorDescriptor.from_tensor(weight, [BLOCK_N, BLOCK_K]),
+        out if bias is None else bias, out, m, n, k, int(first_tile), HAS_BIAS=bias is not None, BM=BLOCK_M,
+        BN=BLOCK_N, BK=BLOCK_K, GROUP=GROUP_M, PROGRAMS=programs, num_warps=WARPS, num_stages=STAGES,
+    )
+    return log_sum_exp_tiles(n)
+
+
+def target_logit(h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, out: Tensor,
+                 ignore_index: int) -> None:
+    """Launch :func:`target_logit_kernel`: ``out[r] = h[r] @ W[y[r]] + b[y[r]]`` (float32, 0 on ignored rows) from
+    ``h`` (N, D), the whole ``weight`` (V, D) and ``bias`` (V,) in any float dtype (unit column stride) and
+    ``target`` (N,) ids."""
+    m, k = h.shape
+    rows = 32
+    target_logit_kernel[(cdiv(m, rows),)](
+        h, weight, out if bias is None else bias, target, out, m, weight.shape[0], k, h.stride(0), weight.stride(0),
+        int(ignore_index),
+        HAS_BIAS=bias is not None, ROWS=rows, BK=64, num_warps=4,
     )
 
 

@@ -643,34 +643,59 @@ def _slice_logits(h: Tensor, w_slice: Tensor, bias: Tensor | None, start: int, s
 
 
 def _sliced_log_sum_exp(step: _Step, backend: str, slice_rows: int | None) -> LinearCrossEntropyResult:
-    """``log_sum_exp=True`` alone, over vocabulary slices of all rows at once: per slice ``s`` the row kernel
-    takes ``logsumexp(h @ W[s].T + b[s])`` of every row and the target logit of the rows whose target lies in
-    ``s`` (as the GEMM gives it, in the compute dtype); ``lse`` = the ``logsumexp`` over slices and
-    ``log p(y) = logit(y) - lse``. One slice's logits exist at a time (:func:`default_slice_rows`, the slices
-    :func:`vocab_slice_backward` recomputes) and no V x D copy of the weight: token chunks would hold a chunk of
-    every vocabulary row plus that copy."""
-    dtype, target, ignore = step.dtype, step.target, step.ignore_index
+    """``log_sum_exp=True`` alone, over vocabulary slices of all rows at once: per slice ``s`` each row's
+    ``logsumexp(h @ W[s].T + b[s])`` (one per column tile of ``s`` where the fused kernel runs), merged over the
+    slices into ``lse``; ``log p(y) = logit(y) - lse``. One slice's logits exist at a time (:func:`default_slice_rows`,
+    the slices :func:`vocab_slice_backward` recomputes) and no V x D copy of the weight: token chunks would hold a
+    chunk of every vocabulary row plus that copy.
+
+    Where :func:`_logits_kernels` apply, one Triton kernel per slice reduces its logits tiles in registers (they
+    never reach memory) and another takes each target's logit as ``h[r] @ W[y[r]] + b[y[r]]``. Elsewhere cuBLAS
+    writes the slice's logits and the row kernel reads back their log-sum-exp and the target logits in the slice
+    (as the GEMM rounded them to the compute dtype)."""
+    dtype, target, ignore = step.dtype, step.target.contiguous(), step.ignore_index
     (n, d), acc = step.hidden.shape, torch.promote_types(step.dtype, torch.float32)
     h = step.hidden if step.hidden.dtype == dtype else step.hidden.to(dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
     w = _ComputeWeight(step.weight, dtype, slice_rows or default_slice_rows(d, n, itemsize))
     b = None if step.bias is None else step.bias.to(dtype)
+    kernels = _logits_kernels(h, backend)
+    starts = range(0, w.weight.shape[0], w.slice_rows)
+    slice_lse = _uninitialized((len(starts) if kernels is None else sum(
+        kernels.log_sum_exp_tiles(min(w.slice_rows, w.weight.shape[0] - s)) for s in starts), n), acc, h.device)
     # every scored row's target falls in exactly one slice, which writes its logit; the others are masked below
     target_logit, scratch = _uninitialized((n,), acc, h.device), _uninitialized((n,), acc, h.device)
-    slice_lse = _uninitialized((-(-w.weight.shape[0] // w.slice_rows), n), acc, h.device)
-    for k, (start, stop, w_slice) in enumerate(w.slices()):
+    if kernels is not None:
+        kernels.target_logit(h, step.weight if step.weight.stride(-1) == 1 else step.weight.contiguous(), b, target,
+                             target_logit, ignore)
+    used = 0
+    for start, stop, w_slice in w.slices():
+        if kernels is not None and kernels.tma_compatible(w_slice):
+            used += kernels.tile_log_sum_exp(h, w_slice, None if b is None else b[start:stop], slice_lse, used)
+            continue
         logits = _slice_logits(h, w_slice, b, start, stop)
         cross_entropy_rows_(logits, target, scratch, ignore_index=ignore, scale=1.0, write_grad=False,
-                            lse=slice_lse[k], target_logit=target_logit, col_offset=start,
-                            backend="auto" if backend == "triton" else "torch")
+                            lse=slice_lse[used], target_logit=None if kernels is not None else target_logit,
+                            col_offset=start, backend="auto" if backend == "triton" else "torch")
+        used += 1
         del logits
-    lse = torch.logsumexp(slice_lse, dim=0)
+    lse = torch.logsumexp(slice_lse[:used], dim=0)
     log_probs = torch.where(target != ignore, target_logit - lse, 0.0)
     loss = -log_probs.sum() * step.scale
     return LinearCrossEntropyResult(
         loss=loss, grad_weight=None, grad_bias=None, grad_input=None, log_probs=log_probs, entropy=None,
         is_top1=None, num_valid=step.num_valid, backend=backend, log_sum_exp=lse,
     )
+
+
+def _logits_kernels(h: Tensor, backend: str) -> Any:
+    """:mod:`torch_dad.kernels.logits` where its kernels run on ``h``, else ``None``: a backend other than
+    ``"torch"``, fp16/bf16 ``h`` where Triton runs, ``h`` fit for TMA (:func:`~torch_dad.kernels.logits.tma_compatible`)."""
+    if backend == "torch" or h.dtype not in HALF_DTYPES or _triton_runnable(h.device) is not None:
+        return None
+    from ..kernels import logits as kernels  # imports triton
+
+    return kernels if kernels.tma_compatible(h) else None
 
 
 def _chunk_gradients(sums: _ChunkSums, grad_logits: Tensor, h: Tensor, w: _ComputeWeight, start: int,
@@ -694,12 +719,7 @@ class _RecomputedSlices:
                  ignore_index: int, backend: str) -> None:
         self.h, self.bias, self.scratch, self.ignore_index, self.backend = h, bias, scratch, ignore_index, backend
         self.target, self.log_sum_exp = target.contiguous(), log_sum_exp.contiguous()
-        self.kernels: Any = None
-        if (backend != "torch" and h.dtype in HALF_DTYPES and log_sum_exp.dtype == torch.float32
-                and _triton_runnable(h.device) is None):
-            from ..kernels import logits as kernels  # imports triton
-
-            self.kernels = kernels if kernels.tma_compatible(h) else None
+        self.kernels = _logits_kernels(h, backend) if log_sum_exp.dtype == torch.float32 else None
 
     def grad(self, start: int, stop: int, w_slice: Tensor) -> Tensor:
         """``d[:, start:stop]`` (N, stop - start), given ``W[start:stop]`` in ``h``'s dtype; a view of ``scratch``."""
