@@ -165,7 +165,9 @@ class LocalOptimizerState(torch.nn.Module):
 
     def data_ptrs(self) -> tuple[int, ...]:
         """The addresses of ``step`` and the moments: they change when the state is moved or its buffers replaced."""
-        return tuple(t.data_ptr() for t in (self.step, *self.moments("exp_avg"), *self.moments("exp_avg_sq")))
+        # straight from the buffer table: this runs before every graphed step, and attribute lookups through
+        # nn.Module.__getattr__ cost more than the rest of the key
+        return tuple(t.data_ptr() for t in self._buffers.values() if t is not None)
 
     def moments(self, kind: str) -> list[Tensor]:
         """The ``exp_avg`` or ``exp_avg_sq`` buffers, in parameter order."""

@@ -263,13 +263,14 @@ def test_recomputed_slices_in_one_kernel_match_float64(n, d, v, slice_rows, fuse
 ])
 @pytest.mark.parametrize("bias", [False, True])
 def test_sliced_log_sum_exp_in_one_kernel_matches_float64(n, d, v, slice_rows, fused, bias, monkeypatch):
-    # the recomputing sweep's forward: each slice's logits reduced in registers, each target's logit a dot product
+    # the recomputing sweep's forward: each slice's logits reduced in registers, then the tiles merged and each
+    # target's logit taken as a dot product
     from torch_dad.kernels import logits as kernels
 
     launches, picks = [], []
-    reduce, pick = kernels.tile_log_sum_exp, kernels.target_logit
+    reduce, pick = kernels.tile_log_sum_exp, kernels.log_probs
     monkeypatch.setattr(kernels, "tile_log_sum_exp", lambda *args: launches.append(args[-1]) or reduce(*args))
-    monkeypatch.setattr(kernels, "target_logit", lambda *args: picks.append(1) or pick(*args))
+    monkeypatch.setattr(kernels, "log_probs", lambda *args: picks.append(1) or pick(*args))
     h, w, b, y = make(n, d, v, torch.float32, bias, seed=n + d)
     y[:3] = torch.tensor([0, v - 1, -100])  # the vocabulary's first and last rows, and an ignored row
     hh, ww, bb, yy = _to(h, w, b, y)

@@ -25,6 +25,8 @@ from . import cdiv
 
 # the fastest tile at both hidden sizes in results/lm_head_slice_kernel.json
 BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, WARPS, STAGES = 128, 256, 64, 8, 8, 3
+# exp(x - c) as exp2(x * LOG2E - c * LOG2E): one fused multiply-add per element ahead of the exp2 unit
+LOG2E: tl.constexpr = tl.constexpr(1.4426950408889634)
 
 
 @triton.jit
@@ -58,11 +60,15 @@ def logit_grad_kernel(
     accumulator); 0 on rows whose ``y`` is ``ignore_index``. Tiles of ``BM x BN``."""
     for tile in tl.range(tl.program_id(0), tl.cdiv(M, BM) * tl.cdiv(N, BN), PROGRAMS, flatten=True):
         x, row0, col0 = _logits_tile(h_desc, w_desc, b_ptr, tile, M, N, K, HAS_BIAS, BM, BN, BK, GROUP)
-        rows, cols = row0 + tl.arange(0, BM), col0 + tl.arange(0, BN)
+        rows = row0 + tl.arange(0, BM)
         lse = tl.load(lse_ptr + rows, mask=rows < M, other=0.0)
         y = tl.load(y_ptr + rows, mask=rows < M, other=ignore_index).to(tl.int64)
-        g = tl.exp(x - lse[:, None]) - tl.where(cols[None, :] + col_offset == y[:, None], 1.0, 0.0)
-        g = tl.where((y != ignore_index)[:, None], g, 0.0)
+        scored = y != ignore_index
+        # per row, not per element: an ignored row gets exp2(-inf) = 0 and no target column
+        shift = tl.where(scored, lse * LOG2E, float("inf"))
+        target_col = tl.where(scored, y - col_offset - col0, -1)
+        p = tl.exp2(x * LOG2E - shift[:, None])
+        g = tl.where(tl.arange(0, BN)[None, :] == target_col[:, None], p - 1.0, p)
         out_desc.store([row0, col0], g.to(out_desc.dtype))
 
 
@@ -78,33 +84,47 @@ def tile_log_sum_exp_kernel(
         rows, cols = row0 + tl.arange(0, BM), col0 + tl.arange(0, BN)
         x = tl.where(cols[None, :] < N, x, float("-inf"))
         top = tl.max(x, axis=1)
-        total = tl.sum(tl.exp(x - top[:, None]), axis=1)
+        total = tl.sum(tl.exp2(x * LOG2E - (top * LOG2E)[:, None]), axis=1)
         out = out_ptr + (first_tile + col0 // BN).to(tl.int64) * M + rows
         tl.store(out, top + tl.log(total), mask=rows < M)
 
 
 @triton.jit
-def target_logit_kernel(
-    h_ptr, w_ptr, b_ptr, y_ptr, out_ptr, M, V, K, stride_h, stride_w, ignore_index, HAS_BIAS: tl.constexpr,
-    ROWS: tl.constexpr, BK: tl.constexpr,
+def log_probs_kernel(
+    parts_ptr, h_ptr, w_ptr, b_ptr, y_ptr, lse_ptr, out_ptr, M, T, V, K, stride_h, stride_w, ignore_index,
+    HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
 ):
-    """``out[r] = sum_k h[r, k] * W[y[r], k] + b[y[r]]`` with ``W`` and ``b`` rounded to ``h``'s dtype (float32
-    sum); 0 on rows whose ``y`` is ``ignore_index`` or outside ``[0, V)``."""
+    """``lse[r] = logsumexp(parts[:T, r])`` and ``out[r] = h[r] @ W[y[r]] + b[y[r]] - lse[r]`` with ``W`` and ``b``
+    rounded to ``h``'s dtype (float32 sums); ``out`` is 0 on rows whose ``y`` is ``ignore_index`` or outside
+    ``[0, V)``."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
+    top = tl.full((ROWS,), float("-inf"), tl.float32)
+    total = tl.zeros((ROWS,), tl.float32)
+    for t in range(0, T, BT):
+        ts = t + tl.arange(0, BT)
+        part = tl.load(parts_ptr + ts[None, :].to(tl.int64) * M + rows[:, None],
+                       mask=(rows < M)[:, None] & (ts < T)[None, :], other=float("-inf"))
+        # rows past M read 0 (never stored): an all -inf row would make NaNs
+        part = tl.where((rows < M)[:, None], part, 0.0)
+        new_top = tl.maximum(top, tl.max(part, axis=1))
+        total = total * tl.exp(top - new_top) + tl.sum(tl.exp(part - new_top[:, None]), axis=1)
+        top = new_top
+    lse = top + tl.log(total)
     y = tl.load(y_ptr + rows, mask=rows < M, other=ignore_index).to(tl.int64)
     # an id out of range reads nothing (the caller's label check reports it)
     scored = (rows < M) & (y != ignore_index) & (y >= 0) & (y < V)
     y = tl.where(scored, y, 0)
-    acc = tl.zeros((ROWS,), tl.float32)
+    logit = tl.zeros((ROWS,), tl.float32)
     for k in range(0, K, BK):
         ks = k + tl.arange(0, BK)
         inside = scored[:, None] & (ks < K)[None, :]
         h = tl.load(h_ptr + rows[:, None].to(tl.int64) * stride_h + ks[None, :], mask=inside, other=0.0)
         w = tl.load(w_ptr + y[:, None] * stride_w + ks[None, :], mask=inside, other=0.0)
-        acc += tl.sum(h.to(tl.float32) * w.to(h.dtype).to(tl.float32), axis=1)
+        logit += tl.sum(h.to(tl.float32) * w.to(h.dtype).to(tl.float32), axis=1)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + y, mask=scored, other=0.0).to(h_ptr.dtype.element_ty).to(tl.float32)
-    tl.store(out_ptr + rows, tl.where(scored, acc, 0.0), mask=rows < M)
+        logit += tl.load(b_ptr + y, mask=scored, other=0.0).to(h_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(lse_ptr + rows, lse, mask=rows < M)
+    tl.store(out_ptr + rows, tl.where(scored, logit - lse, 0.0), mask=rows < M)
 
 
 @functools.lru_cache(maxsize=8)
@@ -148,17 +168,17 @@ def tile_log_sum_exp(h: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor
     return log_sum_exp_tiles(n)
 
 
-def target_logit(h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, out: Tensor,
-                 ignore_index: int) -> None:
-    """Launch :func:`target_logit_kernel`: ``out[r] = h[r] @ W[y[r]] + b[y[r]]`` (float32, 0 on ignored rows) from
-    ``h`` (N, D), the whole ``weight`` (V, D) and ``bias`` (V,) in any float dtype (unit column stride) and
-    ``target`` (N,) ids."""
+def log_probs(parts: Tensor, h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, lse: Tensor,
+              out: Tensor, ignore_index: int) -> None:
+    """Launch :func:`log_probs_kernel`: ``lse`` (N,) merges the tiles' log-sum-exps ``parts`` (tiles, N) and ``out``
+    (N,) gets ``log p(target) = h @ W[target] + b[target] - lse`` (both float32; ``out`` 0 on ignored rows), from
+    ``h`` (N, D), the whole ``weight`` (V, D) and ``bias`` (V,) in any float dtype (unit column stride)."""
     m, k = h.shape
     rows = 32
-    target_logit_kernel[(cdiv(m, rows),)](
-        h, weight, out if bias is None else bias, target, out, m, weight.shape[0], k, h.stride(0), weight.stride(0),
-        int(ignore_index),
-        HAS_BIAS=bias is not None, ROWS=rows, BK=64, num_warps=4,
+    log_probs_kernel[(cdiv(m, rows),)](
+        parts, h, weight, out if bias is None else bias, target, lse, out, m, parts.shape[0], weight.shape[0], k,
+        h.stride(0), weight.stride(0), int(ignore_index), HAS_BIAS=bias is not None, ROWS=rows, BT=64, BK=64,
+        num_warps=4,
     )
 
 

@@ -97,9 +97,10 @@ class RecomputeGraphs:
         """Replay (capturing first if needed) ``run(hidden.to(dtype), labels)``; ``None`` where the step must run
         eagerly (``key`` not warm yet, or the buffers are taken). Keep the returned :class:`Pending` until the
         backward: it marks the buffers taken."""
-        if key not in self._warm or self.busy():
-            return None
+        # a captured key is warm: the usual replay hashes the key once
         step = self._steps.get(key)
+        if (step is None and key not in self._warm) or self.busy():
+            return None
         if step is None:
             step = self._capture_forward(key, hidden, labels, dtype, run)
         step.hidden.copy_(hidden)

@@ -650,37 +650,41 @@ def _sliced_log_sum_exp(step: _Step, backend: str, slice_rows: int | None) -> Li
     chunk of every vocabulary row plus that copy.
 
     Where :func:`_logits_kernels` apply, one Triton kernel per slice reduces its logits tiles in registers (they
-    never reach memory) and another takes each target's logit as ``h[r] @ W[y[r]] + b[y[r]]``. Elsewhere cuBLAS
-    writes the slice's logits and the row kernel reads back their log-sum-exp and the target logits in the slice
-    (as the GEMM rounded them to the compute dtype)."""
+    never reach memory), and one more merges the tiles and takes each target's logit as ``h[r] @ W[y[r]] + b[y[r]]``.
+    Elsewhere cuBLAS writes the slice's logits and the row kernel reads back their log-sum-exp and the target logits
+    in the slice (as the GEMM rounded them to the compute dtype)."""
     dtype, target, ignore = step.dtype, step.target.contiguous(), step.ignore_index
-    (n, d), acc = step.hidden.shape, torch.promote_types(step.dtype, torch.float32)
+    (n, d), acc, vocab = step.hidden.shape, torch.promote_types(step.dtype, torch.float32), step.weight.shape[0]
     h = step.hidden if step.hidden.dtype == dtype else step.hidden.to(dtype)
     itemsize = torch.empty((), dtype=dtype).element_size()
     w = _ComputeWeight(step.weight, dtype, slice_rows or default_slice_rows(d, n, itemsize))
     b = None if step.bias is None else step.bias.to(dtype)
     kernels = _logits_kernels(h, backend)
-    starts = range(0, w.weight.shape[0], w.slice_rows)
-    slice_lse = _uninitialized((len(starts) if kernels is None else sum(
-        kernels.log_sum_exp_tiles(min(w.slice_rows, w.weight.shape[0] - s)) for s in starts), n), acc, h.device)
-    # every scored row's target falls in exactly one slice, which writes its logit; the others are masked below
-    target_logit, scratch = _uninitialized((n,), acc, h.device), _uninitialized((n,), acc, h.device)
-    if kernels is not None:
-        kernels.target_logit(h, step.weight if step.weight.stride(-1) == 1 else step.weight.contiguous(), b, target,
-                             target_logit, ignore)
+    widths = [min(w.slice_rows, vocab - start) for start in range(0, vocab, w.slice_rows)]
+    # one row per slice from the row kernel, one per column tile from the fused kernel
+    parts = _uninitialized((len(widths) if kernels is None else sum(map(kernels.log_sum_exp_tiles, widths)), n),
+                           acc, h.device)
+    lse, log_probs = _uninitialized((n,), acc, h.device), _uninitialized((n,), acc, h.device)
+    # without the kernels every scored row's target falls in exactly one slice, which writes its logit
+    target_logit = None if kernels is not None else _uninitialized((n,), acc, h.device)
     used = 0
     for start, stop, w_slice in w.slices():
         if kernels is not None and kernels.tma_compatible(w_slice):
-            used += kernels.tile_log_sum_exp(h, w_slice, None if b is None else b[start:stop], slice_lse, used)
+            used += kernels.tile_log_sum_exp(h, w_slice, None if b is None else b[start:stop], parts, used)
             continue
         logits = _slice_logits(h, w_slice, b, start, stop)
-        cross_entropy_rows_(logits, target, scratch, ignore_index=ignore, scale=1.0, write_grad=False,
-                            lse=slice_lse[used], target_logit=None if kernels is not None else target_logit,
-                            col_offset=start, backend="auto" if backend == "triton" else "torch")
+        cross_entropy_rows_(logits, target, log_probs, ignore_index=ignore, scale=1.0, write_grad=False,
+                            lse=parts[used], target_logit=target_logit, col_offset=start,
+                            backend="auto" if backend == "triton" else "torch")
         used += 1
         del logits
-    lse = torch.logsumexp(slice_lse[:used], dim=0)
-    log_probs = torch.where(target != ignore, target_logit - lse, 0.0)
+    if kernels is not None:
+        weight = step.weight if step.weight.stride(-1) == 1 else step.weight.contiguous()
+        kernels.log_probs(parts[:used], h, weight, b, target, lse, log_probs, ignore)
+    else:
+        assert target_logit is not None
+        lse = torch.logsumexp(parts, dim=0)
+        log_probs = torch.where(target != ignore, target_logit - lse, 0.0)
     loss = -log_probs.sum() * step.scale
     return LinearCrossEntropyResult(
         loss=loss, grad_weight=None, grad_bias=None, grad_input=None, log_probs=log_probs, entropy=None,
