@@ -57,6 +57,7 @@ class GraphedStep:
     outputs: Any
     backward: torch.cuda.CUDAGraph | None = None
     grad_hidden: Tensor | None = None
+    filled: tuple[float, float] | None = None  # (lr, scale) last written to ``lr`` and ``scale``
 
 
 class RecomputeGraphs:
@@ -115,8 +116,11 @@ class RecomputeGraphs:
         """Replay (capturing first if needed) ``run(step)``, the backward of the forward ``step`` just replayed, with
         ``lr`` in ``step.lr`` and ``scale`` in ``step.scale``; returns ``step.grad_hidden`` (the graph's buffer:
         overwritten by the next replay)."""
-        step.lr.fill_(lr)
-        step.scale.fill_(scale)
+        # a fill is a launch on the host's path from the forward's replay to this one: skipped when unchanged
+        if step.filled != (lr, scale):
+            step.lr.fill_(lr)
+            step.scale.fill_(scale)
+            step.filled = (lr, scale)
         if step.backward is None:
             device = step.hidden.device
             step.backward, step.grad_hidden = on_capture_thread(

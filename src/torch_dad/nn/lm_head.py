@@ -91,7 +91,8 @@ class _GraphsCall:
 
 
 class _DADLMHeadFunction(torch.autograd.Function):
-    """``log p(y_t)`` per valid token; backward = the head's update (+ ``dL/dhidden`` if asked).
+    """``(log p(y_t), entropy, is_top1)`` per valid token (the last two empty without ``token_stats``); backward =
+    the head's update (+ ``dL/dhidden`` if asked).
 
     ``apply(hidden, weight, bias, head, target, token_stats, graphs_call)`` with ``hidden`` (n, D) holding only
     valid rows (every row for a ``_GraphsCall``, whose replayed forward replaces ``target``). Forward runs the
@@ -128,8 +129,9 @@ class _DADLMHeadFunction(torch.autograd.Function):
         ctx.res = res
         head.last_backend, head.last_sweep = res.backend, sweep
         assert log_probs is not None
-        entropy = entropy if entropy is not None else torch.zeros_like(log_probs)
-        top1 = top1 if top1 is not None else torch.zeros(log_probs.shape, dtype=torch.bool, device=log_probs.device)
+        # without token_stats nobody reads them: empty tensors cost no kernel, zeros would cost two per step
+        entropy = entropy if entropy is not None else log_probs.new_empty(0)
+        top1 = top1 if top1 is not None else torch.empty(0, dtype=torch.bool, device=log_probs.device)
         ctx.mark_non_differentiable(entropy, top1)
         return log_probs, entropy.to(log_probs.dtype), top1
 
@@ -511,8 +513,8 @@ class DADLMHead(LocalLayer):
         is_top1 = scatter(top1) if token_stats else None
         denom = num_valid if num_items_in_batch is None else num_items_in_batch
         if isinstance(denom, Tensor):
-            denom = denom.to(log_probs.device).clamp(min=1)
+            loss = -log_probs.sum() / denom.to(log_probs.device).clamp(min=1)
         else:
-            denom = max(int(denom), 1)
-        loss = -log_probs.sum() / denom
+            # dividing by the negated count: one kernel fewer each way than negating the sum
+            loss = log_probs.sum() / -max(int(denom), 1)
         return LMHeadOutput(loss=loss, log_probs=log_probs, entropy=entropy, is_top1=is_top1, label_mask=mask)
