@@ -95,7 +95,8 @@ def test_graphed_adamw_steps_equal_eager_ones(backprop_gradients):
 def test_two_forwards_before_one_backward_fall_back_to_eager():
     # the second forward finds the graphs' buffers taken by the first and runs eagerly
     eager, graphed = head_pair(64, 3001, lr=1e-2, compute_dtype=torch.bfloat16, backprop_gradients=True)
-    batches = [case(300, 64, 3001, seed) for seed in range(4)]
+    # every position scored, so that the eager and the graphed head sum the same rows (see the AdamW test above)
+    batches = [case(300, 64, 3001, seed, ignored=0.0) for seed in range(4)]
     for head in (eager, graphed):
         for h, y in batches[:2]:  # warm-up and capture
             step(head, h.float().cuda(), y.cuda())
@@ -172,7 +173,10 @@ def test_labels_are_shifted_checked_and_counted_inside_the_forward_graph(label_d
     assert graphed.num_cuda_graphs == 2
     for kept, expected in masks:  # what a step returned is not overwritten by later replays
         assert torch.equal(kept, expected)
-    assert rel(graphed.weight, eager.weight) <= 1e-6
+    # the shift leaves positions ignored: the eager head leaves them out of its GEMMs and the graphed one multiplies
+    # them at zero weight, so their float32 sums run in different orders. One step's dL/dW then differs by 1.5e-7
+    # (relative, on the H200) and the weights after these five AdamW steps by 2.2e-6
+    assert rel(graphed.weight, eager.weight) <= 1e-5
 
 
 def test_a_replayed_step_keeps_nothing_of_its_inputs_alive():
@@ -204,7 +208,7 @@ def test_an_option_changed_between_steps_is_not_replayed_from_the_old_graphs():
         if seed == 3:
             for head in (eager, graphed):
                 head.config.weight_decay = 0.5
-        h, y = case(300, 64, 3001, seed)
+        h, y = case(300, 64, 3001, seed, ignored=0.0)  # the same rows in both heads' sums
         for head in (eager, graphed):
             step(head, h.float().cuda(), y.cuda())
     assert graphed.num_cuda_graphs == 4 and rel(graphed.weight, eager.weight) <= 1e-6

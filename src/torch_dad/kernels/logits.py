@@ -1,16 +1,17 @@
-"""The Triton kernel behind :func:`torch_dad.ops.linear_cross_entropy.vocab_slice_backward`'s recomputed slices.
+"""The Triton kernels of :func:`torch_dad.ops.linear_cross_entropy`'s recomputing sweep over vocabulary slices.
 
-:func:`logit_grad_kernel` computes a vocabulary slice's logits tile by tile and writes their gradient in its
-epilogue, ``out = exp(h @ W.T + b - lse) - onehot(y)``, so the slice's logits never reach memory: done by cuBLAS
-then a row kernel, they are written, reread and rewritten (an 8192 x 4096 bf16 slice is 64 MiB each way).
+Each computes a slice's logits ``h @ W.T + b`` tile by tile and uses them in its epilogue, so they never reach
+memory (done by cuBLAS then a row kernel, an 8192 x 4096 bf16 slice's logits are written and read back, 64 MiB each
+way):
 
-It is persistent (one program per SM walks the tiles) and loads through TMA descriptors, and its loop nest is
-flattened so that the next tile's loads overlap this tile's epilogue. On the H200 (8192 tokens x a 4096-row slice,
-bf16) it took 0.082 ms a slice against 0.095 for cuBLAS + the row kernel at hidden size 576, and 0.414 against
-0.438 at 4096 (``python benchmarks/lm_head_slice_kernel.py``, ``results/lm_head_slice_kernel.json``, which also times
-the other tiles). Probes on the way: one program per tile took 0.090 ms, plain pointer loads 0.101. The forward's
-log-sum-exp fused the same way was slower than cuBLAS + its row kernel (1.17 against 1.05 ms over the vocabulary),
-so the forward keeps that pair (docs/lm_head.md, "The SmolLM2 head with dL/dh").
+- :func:`tile_log_sum_exp_kernel` (the forward) reduces each tile to its rows' log-sum-exp, and
+  :func:`log_probs_kernel` merges those over the vocabulary and scores each row's target;
+- :func:`logit_grad_kernel` (the backward) writes ``exp(logits - lse) - onehot(y)``.
+
+The tile kernels are persistent (one program per SM walks the tiles), load through TMA descriptors, and flatten
+their loop nest so that the next tile's loads overlap this tile's epilogue. Their measurements and the probes that
+lost are in docs/lm_head.md ("The SmolLM2 head with dL/dh"); ``python benchmarks/lm_head_slice_kernel.py`` times the
+gradient kernel's tiles against cuBLAS + the row kernel.
 """
 
 import functools
@@ -94,9 +95,9 @@ def log_probs_kernel(
     parts_ptr, h_ptr, w_ptr, b_ptr, y_ptr, lse_ptr, out_ptr, M, T, V, K, stride_h, stride_w, ignore_index,
     HAS_BIAS: tl.constexpr, ROWS: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
 ):
-    """``lse[r] = logsumexp(parts[:T, r])`` and ``out[r] = h[r] @ W[y[r]] + b[y[r]] - lse[r]`` with ``W`` and ``b``
-    rounded to ``h``'s dtype (float32 sums); ``out`` is 0 on rows whose ``y`` is ``ignore_index`` or outside
-    ``[0, V)``."""
+    """``lse[r] = logsumexp(parts[:T, r])`` and ``out[r] = min(h[r] @ W[y[r]] + b[y[r]] - lse[r], 0)`` with ``W``
+    and ``b`` rounded to ``h``'s dtype (float32 sums); ``out`` is 0 on rows whose ``y`` is ``ignore_index`` or
+    outside ``[0, V)``."""
     rows = tl.program_id(0) * ROWS + tl.arange(0, ROWS)
     top = tl.full((ROWS,), float("-inf"), tl.float32)
     total = tl.zeros((ROWS,), tl.float32)
@@ -124,7 +125,9 @@ def log_probs_kernel(
     if HAS_BIAS:
         logit += tl.load(b_ptr + y, mask=scored, other=0.0).to(h_ptr.dtype.element_ty).to(tl.float32)
     tl.store(lse_ptr + rows, lse, mask=rows < M)
-    tl.store(out_ptr + rows, tl.where(scored, logit - lse, 0.0), mask=rows < M)
+    # log p <= 0: lse sums the tensor cores' accumulations and this logit is summed here in another order, so where
+    # p ~ 1 (a memorised batch at hidden size 4096) the difference alone could make the loss negative
+    tl.store(out_ptr + rows, tl.where(scored, tl.minimum(logit - lse, 0.0), 0.0), mask=rows < M)
 
 
 @functools.lru_cache(maxsize=8)
