@@ -174,7 +174,7 @@ def tile_log_sum_exp(h: Tensor, weight: Tensor, bias: Tensor | None, out: Tensor
 def log_probs(parts: Tensor, h: Tensor, weight: Tensor, bias: Tensor | None, target: Tensor, lse: Tensor,
               out: Tensor, ignore_index: int) -> None:
     """Launch :func:`log_probs_kernel`: ``lse`` (N,) merges the tiles' log-sum-exps ``parts`` (tiles, N) and ``out``
-    (N,) gets ``log p(target) = h @ W[target] + b[target] - lse`` (both float32; ``out`` 0 on ignored rows), from
+    (N,) gets ``log p(target) = min(h @ W[target] + b[target] - lse, 0)`` (both float32; ``out`` 0 on ignored rows), from
     ``h`` (N, D), the whole ``weight`` (V, D) and ``bias`` (V,) in any float dtype (unit column stride)."""
     m, k = h.shape
     rows = 32
