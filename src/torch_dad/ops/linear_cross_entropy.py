@@ -30,7 +30,8 @@ lines, all rows in one chunk: N x V held in the compute dtype, the smaller of th
 
     d[:, s] = exp(h @ W[s].T + b[s] - lse) - onehot(y)[:, s]
 
-On CUDA that line is one Triton kernel (:mod:`torch_dad.kernels.logits`) whose GEMM tiles never write the logits.
+On CUDA that line, and the slices' ``lse`` before it, are Triton kernels (:mod:`torch_dad.kernels.logits`) whose
+GEMM tiles never write the logits.
 """
 
 from __future__ import annotations
