@@ -38,9 +38,6 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-# the former private name, still imported by callers that have not switched yet
-_interpreting = interpreting
-
 
 def use_triton(tensor: torch.Tensor, backend: str) -> bool:
     """Decide between the Triton kernel and its PyTorch twin for ``tensor``'s device."""

@@ -586,19 +586,19 @@ class DADAutogradLinear(LocalLayer):
         """Whether this hidden layer's local error goes through the Triton kernel (see ``backend``)."""
         if self._backend == "eager" or self.role != "hidden":
             return False
-        from ..ops.local_error import _MAX_TRITON_CLASSES, FUSED_ACTIVATIONS
+        from ..ops.local_error import FUSED_ACTIVATIONS, MAX_TRITON_CLASSES
 
         if (
             self.activation not in FUSED_ACTIVATIONS  # gelu: its derivative needs z
-            or self.num_classes > _MAX_TRITON_CLASSES  # the kernel's accumulator stops fitting
+            or self.num_classes > MAX_TRITON_CLASSES  # the kernel's accumulator stops fitting
             or output.dtype not in (torch.float32, torch.bfloat16, torch.float16)
             or (output.is_cuda and torch.cuda.is_current_stream_capturing())  # the row count syncs
         ):
             return False
-        from ..kernels import _interpreting, triton_available
+        from ..kernels import interpreting, triton_available
 
         # "auto" on CPU stays PyTorch even under TRITON_INTERPRET=1 (set for other kernels' tests)
-        on_device = output.is_cuda or (self._backend == "triton" and _interpreting())
+        on_device = output.is_cuda or (self._backend == "triton" and interpreting())
         runnable = on_device and triton_available()
         if self._backend == "triton" and not runnable:
             raise ValueError(

@@ -283,12 +283,12 @@ def autocast_dtype(device: torch.device) -> torch.dtype | None:
 
 def _triton_runnable(device: torch.device) -> str | None:
     """``None`` if our Triton kernels can run on ``device`` (CUDA, or CPU under ``TRITON_INTERPRET=1``)."""
-    from ..kernels import _interpreting, triton_available
+    from ..kernels import interpreting, triton_available
 
     if "triton" in UNUSABLE:
         return UNUSABLE["triton"]
     # the device first: on CPU the answer must not depend on whether triton happens to be installed
-    if device.type != "cuda" and not _interpreting():
+    if device.type != "cuda" and not interpreting():
         return f"runs on CUDA only (or on CPU under TRITON_INTERPRET=1), not on {device.type}"
     if not triton_available():
         return "triton is not importable (install torch-dad[gpu])"

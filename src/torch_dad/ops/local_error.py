@@ -38,8 +38,6 @@ FUSED_ACTIVATIONS: tuple[str, ...] = ("relu", "tanh", "identity", "leaky_relu")
 #: the most classes the Triton path takes: its column kernel keeps a (classes, BN) fp32
 #: accumulator, which stops fitting past 256
 MAX_TRITON_CLASSES = 256
-# the former private name, still imported by callers that have not switched yet
-_MAX_TRITON_CLASSES = MAX_TRITON_CLASSES
 
 
 @dataclass
