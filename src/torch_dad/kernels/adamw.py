@@ -17,10 +17,10 @@ from . import cdiv
 def beta_args(betas: tuple[float, float]) -> tuple[float, float, float, float, float]:
     """The kernel's beta arguments ``(b2, 1 - b1, 1 - b2, log b1, log b2)``, in float64 here.
 
-    ``1 - b`` is taken before the kernel sees fp32: ``1 - fp32(0.999)`` is off by 1.3e-5
-    relative, an error the update ``v = b2 v + (1 - b2) g^2`` would carry whole when ``v`` is
-    small (seen on the H200). ``b^t = exp(t log b)`` in :func:`bias_corrections`; -1e30 stands
-    for log 0.
+    ``1 - b`` is taken before the kernel sees fp32: ``1 - fp32(b)`` would carry its rounding
+    error whole into the update ``v = b2 v + (1 - b2) g^2`` when ``v`` is small
+    (``docs/design-kernels.md``). ``b^t = exp(t log b)`` in :func:`bias_corrections`; -1e30
+    stands for log 0.
     """
     b1, b2 = betas
     logs = [math.log(b) if b > 0 else -1e30 for b in betas]

@@ -18,11 +18,9 @@ def launch_augment(features: Tensor, target: Tensor, num_classes: int) -> Tensor
     multiple of 8 that holds ``d + 1 + num_classes`` columns."""
     batch, d = features.shape
     width = d + 1 + num_classes
-    # pad the row to a multiple of 8 elements: measured on the H200, an unaligned width (267 or
-    # 4107) sent cuBLAS to an sm75 "align1" kernel, at d=4096 slower than a whole layer's GEMMs
+    # rows padded to a multiple of 8 elements: an unaligned width sends cuBLAS to a slow "align1" kernel
     padded = cdiv(width, 8) * 8
-    # in h's dtype: an fp32 copy would be the largest temporary of a bf16 step (256 MiB at
-    # B=16384, d=4096)
+    # in h's dtype: an fp32 copy would be the largest temporary of a bf16 step
     aug = torch.empty(batch, padded, device=features.device, dtype=features.dtype)
     block_r, block_c = 32, 128
     augment_kernel[(cdiv(batch, block_r), cdiv(padded, block_c))](

@@ -219,12 +219,8 @@ def one_pass_kernel(
 
 #: the activation codes of :func:`times_derivative` (the ``ACT`` constexpr)
 ACT_CODE = {"relu": 0, "tanh": 1, "identity": 2, "leaky_relu": 3}
-# Memory order of the kernels' atomic adds. Nothing reads the sums before the launch ends (the
-# split row kernel's partial logits are fenced by its acq_rel arrival counter), so relaxed is
-# enough, and faster than Triton's default acq_rel, per call alone in a CUDA graph on an H200:
-# 4096 x 1024 16.1 -> 13.8 us, 1024 x 4096 17.3 -> 15.2 us; in the step
-# (`python benchmarks/gpu_throughput.py`, B=1024) fmnist-wide-2 348.1 -> 326.4 us and
-# deep-8x1024 268.8 -> 253.8 us.
+# memory order of the atomic adds: nothing reads the sums before the launch ends (the split row kernel's partial
+# logits wait on its acq_rel arrival counter), so relaxed suffices, and is faster (docs/design-kernels.md)
 _ATOMIC_SEM = "relaxed"
 
 
@@ -252,33 +248,21 @@ class Tiles:
 
 def default_tiles(M: int, N: int, CP: int, element_size: int = 2) -> Tiles:
     """The launch configuration for an (M, N) layer output with CP padded classes whose ``h``
-    has ``element_size`` bytes per entry.
+    has ``element_size`` bytes per entry. With at most 64 padded classes:
 
-    Chosen by a sweep of 36 row-kernel x 162 column-kernel configurations on an H200, bf16,
-    10 classes, each call timed inside a CUDA graph. Against the previous fixed tiles (the
-    ``else`` branch), per call: 4096 x 1024 21.5 -> 16.1 us, 4096 x 4096 60.8 -> 45.7 us,
-    1024 x 4096 25.0 -> 21.9 us, 4096 x 512 14.6 -> 12.5 us; at N = 256 and at 1024 x 512
-    the old tiles stay best (8.6 vs 9.1 us). Computing the logits by a cuBLAS GEMM instead of
-    in the row kernel was slower everywhere: the cast and padding of ``W_loc`` alone are
-    two launches of ~3 us each in a graph. The 512-wide row tiles are for 2-byte ``h`` only:
-    in fp32 their pipeline needs 288 KiB of shared memory (the H200 has 227 KiB).
+    - at most 256 outputs: the one-launch kernel (``one_pass``), which leaves a wider layer too
+      few row blocks to fill the GPU;
+    - at most 256 rows, 512 to 2047 outputs: 16 row-kernel programs per 16-row block, each over
+      64 columns;
+    - at most 2048 rows, at least 2048 outputs: 8 programs per 32-row block, each over an eighth
+      of the columns;
+    - other layers of at least 1024 outputs (or 512 with at least 2048 rows): 32-row tiles,
+      512 columns wide for 2-byte ``h`` at 2048 outputs or more (in fp32 that pipeline does not
+      fit in shared memory).
 
-    Few rows and many columns (M <= 2048, N >= 2048) leave the row kernel with one program per
-    32 rows looping over all columns: there 8 programs per row block, each over an eighth of
-    the columns, took 1024 x 4096 from 23.6 to 17.4 us (classifier mode 22.2 to 15.6 us). With
-    4096 rows the split gained nothing.
-
-    Small batches (M <= 256) of layers 512 to 1024 wide got one or two programs per 32 rows, 4 to 16
-    in all: 16 programs per 16-row block, each over 64 columns, took the fp32 call (IEEE products)
-    at 128 x 1024 from 47.2 to 10.4 us, 256 x 1024 from 46.9 to 11.9 us and 256 x 512 from 25.4 to
-    10.5 us; bf16 128 x 1024 from 8.8 to 7.6 us and 256 x 1024 8.8 to 8.1 us; 256 x 512 stays at
-    7.2 to 7.3 us (``python benchmarks/local_error_tiles.py --shapes 128x1024 256x1024 256x512
-    --row-bm 16 32 --row-bn 64 128 --splits 1 4 8 16 --stages 3``).
-
-    Layers of at most 256 outputs take the one-launch kernel (``one_pass``): at N = 256 it took
-    1024 x 256 from 6.5 to 6.3 us (classifier mode 5.9 to 5.5) and 4096 x 256 from 8.5 to 7.6 us
-    (7.7 to 6.7); wider layers were slower with it, e.g. 1024 x 4096 15.2 vs 34.0 us, with too few
-    row blocks to fill the GPU.
+    Everything else takes the fixed tiles of the last branch. The local logits are made in the
+    row kernel, not by cuBLAS, whose ``W_loc`` cast and padding would add two launches. The
+    measurements behind each branch: ``docs/design-kernels.md``.
     """
     if CP <= 64 and N <= 256:
         return Tiles(

@@ -1,17 +1,16 @@
 """The Triton kernels of :func:`torch_dad.ops.linear_cross_entropy`'s recomputing sweep over vocabulary slices.
 
 Each computes a slice's logits ``h @ W.T + b`` tile by tile and uses them in its epilogue, so they never reach
-memory (done by cuBLAS then a row kernel, an 8192 x 4096 bf16 slice's logits are written and read back, 64 MiB each
-way):
+memory (cuBLAS then a row kernel would write each slice's logits and read them back):
 
 - :func:`tile_log_sum_exp_kernel` (the forward) reduces each tile to its rows' log-sum-exp, and
   :func:`log_probs_kernel` merges those over the vocabulary and scores each row's target;
 - :func:`logit_grad_kernel` (the backward) writes ``exp(logits - lse) - onehot(y)``.
 
 The tile kernels are persistent (one program per SM walks the tiles), load through TMA descriptors, and flatten
-their loop nest so that the next tile's loads overlap this tile's epilogue. Their measurements and the probes that
-lost are in docs/lm_head.md ("The SmolLM2 head with dL/dh"); ``python benchmarks/lm_head_slice_kernel.py`` times the
-gradient kernel's tiles against cuBLAS + the row kernel.
+their loop nest so that the next tile's loads overlap this tile's epilogue. Why, and what lost:
+``docs/design-kernels.md``; ``python benchmarks/lm_head_slice_kernel.py`` times the gradient kernel's tiles against
+cuBLAS + the row kernel.
 """
 
 import functools

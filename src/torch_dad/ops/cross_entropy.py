@@ -24,8 +24,8 @@ exponential an element, where the online loop takes two (three with the gradient
 The PyTorch twin computes the gradient of :func:`torch_dad.functional.cross_entropy_error`
 (rescaled from ``1 / valid rows`` to ``scale``) without calling it: the oracle returns only the
 mean loss, so the per-row ``log_p`` would need a logsumexp pass of its own, and its gradient comes
-back in a new buffer to be copied over the logits: two more passes over the chunk, which made the
-row step 1.2-1.6x slower on the H200. ``tests/test_lm_head.py`` checks the twin against the oracle.
+back in a new buffer to be copied over the logits: two more passes over the chunk
+(``docs/design-kernels.md``). ``tests/test_lm_head.py`` checks the twin against the oracle.
 """
 
 from __future__ import annotations
@@ -213,11 +213,9 @@ def _cross_entropy_rows_triton(logits: Tensor, rows: _Rows) -> None:
 
 
 def _row_warps(block: int, reduce_only: bool) -> int:
-    """Warps per program of the row kernel. A row held whole that is only reduced (the log-sum-exp pass) gets 32
-    values a thread: on the H200 that pass over 12 slices of 8192 x 4096 bf16 took 0.34 ms at 4 warps and 0.40 at
-    8, and over 24 slices of 8192 x 2048, 0.35 ms at 2 warps and 0.54 at 8. A row also rewritten into its gradient
-    keeps 8 warps (12 slices of 8192 x 4096: 0.58 ms against 0.65 at 4), as do the blocked rows (a 2048 x 49152
-    chunk: equal at 8 and 16 warps, 22% slower at 4)."""
+    """Warps per program of the row kernel: a row held whole that is only reduced (the log-sum-exp pass) gets 32
+    values a thread (at most 8 warps); any other row 8 warps for a block of at least 2048 values, else 4
+    (``docs/design-kernels.md``)."""
     if reduce_only:
         return max(1, min(8, block // 1024))
     return 8 if block >= 2048 else 4

@@ -40,8 +40,8 @@ def on_capture_thread(device: torch.device, run: Callable[[], T]) -> T:
     after the caller's current stream and before anything the caller queues afterwards; grad mode is the
     caller's. Blocks until ``run`` has queued its kernels (not until they finish); its exception is raised here.
 
-    cuBLAS keeps a workspace per (thread, stream) pair (32 MiB on the H200, torch 2.11), held for the life of
-    the process. A head's forward runs on the caller's thread and its backward on autograd's, so warm-up steps
+    cuBLAS keeps a workspace per (thread, stream) pair, held for the life of the process
+    (``docs/design-lm-head.md``). A head's forward runs on the caller's thread and its backward on autograd's, so warm-up steps
     and captures made where they are called would hold two workspaces on the capture stream; made here, they
     hold one. Replays need no cuBLAS handle and run where they are called.
     """

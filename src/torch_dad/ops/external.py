@@ -22,9 +22,7 @@ __all__ = ["CCE_HALF_GRAD_INPUT", "LIBRARIES", "cce_step", "import_error", "lige
 
 # backend name -> the package that provides it
 LIBRARIES: dict[str, str] = {"liger": "liger-kernel", "cce": "cut-cross-entropy"}
-# cut-cross-entropy 25.1.1's bf16 dL/dhidden was 2.1% off the float64 truth on the H200 at
-# 4097 x 576 x 49152, beyond the unfused bf16 step's own error + 1e-2 that every other backend meets
-# (tests/gpu/test_lm_head_gpu.py); its dL/dW and loss were within. So it is refused for that case.
+# refused: cut-cross-entropy's bf16 dL/dhidden misses the tolerance every other backend meets (docs/design-lm-head.md)
 CCE_HALF_GRAD_INPUT = (
     "backend='cce' is not used for dL/dhidden (grad_input=True / backprop_gradients=True) in bf16/fp16: "
     "cut-cross-entropy's half-precision dL/dhidden is less accurate than the unfused bf16 step (2.1% off "

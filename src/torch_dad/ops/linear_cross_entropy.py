@@ -72,17 +72,12 @@ __all__ = [
 ]
 
 BACKENDS: tuple[str, ...] = ("auto", "torch", "triton", *external.LIBRARIES)
-# Bytes of transient logits one chunk may hold (compute-dtype logits + their float32 softmax).
-# At V=49152 in bf16 this is 224 rows (63 MiB); a 1024-row chunk (300 MiB) took the step's peak
-# from 674 to 1,048 MiB on the H200 for 1.8x speed (`python benchmarks/lm_head.py`, torch rows).
+# Bytes of transient logits one chunk may hold (compute-dtype logits + their float32 softmax): a small
+# chunk keeps the twin's peak low; larger ones trade memory for speed (docs/design-kernels.md).
 CHUNK_BYTES = 64 * 2**20
 # Bytes of the logits chunk for backend="triton", which keeps only the compute-dtype logits (its row
-# kernel writes the gradient over them; no float32 copy). At V=49152 bf16 this is 2048 rows
-# (192 MiB): the dW GEMM then has K=2048 and the float32 dW accumulator (113 MiB at D=576) is read
-# and written 4 times for 8192 tokens instead of 32. The step's other memory at that shape (float32
-# weight, AdamW moments, dW, bf16 weight copy) is ~560 MiB, so the peak stays near 760 MiB, under
-# 1/6 of the unfused step's 5,773 MiB (H200, `python benchmarks/lm_head.py`, which also times 512
-# and 1024 rows).
+# kernel writes the gradient over them; no float32 copy): large enough that the float32 dW accumulator
+# is read and written only a few times a step (docs/design-kernels.md).
 TRITON_CHUNK_BYTES = 192 * 2**20
 # Bytes of one float32 weight-gradient slice of vocab_slice_backward (its bf16 weight cast is half of
 # that): 8192 rows at D=4096, the whole vocabulary at D=576. Each slice is a GEMM of 8192 x N x D,
@@ -139,17 +134,17 @@ def default_chunk_size(vocab: int, compute_dtype: torch.dtype, token_stats: bool
     ``max(TRITON_CHUNK_BYTES, vocab * hidden * 4 // 2)`` (half the float32 ``dW`` when ``hidden`` is given)."""
     size = torch.empty((), dtype=compute_dtype).element_size()
     if backend == "triton":
-        # Each chunk reads and writes the float32 dW accumulator (8*V*D bytes) around a GEMM of
-        # 2*rows*V*D FLOP, so the accumulator costs 4/rows bytes per FLOP whatever D is. At the
-        # Llama-3 head (V=128256, D=4096) 192 MiB gives 784 rows and the step took 40.4 ms; 4096 rows
-        # (1 GiB, half of dW) took 34.5 ms for 810 MiB more peak (H200, `python benchmarks/lm_head.py
-        # --shapes llama3-8b --sweep --chunks --triton-chunks 784 1568 2048 4096`).
+        # each chunk reads and writes the float32 dW accumulator (8*V*D bytes) around a GEMM of
+        # 2*rows*V*D FLOP: 4/rows bytes per FLOP whatever D is, so a large head needs large chunks
+        # (docs/design-lm-head.md)
         budget = max(TRITON_CHUNK_BYTES, vocab * (hidden or 0) * 4 // 2)
         per_row = vocab * size
     else:
         per_row, budget = vocab * (size + 4 + (4 if token_stats else 0)), CHUNK_BYTES
     rows = budget // max(per_row, 1)
     return max(16, rows // 16 * 16)
+
+
 def shift_labels(labels: Tensor, ignore_index: int = functional.IGNORE_INDEX) -> Tensor:
     """Next-token targets as HF causal LMs use them: ``cat(labels[..., 1:], ignore)``, same shape."""
     pad = torch.full_like(labels[..., :1], ignore_index)

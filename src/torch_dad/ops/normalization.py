@@ -4,8 +4,8 @@ Same math as :func:`torch_dad.functional.batch_norm_forward` / ``batch_norm_back
 ``layer_norm_forward`` / ``layer_norm_backward`` (the float64 test oracle), through
 ``torch.native_batch_norm`` and ``torch.native_layer_norm`` and their backward ops: one launch
 each way, with fp32 statistics for bf16/fp16 inputs, instead of the ~10 elementwise and reduction
-launches of the oracle's formulas. On an H200 those launches were most of a 3 x 1024 MLP step with
-batch norm (``benchmarks/gpu_throughput.py --recipes``).
+launches of the oracle's formulas, which would dominate a small layer's fused step
+(``docs/design-engine.md``).
 
 The eager step (``DADLinear``/``DADConv2d.local_gradients``) and the fused step run these same
 kernels. Given ``running_mean``/``running_var``, batch norm folds the batch's statistics into them

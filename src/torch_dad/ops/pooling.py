@@ -8,12 +8,10 @@ float64). With the (g*g, H*W) 0/1 matrix ``S`` of the cells' windows and each wi
 
     pooled = (x @ S.T) / area          d_x = (d_pooled / area) @ S
 
-Torch's CUDA backward of adaptive average pooling adds into its output atomically. On an H200, in
-a VGG-style net at batch 1024 (bf16), it took 15.9 of a DAD step's 36.8 ms and the forward 4.8 ms
-(``benchmarks/conv.py --memory``). Each product here is one 2-D GEMM that reads or writes the big
-tensor once, and the 0/1 matrix is exact in every dtype: only the small pooled tensor is scaled.
-Two products per axis (``S_h @ x @ S_w.T``) were slower: the batched (g x H) products ran as 7 ms
-of magma kernels in that step.
+Torch's CUDA backward of adaptive average pooling adds into its output atomically, which makes it
+slow; each product here is one 2-D GEMM that reads or writes the big tensor once, and the 0/1
+matrix is exact in every dtype: only the small pooled tensor is scaled (measurements:
+``docs/design-kernels.md``).
 
 ``max_pool2x2(h)`` is the 2 x 2, stride-2 max pool (no padding, floor mode) with its argmax as a
 uint8 code ``2a + b`` of the window element ``h[..., 2i + a, 2j + b]``, and
@@ -22,12 +20,10 @@ uint8 code ``2a + b`` of the window element ``h[..., 2i + a, 2j + b]``, and
     out[n, c, i, j] = max_{a, b} h[n, c, 2i + a, 2j + b]
     d_h[n, c, 2i + a, 2j + b] = d_out[n, c, i, j] if arg[n, c, i, j] == 2a + b else 0   (0 in an odd last row/column)
 
-with torch's choice of the maximum (the first wins ties, the last NaN of a window wins). In that
-net's training step torch's ``max_pool2d_with_indices_backward`` took 3.98 ms against 0.98 ms for the
-forward, reading int64 indices; the Triton kernels (:mod:`torch_dad.kernels.max_pool`) read a
-1-byte code and write each element of ``d_h`` once: forward and backward of that net's four pools
-took 1.08 ms against torch's 4.96 ms (``benchmarks/max_pool.py``, H200, bf16, batch 1024). Elsewhere
-(and for float64) a PyTorch twin gives the same values.
+with torch's choice of the maximum (the first wins ties, the last NaN of a window wins). The Triton
+kernels (:mod:`torch_dad.kernels.max_pool`) read a 1-byte code where torch's backward reads int64
+indices, and write each element of ``d_h`` once (``benchmarks/max_pool.py`` times both pairs).
+Elsewhere (and for float64) a PyTorch twin gives the same values.
 """
 
 from __future__ import annotations

@@ -9,30 +9,21 @@ slot ``s`` with ``winner[s] >= 0``::
 
 Why a kernel: the batch's kept rows are few (``B * capacity / seen`` once the sample is
 full) but their number is only known on the device. The twin below copies a row per slot;
-an ``index_copy_`` of every batch row (the dropped ones all into one spare row), after a
-``scatter_reduce_`` with the same pile-up on one index, made the sample cost 78-112 us of an
-H200 step at B=4096 (e.g. cifar10-medium-3: 342 us against 230 us without the sample;
-``python benchmarks/gpu_throughput.py``). Here one program per slot reads ``winner[s]`` and
-returns at once when it is ``-1``.
+here one program per slot reads ``winner[s]`` and returns at once when it is ``-1``, instead of
+copying every batch row (``docs/design-engine.md``).
 
 :func:`reservoir_add_` is the whole device step of Algorithm R in two kernels: one program per
 1024 batch rows turns the uniform draws into slots and ``atomic_max``-es each kept row's index
 into a persistent ``winner`` scratch (the later row of a batch wins a slot, as in the sequential
-rule), then the store kernel copies, resets ``winner`` to ``-1`` and advances ``seen``. The
-same step in PyTorch ops (count, draw, two ``where``, a ``full``, ``scatter_reduce_``, the store
-and ``seen += n``: 18 launches on a side stream of the graphed step) cost the default step
-10-37 us against the same step without the sample on the H200 (mnist-medium-3 B=1024 130 vs
-96 us, cifar10-medium-3 B=4096 266 vs 227 us). With the two kernels the cifar10-medium-3 step
-ran at 17.19 M img/s against 18.44 M without the sample (15.41 vs 18.06 M with the PyTorch
-ops), and the profiled step went from 43 to 30 kernels.
+rule), then the store kernel copies, resets ``winner`` to ``-1`` and advances ``seen``: two
+launches where the same step in PyTorch ops (count, draw, two ``where``, a ``full``,
+``scatter_reduce_``, the store and ``seen += n``) takes 18.
 
 With ``draws=None`` the draw kernel makes each row's uniform itself, from Philox keyed by the
 sample's seed and the row's global index (``seen + i``): see :func:`reservoir_uniforms`. So no
 torch generator is in the captured graph. A graph that draws from the default CUDA generator
 makes every ``CUDAGraph.replay()`` first launch two ``fill_`` kernels for the generator's seed
-and offset; on the H200 host those cost the graphed step 14.5 us of host time at
-mnist-medium-3 B=1024 (81.3 vs 66.8 us a call without the sample) and 32 us at
-cifar10-medium-3 (99.5 vs 67.3), where that step is bound by its host.
+and offset, host time that a small, host-bound step pays in full.
 
 The kernels are in :mod:`torch_dad.kernels.reservoir`; CPU tensors take the PyTorch twin.
 """
