@@ -132,8 +132,8 @@ def cross_entropy_error(
     ``ignore_index=None`` declares every target a class id: no mask, ``N`` = the row count.
 
     ``d_logits`` has the logits' dtype; for fp16/bf16 logits the softmax and the loss are computed
-    (and the loss returned) in float32. No dense one-hot is formed (at an LM-head size, 8192
-    tokens x 49152 classes, it alone would be 1.6 GB in float32).
+    (and the loss returned) in float32. No dense one-hot is formed (at an LM head's vocabulary it
+    would be as large as the logits in float32).
     """
     wide = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
     num_classes = wide.shape[-1]

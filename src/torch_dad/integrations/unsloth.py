@@ -4,7 +4,7 @@ Unsloth needs a CUDA GPU and its own pinned stack (unsloth, unsloth_zoo, bitsand
 test suite does not install. The test suite covers the generic path this function uses, on plain
 transformers causal LMs: :func:`~torch_dad.integrations.causal_lm.replace_lm_head` (see
 ``docs/lm_head.md``). With Unsloth itself, ``benchmarks/sft_gpu.py --systems unsloth unsloth-dad``
-trained a LoRA model and a full fine-tune (``full_finetuning=True``) on an H200 (``docs/lm_head.md``).
+trains a LoRA model or a full fine-tune (``full_finetuning=True``) on a CUDA GPU.
 
 How it works: Unsloth patches the *class* forwards of the backbone (fast attention, RoPE, RMSNorm
 kernels) and, for LoRA and QLoRA, of the causal LM. ``patch`` sets an *instance* ``forward`` on the

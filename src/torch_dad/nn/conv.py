@@ -43,7 +43,7 @@ class DADConv2d(BatchNormLayer):
     float64 oracle: :func:`torch_dad.functional.conv_local_loss_and_gradients`): the pooling
     adjoints, the activation derivative, then torch's convolution weight-gradient primitive.
 
-    The default grid, 4, was measured against 1 and 2 (``docs/conv-and-blocks.md``). ``pool``
+    Why the default grid is 4 rather than 1 or 2: ``docs/conv-and-blocks.md``. ``pool``
     (``None``, ``"max"`` or ``"avg"``) is a 2 x 2, stride-2 pooling after the activation
     (``nn.MaxPool2d(2)`` / ``nn.AvgPool2d(2)``). Only the ``"ce"`` local rule is implemented. The
     local head and the optimizer moments are buffers, as for :class:`~torch_dad.DADLinear`.
@@ -148,7 +148,7 @@ class DADConv2d(BatchNormLayer):
         """``(o, arg)``: the 2 x 2 pool of ``h`` (``h`` itself without ``pool``); ``arg`` is the max
         pool's window code of each maximum (for its backward), else ``None``."""
         if self.pool == "max":
-            # a 1-byte argmax: torch's int64 indices made its backward 4x its forward
+            # a 1-byte argmax: torch's backward reading int64 indices is slow (docs/design-kernels.md)
             return max_pool2x2(h)
         if self.pool == "avg":
             return nn.functional.avg_pool2d(h, 2), None

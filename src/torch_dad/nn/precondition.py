@@ -5,10 +5,10 @@ gradient ``G = E^T X~ / B`` (``E = softmax(logits) - onehot(y)``, ``x~ = [x, 1]`
 
     H = (1/N) sum_i A_i (x) x~_i x~_i^T,    A_i = diag(p_i) - p_i p_i^T,   0 <= A_i <= I/2.
 
-Pooled transformer features are badly conditioned (all-MiniLM-L6-v2 on Rotten Tomatoes: a
-condition number of about 1.9e6), so a first-order head crawls. Replacing each ``A_i`` by the
-scalar curvature of the row along its own error, ``c_i = e_i^T A_i e_i / |e_i|^2`` (``1/K`` at a
-uniform prediction, ``2 eps`` when the true class has ``1 - eps``), gives ``H ~ c * M`` with::
+Pooled transformer features are badly conditioned (``docs/hf.md``), so a first-order head crawls.
+Replacing each ``A_i`` by the scalar curvature of the row along its own error,
+``c_i = e_i^T A_i e_i / |e_i|^2`` (``1/K`` at a uniform prediction, ``2 eps`` when the true class
+has ``1 - eps``), gives ``H ~ c * M`` with::
 
     S_t = sum over the rows seen so far of  x~ x~^T,   n_t = rows seen,   C_t = sum of c_i
     M_t = S_t / n_t + damping * v_t * I,     v_t = mean_j Var_t(x_j)  (centred, features only)
@@ -19,19 +19,17 @@ and ``W <- W - lr * step_t``. Without the ``(d + 1) / 2`` this is ``(B_t / n_t)`
 step ``G (c M)^-1`` with ``c = C_t / n_t``; the ``(d + 1) / 2`` is a prior of ``d + 1`` rows (as many
 as parameters per class) at the curvature bound 1/2, so the first steps, taken while fewer rows
 than features are seen, are no larger than majorisation (Boehning) steps instead of a full Newton
-step on 8 rows (a step norm of ~50 on MiniLM features, and 2.6 points of test accuracy lost
-without clipping). ``rho_t [W, b]`` is the gradient of an L2 penalty whose Hessian is
+step on a handful of rows. ``rho_t [W, b]`` is the gradient of an L2 penalty whose Hessian is
 the damping in ``c * M``, so the fixed point is the L2-regularised head rather than the
 unregularised maximum-likelihood one (which overfits pooled features). This is the stochastic Newton method (recursive least squares for
 a generalised linear model): the step is the Newton step ``G H^-1`` times ``B_t / n_t``, the
 fraction of the data that this batch is. For a least-squares head (``A_i = I``) it *is*
 recursive least squares, whose iterate after one pass is the ridge solution on every row seen.
 The ``B_t / n_t`` factor is what makes ``lr = 1`` right: a constant-size Newton step amplifies
-the batch noise in the low-variance directions by ``1 / (lambda + damping)`` (a preconditioned
-gradient norm of ~350 on MiniLM features), while the shrinking one averages it out, as an
-estimator from all ``n_t`` rows would. At ``lr = 1`` a step moves the batch's logits by about
-``-e_i / (c t)``, so its norm is O(1) and shrinks like ``1/t``; gradient clipping at 1.0 (the
-``Trainer`` default) only touches the first few steps. ``window`` (rows) forgets old rows with
+the batch noise in the low-variance directions by ``1 / (lambda + damping)``, while the shrinking
+one averages it out, as an estimator from all ``n_t`` rows would. At ``lr = 1`` a step moves the
+batch's logits by about ``-e_i / (c t)``, so its norm is O(1) and shrinks like ``1/t``; gradient
+clipping at 1.0 (the ``Trainer`` default) only touches the first few steps. ``window`` (rows) forgets old rows with
 weight ``exp(-B / window)`` per batch; then ``n_t`` levels off at ``window`` and the step at
 ``B / window`` of a Newton step. Early on, with fewer rows than features, the product stays in
 the span of the rows seen (like normalised LMS).
@@ -134,10 +132,8 @@ class GramPreconditioner(nn.Module):
         """``damping * mean_j Var(x_j)``: the damping added to ``S/n`` (0-dim, float64).
 
         Relative to the features' mean variance, not to their second moment: pooled transformer
-        features sit far from the origin (all-MiniLM-L6-v2's pooler on Rotten Tomatoes: mean norm
-        1.04, per-feature std 0.036), and a damping scaled by ``mean(diag(S/n))``, which also holds
-        the squared means and the constant column's 1, was 5x the variance-based one and cost 3
-        points of test accuracy (docs/hf.md)."""
+        features sit far from the origin, so ``mean(diag(S/n))``, which also holds the squared means
+        and the constant column's 1, would over-damp the head (docs/hf.md)."""
         d = self.num_features
         n = self.count.clamp_min(1e-300)
         mean = self.gram[:d, d] / n

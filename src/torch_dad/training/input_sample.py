@@ -24,11 +24,7 @@ class InputReservoir(torch.nn.Module):
     CUDA from Philox keyed by ``seed`` and the row's index, inside the trainer's CUDA graph.
     :meth:`DADTrainer.solve_head` recomputes the features of this sample with the *current*
     weights, because Gram statistics streamed during training mix in features from stale
-    weights. Measured on real MNIST (the 784-1024-512-256 MLP, batch 256, 3 epochs, 2 seeds):
-    fresh features of a 4,096-row sample give 98.03% / 97.84% after the solve, statistics
-    streamed over the whole run 96.69% / 96.76%, streamed with a 10k-sample forgetting window
-    97.20% / 97.11%, the last local head 96.61% / 97.06%, and a full pass over the 60k training
-    images 98.17% / 97.77%.
+    weights (the comparison: ``docs/design-engine.md``).
     """
 
     inputs: Tensor
@@ -107,9 +103,7 @@ class InputReservoir(torch.nn.Module):
         row's global index (so a replayed graph touches no torch generator, and a resumed sample
         continues the same stream); elsewhere (the PyTorch twin) they come from the default
         generator of the sample's device. The caller advances the host count (:meth:`count_rows`).
-        Measured on the H200 (graphed mnist-medium-3 step, B=1024): drawing on the host and
-        uploading the kept indices cost 2.2x the step; outside the graph, these device ops
-        cost ~200 us a step; inside it, a few us.
+        Drawing on the device keeps the host out of the graphed step (``docs/design-engine.md``).
         """
         # the kernels move rows of a matrix: a sample of (C, H, W) images is viewed as (rows, C*H*W)
         held, rows = self.inputs.flatten(1), inputs.flatten(1)

@@ -8,26 +8,26 @@ from dataclasses import dataclass
 __all__ = ["STREAM_PRIORITIES", "EngineOptions"]
 
 #: the CUDA stream priority per role under ``EngineOptions.stream_priorities`` (lower is more
-#: urgent; the H200 offers 0 to -3)
+#: urgent; ``torch.cuda.Stream.priority_range()`` gives the device's range)
 STREAM_PRIORITIES: dict[str, int] = {"critical": -2, "gemm": -1, "sample": 0, "background": 0}
 
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """How the fused step schedules its kernels. The defaults were measured on an H200 over four
-    MLP topologies at B=1024 and 4096 (``docs/design-engine.md``); a user tunes them for another GPU.
+    """How the fused step schedules its kernels. ``docs/design-engine.md`` gives the measurements
+    behind each default and the command that repeats them; on another GPU a user may tune them.
 
     Args:
         overlap: under ``"cuda-graph"``, run each layer's weight gradient and AdamW on side
-            streams beside the next layer's forward (deep-8x1024 B=4096: 536 vs 576 µs a step).
+            streams beside the next layer's forward.
         update_chunk_numel: a layer with at least this many weights computes its weight gradient
             and AdamW in row blocks, each block's AdamW beside the next block's GEMM.
         update_chunks: the number of row blocks; ``None``: 4 up to ``small_batch`` rows, else 2
-            (fmnist-wide-2: 4 blocks best at B=1024, 2 at B=4096).
+            (a longer GEMM runs faster in fewer, larger blocks).
         small_batch: the batch size up to which ``update_chunks=None`` means 4 blocks.
         stream_priorities: capture with stream priorities (forwards and local errors first,
             weight-gradient GEMMs next, AdamW last); ``None``: on unless a layer updates in row
-            blocks, whose AdamW chain is then the critical path (deep-8x1024 B=1024: 322 -> 280 µs).
+            blocks, whose AdamW chain is then the critical path.
         local_error_off_main: run each local error on its own stream beside the next forward;
             ``None``: on when no DAD layer is wider than ``local_error_max_width`` (beside a
             4096 x 4096 forward GEMM the error kernels slow it more than they save).
