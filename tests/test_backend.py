@@ -37,7 +37,8 @@ def test_cuda_graph_on_cpu_and_unsupported_models_raise():
 def test_fused_backend_with_nonfinite_guard_warns_and_runs_eager():
     with pytest.warns(UserWarning, match="on_nonfinite='raise'.*eager"):
         trainer = td.DADTrainer(Net(), backend="fused")  # CPU: value checks on, guard "raise"
-    assert trainer.engine is not None and not trainer.uses_engine
+    # the runner is picked once: the guarded eager loop, and no engine is built beside it
+    assert trainer.engine is None and not trainer.uses_engine
 
 
 def test_auto_on_cpu_is_eager():
@@ -72,8 +73,8 @@ def test_fused_cpu_step_matches_eager(amp, tol, chunked):
     # on CPU the non-finite guard defaults to "raise", which only the eager layer loop runs
     fused = td.DADTrainer(new, backend="fused", amp_dtype=amp, on_nonfinite="ignore", engine_options=options)
     if chunked == "reducer":
-        eager.gradient_reducer = _IdentityReducer()
-        fused.gradient_reducer = _IdentityReducer()
+        eager.set_reducers(_IdentityReducer())
+        fused.set_reducers(_IdentityReducer())
     assert fused.uses_engine
     for _ in range(4):
         x, y = torch.randn(37, 23), torch.randint(0, 5, (37,))

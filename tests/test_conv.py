@@ -406,7 +406,8 @@ def test_fused_engine_equals_eager(name, amp, tol, reducer):
     fused = _trainer(name, backend="fused", amp_dtype=amp)
     assert fused.uses_engine
     if reducer:
-        fused.gradient_reducer = eager.gradient_reducer = _IdentityReducer()
+        fused.set_reducers(_IdentityReducer())
+        eager.set_reducers(_IdentityReducer())
     for start in range(0, 40, 8):
         _, loss_e = eager.step(x[start : start + 8], y[start : start + 8])
         _, loss_f = fused.step(x[start : start + 8], y[start : start + 8])

@@ -156,13 +156,13 @@ def test_guarded_step_with_a_reducer_equals_unguarded_and_stays_atomic(policy):
     for guard in (policy, "ignore"):
         torch.manual_seed(0)
         trainer = td.DADTrainer(Net(), on_nonfinite=guard)
-        trainer.gradient_reducer = CopyingReducer()
+        trainer.set_reducers(CopyingReducer())
         for _ in range(3):
             trainer.step(x, y)
         states.append(trainer_state(trainer))
     assert_same_state(*states)
     trainer, x, y = poisoned_trainer(policy)
-    trainer.gradient_reducer = CopyingReducer()
+    trainer.set_reducers(CopyingReducer())
     before = trainer_state(trainer)
     if policy == "raise":
         with pytest.raises(FloatingPointError, match="in model.l3 "):

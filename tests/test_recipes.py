@@ -298,7 +298,8 @@ def _recipe_pair(kw, dropout, amp, reducer=False):  # type: ignore[no-untyped-de
     if reducer:
         from tests.test_backend import _IdentityReducer
 
-        eager.gradient_reducer, fused.gradient_reducer = _IdentityReducer(), _IdentityReducer()
+        eager.set_reducers(_IdentityReducer())
+        fused.set_reducers(_IdentityReducer())
     assert fused.uses_engine
     return eager, fused
 

@@ -12,16 +12,20 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import Any, Self, cast
+from typing import Any, NamedTuple, Self, cast
 
 import torch
 from torch import Tensor, nn
 
 from .. import functional
 from .._checks import check_choice, gradients_are_finite
+from ..ops.local_error import FUSED_ACTIVATIONS, MAX_TRITON_CLASSES, local_error
 from ..optim import LocalOptimizerState, OptimizerConfig
 
-__all__ = ["NONFINITE_POLICIES", "UPDATES", "LocalLayer", "activation_backward", "check_update"]
+__all__ = [
+    "NONFINITE_POLICIES", "UPDATES", "DenseError", "LocalLayer", "activation_backward", "check_update",
+    "dense_local_error", "kernel_applies",
+]
 
 #: ``update=``: the layer's own optimizer step in backward, or the gradients into ``.grad``
 UPDATES: tuple[str, ...] = ("inplace", "grad")
@@ -67,6 +71,50 @@ def activation_backward(
     z = pre_activation if pre_activation is not None else output
     derivative = functional.activation_derivative(z, output, activation)
     return grad.mul_(derivative) if inplace else grad * derivative
+
+
+class DenseError(NamedTuple):
+    """A dense layer's local error: its local ``logits`` and ``loss``, ``d_z`` (rows x out, the
+    compute dtype), the bias gradient ``grad_bias`` and the local head's ``[g_W_loc, g_b_loc]``."""
+
+    logits: Tensor
+    loss: Tensor
+    d_z: Tensor
+    grad_bias: Tensor
+    head_grads: list[Tensor]
+
+
+def kernel_applies(activation: str, num_classes: int) -> bool:
+    """Whether :func:`~torch_dad.ops.local_error.local_error` covers a layer: an activation whose
+    derivative is read off its output, and a head of at most ``MAX_TRITON_CLASSES`` classes."""
+    return activation in FUSED_ACTIVATIONS and num_classes <= MAX_TRITON_CLASSES
+
+
+def dense_local_error(
+    h: Tensor, z: Tensor | None, head_weight: Tensor, head_bias: Tensor, target: Tensor, activation: str, *,
+    label_smoothing: float = 0.0, ignore_index: int | None = None, backend: str = "torch",
+    d_h_out: Tensor | None = None,
+) -> DenseError:
+    """The ``"ce"`` local error of ``h = act(z)`` under the head ``(head_weight, head_bias)``
+    (fp32 masters, cast to ``h``'s dtype): the math of :func:`torch_dad.functional.local_loss_and_gradients`.
+
+    ``backend="triton"`` takes :func:`~torch_dad.ops.local_error.local_error` (one or two Triton
+    launches on CUDA, their PyTorch twin elsewhere) where :func:`kernel_applies` and no row is
+    ignored; otherwise PyTorch ops (``d_h_out``: a buffer for ``d_logits @ W_loc``). ``z`` is needed
+    for gelu only.
+    """
+    if backend == "triton" and ignore_index is None and kernel_applies(activation, head_weight.shape[0]):
+        err = local_error(h, head_weight, head_bias, target, activation, label_smoothing=label_smoothing)
+        assert err.d_z is not None and err.grad_bias is not None
+        return DenseError(err.logits, err.loss, err.d_z, err.grad_bias, [err.grad_head_weight, err.grad_head_bias])
+    w_head = head_weight.to(h.dtype)
+    logits = torch.addmm(head_bias.to(h.dtype), h, w_head.T)
+    loss, d_logits = functional.cross_entropy_error(
+        logits, target, label_smoothing=label_smoothing, ignore_index=ignore_index
+    )
+    d_h = torch.mm(d_logits, w_head, out=d_h_out)
+    d_z = activation_backward(d_h, h, z, activation, inplace=True)
+    return DenseError(logits, loss, d_z, d_z.sum(0), [d_logits.T @ h, d_logits.sum(0)])
 
 
 class LocalLayer(nn.Module):

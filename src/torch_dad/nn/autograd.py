@@ -34,15 +34,15 @@ from torch.autograd.function import once_differentiable
 from .. import functional
 from .._checks import (
     check_bool,
-    check_choice,
     check_fraction,
     check_int,
     check_labels,
     check_num_classes,
     check_positive_int,
 )
+from ..backends import check_backend
 from ..optim import OptimizerConfig
-from ._local import LocalLayer, activation_backward, check_update
+from ._local import LocalLayer, activation_backward, check_update, dense_local_error, kernel_applies
 from .precondition import GramPreconditioner, check_precondition, softmax_curvature
 
 __all__ = ["BACKENDS", "HIDDEN_LABEL_SMOOTHING", "ROLES", "DADAutogradFunction", "DADAutogradLinear", "label_context"]
@@ -56,17 +56,16 @@ ROLES: tuple[str, ...] = ("hidden", "head")
 #: backprop -2.06 -> +0.77pp (docs/autograd.md has the command).
 HIDDEN_LABEL_SMOOTHING = 0.1
 #: ``DADAutogradLinear(backend=...)``: the fused Triton local error where it applies, or plain PyTorch
-BACKENDS: tuple[str, ...] = ("auto", "eager", "triton")
+BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
 
 
 def _check_backend(backend: object) -> str:
-    check_choice("backend", backend, BACKENDS, " ('eager': plain PyTorch; 'triton': the fused kernel)")
+    backend = check_backend(backend, BACKENDS, " ('torch': plain PyTorch; 'triton': the fused kernel)")
     if backend == "triton":
         from ..kernels import triton_available
 
         if not triton_available():
-            raise ValueError("backend='triton' needs triton (install torch-dad[gpu]); use backend='auto' or 'eager'")
-    assert isinstance(backend, str)
+            raise ValueError("backend='triton' needs triton (install torch-dad[gpu]); use backend='auto' or 'torch'")
     return backend
 
 
@@ -232,19 +231,19 @@ class DADAutogradLinear(LocalLayer):
             With ``update="inplace"`` the step is plain SGD (``p -= lr * (g @ M^-1)``, decoupled
             weight decay, no momentum): use ``lr`` near 1.
         precondition_damping, precondition_window: its relative damping and forgetting window.
-        backend: ``"auto"`` (default), ``"eager"`` or ``"triton"``: how a hidden layer forms its
+        backend: ``"auto"`` (default), ``"torch"`` or ``"triton"`` (``"eager"``: the former name of ``"torch"``): how a hidden layer forms its
             local error. ``"triton"`` runs the fused kernel of
             :func:`torch_dad.ops.local_error.local_error` (one or two launches for the local-head
             logits, ``softmax - onehot``, ``d_z`` and the bias/head gradients) and raises if it
             cannot run here (no triton, or a CPU tensor without ``TRITON_INTERPRET=1``);
-            ``"eager"`` is plain PyTorch and never imports triton; ``"auto"`` picks the kernel
+            ``"torch"`` is plain PyTorch and never imports triton; ``"auto"`` picks the kernel
             for CUDA tensors when triton is importable (CPU tensors: PyTorch, even under
             ``TRITON_INTERPRET=1``). The kernel applies to relu/tanh/identity,
             at most 256 classes and fp32/bf16/fp16 compute; anything else (and the head role, and
             CUDA-graph capture) runs the PyTorch path under every backend.
             Rows labelled ``ignore_index`` are dropped before the kernel (one host sync per
-            backward for the count), which is the same math as the eager path. Results match
-            the eager path up to float rounding (the kernel accumulates logits and ``g_b`` in
+            backward for the count), which is the same math as the PyTorch path. Results match
+            it up to float rounding (the kernel accumulates logits and ``g_b`` in
             fp32; on CUDA its atomic sums may vary in the last bits). Settable later.
 
     Attributes:
@@ -254,7 +253,7 @@ class DADAutogradLinear(LocalLayer):
         grad_scaler: with ``update="grad"`` under fp16, set it to the ``torch.amp.GradScaler``
             in use so the local gradients land in ``.grad`` scaled like backprop's.
         last_local_loss: the local loss of the last backward (a 0-dim tensor, no host sync).
-        last_backend: ``"triton"`` or ``"eager"``: the path that formed the last local gradients.
+        last_backend: ``"triton"`` or ``"torch"``: the path that formed the last local gradients.
     """
 
     def __init__(
@@ -331,7 +330,7 @@ class DADAutogradLinear(LocalLayer):
 
     @property
     def backend(self) -> str:
-        """``"auto" | "eager" | "triton"``: the local-error path (see the class docstring)."""
+        """``"auto" | "torch" | "triton"``: the local-error path (see the class docstring)."""
         return self._backend
 
     @backend.setter
@@ -552,14 +551,13 @@ class DADAutogradLinear(LocalLayer):
         Gradients are in the parameters' dtype; ``self.last_local_loss`` is set.
         """
         a = inputs if inputs.dtype == output.dtype else inputs.to(output.dtype)
-        self.last_backend = "eager"
+        kernel = self._fused_applies(output)
+        self.last_backend = "triton" if kernel else "torch"
         if self.role == "head":
             loss, d_out = self._cross_entropy_error(output, labels)
             grads = [d_out.T @ a] + ([d_out.sum(0)] if self.bias is not None else [])
-        elif (fused := self._fused_local_gradients(a, output, labels)) is not None:
-            loss, grads = fused
         else:
-            loss, grads = self._eager_local_gradients(a, output, pre_activation, labels)
+            loss, grads = self._hidden_local_gradients(a, output, pre_activation, labels, kernel)
         self.last_local_loss = loss.detach()
         master = self.weight.dtype
         return [g if g.dtype == master else g.to(master) for g in grads]
@@ -570,27 +568,35 @@ class DADAutogradLinear(LocalLayer):
             logits, labels, label_smoothing=self.label_smoothing, ignore_index=self.ignore_index
         )
 
-    def _eager_local_gradients(
-        self, a: Tensor, output: Tensor, pre_activation: Tensor | None, labels: Tensor
+    def _hidden_local_gradients(
+        self, a: Tensor, output: Tensor, pre_activation: Tensor | None, labels: Tensor, kernel: bool
     ) -> tuple[Tensor, list[Tensor]]:
-        """The hidden role in plain PyTorch: ``(loss, [g_W, [g_b,] g_W_loc, g_b_loc])``."""
+        """The hidden role, the dense local step of :func:`~torch_dad.nn._local.dense_local_error`:
+        ``(loss, [g_W, [g_b,] g_W_loc, g_b_loc])``. The kernel takes class ids in ``[0, C)`` and
+        divides by its row count, so with ``kernel`` the rows labelled ``ignore_index`` are dropped
+        first (one host sync): the PyTorch path gives them a zero error and divides by the labelled
+        count, the same sums."""
         assert self.head_weight is not None and self.head_bias is not None
-        w_head = self.head_weight.detach().to(output.dtype)
-        logits = torch.addmm(self.head_bias.detach().to(output.dtype), output, w_head.T)
-        loss, d_logits = self._cross_entropy_error(logits, labels)
-        d_z = activation_backward(d_logits @ w_head, output, pre_activation, self.activation, inplace=True)
-        grads = [d_z.T @ a] + ([d_z.sum(0)] if self.bias is not None else [])
-        return loss, grads + [d_logits.T @ output, d_logits.sum(0)]
+        if kernel:
+            keep = (labels != self.ignore_index).nonzero().squeeze(1)
+            kernel = keep.numel() > 0  # no labelled row: the PyTorch path's zero gradients and loss
+            if kernel and keep.numel() < labels.shape[0]:
+                a, output, labels = a[keep], output[keep], labels[keep]
+        self.last_backend = "triton" if kernel else "torch"
+        err = dense_local_error(
+            output, pre_activation, self.head_weight.detach(), self.head_bias.detach(), labels, self.activation,
+            label_smoothing=self.label_smoothing, ignore_index=None if kernel else self.ignore_index,
+            backend="triton" if kernel else "torch",
+        )
+        grads = [err.d_z.T @ a] + ([err.grad_bias] if self.bias is not None else [])
+        return err.loss, grads + err.head_grads
 
     def _fused_applies(self, output: Tensor) -> bool:
         """Whether this hidden layer's local error goes through the Triton kernel (see ``backend``)."""
-        if self._backend == "eager" or self.role != "hidden":
+        if self._backend == "torch" or self.role != "hidden":
             return False
-        from ..ops.local_error import FUSED_ACTIVATIONS, MAX_TRITON_CLASSES
-
         if (
-            self.activation not in FUSED_ACTIVATIONS  # gelu: its derivative needs z
-            or self.num_classes > MAX_TRITON_CLASSES  # the kernel's accumulator stops fitting
+            not kernel_applies(self.activation, self.num_classes)  # gelu: its derivative needs z
             or output.dtype not in (torch.float32, torch.bfloat16, torch.float16)
             or (output.is_cuda and torch.cuda.is_current_stream_capturing())  # the row count syncs
         ):
@@ -603,41 +609,9 @@ class DADAutogradLinear(LocalLayer):
         if self._backend == "triton" and not runnable:
             raise ValueError(
                 "DADAutogradLinear(backend='triton') needs triton and a CUDA tensor (or TRITON_INTERPRET=1); "
-                f"got a {output.device.type} tensor. Set layer.backend = 'auto' or 'eager'"
+                f"got a {output.device.type} tensor. Set layer.backend = 'auto' or 'torch'"
             )
         return runnable
-
-    def _fused_local_gradients(
-        self, inputs: Tensor, output: Tensor, labels: Tensor
-    ) -> tuple[Tensor, list[Tensor]] | None:
-        """The hidden-role local loss and gradients from the fused kernel, or ``None`` (use eager).
-
-        The kernel takes class ids in ``[0, C)`` and divides by its row count, so the rows
-        labelled ``ignore_index`` are dropped first: the eager path gives them a zero error and
-        divides by the labelled count, the same sums. Gradients come back in the compute dtype
-        (``g_W = d_z.T @ x``) or float32 (the rest); the caller casts them to the parameters'.
-        """
-        if not self._fused_applies(output):
-            return None
-        from ..ops.local_error import local_error
-
-        assert self.head_weight is not None and self.head_bias is not None
-        keep = (labels != self.ignore_index).nonzero().squeeze(1)  # one host sync: the kernel grid
-        if keep.numel() == 0:
-            return None  # no labelled row: zero gradients, loss 0, as the eager path gives them
-        if keep.numel() < labels.shape[0]:
-            inputs, output, labels = inputs[keep], output[keep], labels[keep]
-        err = local_error(
-            output, self.head_weight.detach(), self.head_bias.detach(), labels, self.activation,
-            backend="triton", label_smoothing=self.label_smoothing,
-        )
-        assert err.d_z is not None and err.grad_bias is not None
-        grads = [err.d_z.T @ inputs]
-        if self.bias is not None:
-            grads.append(err.grad_bias)
-        grads += [err.grad_head_weight, err.grad_head_bias]
-        self.last_backend = "triton"
-        return err.loss, grads
 
     def _precondition(self, inputs: Tensor, labels: Tensor, grads: list[Tensor]) -> list[Tensor]:
         """``precondition="gram"`` on the labelled rows (local-head grads unchanged). Head: the

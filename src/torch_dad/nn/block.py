@@ -112,11 +112,13 @@ class DADBlock(LocalLayer):
         target: Tensor,
         compute_dtype: torch.dtype | None = None,
         workspace: dict[str, Tensor] | None = None,
+        *,
+        backend: str = "torch",
     ) -> tuple[LocalStepResult, list[Tensor]]:
         """``(LocalStepResult(out.detach(), loss, logits), grads)`` with
         ``grads = torch.autograd.grad(CE(local_head(module(x)), y), trained_tensors())`` (zeros for
         a tensor the loss does not reach), in the parameters' dtype. A half ``compute_dtype`` runs the
-        block under ``torch.autocast``. ``workspace`` is accepted for the trainer's protocol and unused.
+        block under ``torch.autocast``. ``workspace`` and ``backend`` are accepted for the trainer's protocol and unused.
         """
         params = self.trained_tensors()
         master = params[0].dtype

@@ -184,6 +184,8 @@ class DADConv2d(BatchNormLayer):
         target: Tensor,
         compute_dtype: torch.dtype | None = None,
         workspace: dict[str, Tensor] | None = None,
+        *,
+        backend: str = "torch",
     ) -> tuple[LocalStepResult, list[Tensor]]:
         """The layer's output, local loss and closed-form gradients, without updating anything.
 
@@ -194,8 +196,8 @@ class DADConv2d(BatchNormLayer):
         come in the order of :meth:`trained_tensors` (``weight, [bias,] head_weight, head_bias,
         [norm_weight, norm_bias]``), in the master dtype. Under ``normalize="batchnorm"`` the batch
         statistics are kept for the update to fold into the running ones. No host syncs, no
-        data-dependent shapes: the fused engine captures it. ``workspace`` is accepted for the
-        trainer's protocol and unused.
+        data-dependent shapes: the fused engine captures it. ``workspace`` and ``backend`` are accepted
+        for the trainer's protocol and unused (the max pool picks its own kernel).
         """
         dtype = compute_dtype or self.weight.dtype
         a = inputs.to(dtype)

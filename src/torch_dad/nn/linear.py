@@ -13,7 +13,7 @@ from .._checks import check_fraction, check_int, check_num_classes, check_positi
 from ..ops.normalization import NormalizationSaved, normalization_backward, normalization_forward
 from ..optim import LocalOptimizerState, OptimizerConfig
 from ._batchnorm import BatchNormLayer
-from ._local import LocalLayer, activation_backward
+from ._local import DenseError, LocalLayer, activation_backward, dense_local_error
 
 __all__ = ["DADLinear", "DADModel", "LocalStepResult"]
 
@@ -168,78 +168,90 @@ class DADLinear(BatchNormLayer):
         target: Tensor,
         compute_dtype: torch.dtype | None = None,
         workspace: Workspace | None = None,
+        *,
+        backend: str = "torch",
     ) -> tuple[LocalStepResult, list[Tensor]]:
         """The layer's output, local loss and closed-form gradients, without updating anything.
 
-        Same math as :func:`torch_dad.functional.local_loss_and_gradients` (the test oracle),
-        arranged to reuse buffers: ``addmm`` for the biases, an in-place activation and an
-        in-place ``softmax - onehot``. Gradients are returned in the order of
-        :meth:`trained_tensors`: ``weight, [bias,] head_weight, head_bias, [norm_weight, norm_bias]``,
-        in float32 master precision (no local-head gradients for the head-free ``"drtp"`` rule).
-        Under ``normalize="batchnorm"`` the batch statistics are kept for the update to fold into
-        the running ones. Free of host syncs and of data-dependent shapes: the fused engine
-        captures it into its CUDA graph for the layers its kernels do not cover.
+        Same math as :func:`torch_dad.functional.local_loss_and_gradients` (the test oracle):
+        :meth:`step_forward`, :meth:`step_error`, then ``g_W = d_z.T @ a``. Gradients are returned in
+        the order of :meth:`trained_tensors`: ``weight, [bias,] head_weight, head_bias, [norm_weight,
+        norm_bias]``, in float32 master precision (no local-head gradients for the head-free ``"drtp"``
+        rule). Under ``normalize="batchnorm"`` the batch statistics are kept for the update to fold
+        into the running ones. Free of host syncs and of data-dependent shapes (capturable).
 
-        ``workspace`` (a dict owned by the caller) keeps the three large buffers (``z``,
-        ``d_z``, ``g_W``) alive between calls with the same shapes. On CPU, fresh multi-MB
-        allocations are served by mmap and page-faulted on every step (0.48 ms vs 0.07 ms
-        to fill a reused 4 MB buffer on a 2-core CPU). The returned output then
-        aliases ``workspace["z"]`` and is overwritten by the next call. Inputs with more than two
-        dimensions are flattened to (B, -1), as in :meth:`forward`.
+        ``backend``: ``"torch"`` (PyTorch ops) or ``"triton"`` (the fused local-error kernel where it
+        applies). ``workspace`` (a dict owned by the caller) keeps the large buffers (``z``, ``d_z``,
+        ``g_W``) between calls with the same shapes, because on CPU fresh multi-MB allocations are
+        page-faulted on every step; the returned output then aliases ``workspace["z"]``. Inputs with
+        more than two dimensions are flattened to (B, -1), as in :meth:`forward`.
         """
         dtype = compute_dtype or self.weight.dtype
         a = (inputs.flatten(1) if inputs.dim() > 2 else inputs).to(dtype)
-        z, h, norm = self._forward_for_step(a, workspace)
-        if self.local_loss != "ce":
-            result, d_h, head_grads = self._rule_error(h, target)
-        else:
-            result, d_h, head_grads = self._head_error(h, target, _buffer(workspace, "d_z", h))
-        d_z = activation_backward(d_h, h, z, self.activation, inplace=True)
-        norm_grads: list[Tensor] = []
-        if norm is not None:
-            d_z, norm_grads = normalization_backward(d_z, norm, self.norm_weight)
+        z, h, norm = self.step_forward(a, workspace=workspace)
+        err = self.step_error(h, z, norm, target, backend=backend, workspace=workspace)
         g_w = _buffer(workspace, "g_w", self.weight, dtype=dtype, device=a.device)
-        grads = [torch.mm(d_z.T, a, out=g_w)]
+        grads = [torch.mm(err.d_z.T, a, out=g_w)]
         if self.bias is not None:
-            # under batch norm the bias gradient is 0 (the mean subtraction cancels the bias):
-            # computed, it is rounding noise that AdamW would scale up to lr-sized steps
-            grads.append(d_z.sum(0) if self.normalize != "batchnorm" else torch.zeros_like(grads[0][:, 0]))
+            grads.append(err.grad_bias)
         master = self.weight.dtype
-        grads = [g if g.dtype == master else g.to(master) for g in grads + head_grads + norm_grads]
-        return result, grads
+        grads = [g if g.dtype == master else g.to(master) for g in grads + err.head_grads]
+        return LocalStepResult(h, err.loss, err.logits), grads
 
-    def _forward_for_step(
-        self, a: Tensor, workspace: Workspace | None
+    def step_forward(
+        self, a: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, workspace: Workspace | None = None
     ) -> tuple[Tensor, Tensor, NormalizationSaved | None]:
-        """``(z, h, norm)``: the pre-activation (normalised if ``normalize``), the output and what the
-        normalisation's backward reads (or ``None``). For relu, ``z`` *is* ``h``."""
-        w = self.weight.to(a.dtype)
+        """``(z, h, norm)`` of a local step on rows ``a``: the pre-activation (normalised if
+        ``normalize``), the output and what the normalisation's backward reads (or ``None``).
+
+        ``weight``/``bias`` are copies in ``a``'s dtype (default: the masters, cast). An activation
+        whose derivative is read off ``h`` is applied in place (``z`` is then ``h``); ReLU without a
+        normalisation or a workspace rides in the GEMM's epilogue (one launch).
+        """
+        if weight is None:
+            weight = self.weight.to(a.dtype)
+            bias = self.bias.to(a.dtype) if self.bias is not None else None
+        if workspace is None and bias is not None and self.activation == "relu" and self.normalize is None:
+            h = torch._addmm_activation(bias, a, weight.T)
+            return h, h, None
         z_buf = _buffer(workspace, "z", a, cols=self.out_features)
-        if self.bias is not None:
-            z = torch.addmm(self.bias.to(a.dtype), a, w.T, out=z_buf)
-        else:
-            z = torch.mm(a, w.T, out=z_buf)
+        z = torch.addmm(bias, a, weight.T, out=z_buf) if bias is not None else torch.mm(a, weight.T, out=z_buf)
         norm = None
         if self.normalize == "layernorm":
             z, norm = normalization_forward("layernorm", z)
         elif self.normalize == "batchnorm":
             z, norm = self._batch_norm(z, training=True, keep=True)
         if self.activation == "relu":
-            # z is not needed again: relu' is read off h, the normalisation's backward reads its input
             return z, z.relu_(), norm
+        if self.activation == "leaky_relu":
+            return z, nn.functional.leaky_relu_(z, functional.LEAKY_RELU_SLOPE), norm
+        if self.activation == "tanh":
+            return z, z.tanh_(), norm
         return z, functional.activation_forward(z, self.activation), norm
 
-    def _head_error(
-        self, h: Tensor, target: Tensor, d_h_buffer: Tensor | None
-    ) -> tuple[LocalStepResult, Tensor, list[Tensor]]:
-        """The ``"ce"`` rule: ``(result, d_h = d_logits @ W_loc, [g_W_loc, g_b_loc])``."""
-        w_head = self.head_weight.to(h.dtype)
-        logits = torch.addmm(self.head_bias.to(h.dtype), h, w_head.T)
-        loss, d_logits = functional.cross_entropy_error(
-            logits, target, label_smoothing=self.label_smoothing, ignore_index=None
-        )
-        d_h = torch.mm(d_logits, w_head, out=d_h_buffer)
-        return LocalStepResult(h, loss, logits), d_h, [d_logits.T @ h, d_logits.sum(0)]
+    def step_error(
+        self, h: Tensor, z: Tensor, norm: NormalizationSaved | None, target: Tensor, *, backend: str = "torch",
+        workspace: Workspace | None = None,
+    ) -> DenseError:
+        """The local error of :meth:`step_forward`'s output under the layer's rule: ``d_z`` (taken back
+        through the normalisation), the bias gradient, and the gradients of the local head and the
+        batch norm's affine (:meth:`trained_tensors` order). ``backend`` as in :meth:`local_gradients`."""
+        if self.local_loss != "ce":
+            result, d_h, head_grads = self._rule_error(h, target)
+            d_z = activation_backward(d_h, h, z, self.activation, inplace=True)
+            err = DenseError(result.logits, result.loss, d_z, d_z.sum(0), head_grads)
+        else:
+            err = dense_local_error(
+                h, z, self.head_weight, self.head_bias, target, self.activation, label_smoothing=self.label_smoothing,
+                backend=backend, d_h_out=_buffer(workspace, "d_z", h),
+            )
+        if norm is None:
+            return err
+        d_z, norm_grads = normalization_backward(err.d_z, norm, self.norm_weight)
+        # under batch norm the bias gradient is 0 (the mean subtraction cancels the bias): computed,
+        # it is rounding noise that AdamW would scale up to lr-sized steps
+        grad_bias = d_z.new_zeros(d_z.shape[1]) if self.normalize == "batchnorm" else d_z.sum(0, dtype=err.grad_bias.dtype)
+        return err._replace(d_z=d_z, grad_bias=grad_bias, head_grads=err.head_grads + norm_grads)
 
     def _rule_error(self, h: Tensor, target: Tensor) -> tuple[LocalStepResult, Tensor, list[Tensor]]:
         """``"predsim"``/``"drtp"``: ``(result, d_h, local-head gradients)`` from the functional

@@ -76,8 +76,7 @@ class DataParallelTrainer(DADTrainer):
         self.overlap = bool(overlap)
         broadcast(self.state_tensors(), 0, process_group)
         self._reducer = GradientAllReduce(process_group, blocking=not self.overlap)
-        self.gradient_reducer = self._reducer
-        self.statistics_reducer = lambda stats: all_reduce_statistics(stats, process_group)
+        self.set_reducers(self._reducer, lambda stats: all_reduce_statistics(stats, process_group))
         # the window counts global rows; each rank decays by exp(-local/(window*local/global))
         # = exp(-global/window) per step, the single-process factor, even for uneven shards
         self._global_window = self.classifier_statistics.window if self.classifier_statistics is not None else None

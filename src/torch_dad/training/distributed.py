@@ -31,7 +31,7 @@ def _signature(trainer: Any) -> dict[str, Any]:
         "state": model,
         "config": dict(vars(trainer.config)),
         "amp_dtype": str(trainer.amp_dtype),
-        "window": trainer.classifier_statistics.window if trainer.classifier_statistics is not None else None,
+        "window": trainer.classifier.window if trainer.classifier is not None else None,
     }
 
 

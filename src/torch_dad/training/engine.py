@@ -33,29 +33,24 @@ the fp32 summation order of the atomically added gradients.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
+from functools import partial
 from typing import Any, NamedTuple, cast
 
 import torch
 from torch import Tensor
 
-from ..functional import LEAKY_RELU_SLOPE
-from ..kernels import triton_available
-from ..nn._local import LocalLayer
+from ..nn._local import DenseError, LocalLayer, kernel_applies
 from ..nn.linear import DADLinear, DADModel
 from ..ops.adamw import adamw_with_shadow_
 from ..ops.cuda_graphs import no_garbage_collection
-from ..ops.dropout import counter_dropout
-from ..ops.gram import gram_update_, mm_fp32
-from ..ops.local_error import FUSED_ACTIVATIONS, LocalError, local_error
-from ..ops.normalization import NormalizationSaved, normalization_backward, normalization_forward
-from ..optim import LocalOptimizerState, OptimizerConfig
-from ..ridge import GramAccumulator
-from .input_sample import InputReservoir
+from ..ops.gram import mm_fp32
+from ..optim import OptimizerConfig
+from .classifier import OutputClassifier
 from .options import STREAM_PRIORITIES, EngineOptions
-from .step import Batch, Dropout, GradientReducer, StepOutput
+from .step import Batch, Dropout, GradientReducer, LayerLoop, RunningLoss, StepOutput, StepPlan
 
-__all__ = ["FusedStep", "make_engine", "unsupported_reason", "uses_local_error_kernel"]
+__all__ = ["FusedStep", "unsupported_reason", "uses_local_error_kernel"]
 
 
 def unsupported_reason(model: DADModel, config: OptimizerConfig, dropout: float = 0.0) -> str | None:
@@ -79,54 +74,7 @@ def uses_local_error_kernel(layer: LocalLayer) -> bool:
     :class:`~torch_dad.DADLinear` with relu, leaky relu, tanh or identity, the ``"ce"`` rule with
     or without label smoothing, any normalisation (one ATen kernel each way,
     :mod:`torch_dad.ops.normalization`); other layers run their own ``local_gradients`` in the step."""
-    return isinstance(layer, DADLinear) and layer.activation in FUSED_ACTIVATIONS and layer.local_loss == "ce"
-
-
-def make_engine(trainer: Any, backend: str, options: EngineOptions | None, loss_total: Tensor) -> FusedStep | None:
-    """The engine ``backend`` asks for on ``trainer`` (its public attributes), ``None`` for the eager
-    loop; raises ``ValueError`` if it cannot run. ``loss_total`` is the running loss it adds to."""
-    if options is not None and not isinstance(options, EngineOptions):
-        raise TypeError(f"engine_options must be a torch_dad.training.EngineOptions, got {type(options).__name__}")
-    if backend == "eager":
-        return None
-    reason = unsupported_reason(trainer.model, trainer.config, trainer.dropout)
-    cuda = trainer.device.type == "cuda"
-    if backend == "auto":
-        if reason is not None or not cuda or not triton_available():
-            return None
-    elif reason is not None:
-        raise ValueError(f"backend={backend!r} cannot run this model: {reason}; use backend='eager'")
-    elif backend == "cuda-graph" and not cuda:
-        raise ValueError(f"backend='cuda-graph' needs a CUDA device, got {trainer.device}; use 'fused' or 'eager'")
-    return FusedStep(
-        trainer.model, trainer.device, options or EngineOptions(), graphed=backend != "fused",
-        classifier_state=trainer.classifier_state, statistics=trainer.classifier_statistics, sample=trainer.classifier_sample,
-        loss_total=loss_total, classifier_label_smoothing=trainer.classifier_label_smoothing,
-    )
-
-
-def _forward(
-    layer: DADLinear, a: Tensor, weight: Tensor, bias: Tensor | None
-) -> tuple[Tensor, NormalizationSaved | None]:
-    """``(act(norm(a @ weight.T + bias)), what the normalisation's backward reads)``; without a
-    normalisation, ReLU rides in the cuBLASLt epilogue (one launch)."""
-    activation = layer.activation
-    if bias is not None and activation == "relu" and layer.normalize is None:
-        return torch._addmm_activation(bias, a, weight.T), None
-    z = torch.addmm(bias, a, weight.T) if bias is not None else a @ weight.T
-    saved = None
-    if layer.normalize is not None:
-        # batch norm's running statistics move here, on the main stream, as the eager update does
-        z, saved = normalization_forward(
-            layer.normalize, z, layer.norm_weight, layer.norm_bias, layer.running_mean, layer.running_var
-        )
-    if activation == "relu":
-        return z.relu_(), saved
-    if activation == "leaky_relu":
-        return torch.nn.functional.leaky_relu_(z, LEAKY_RELU_SLOPE), saved
-    if activation == "tanh":
-        return z.tanh_(), saved
-    return z, saved
+    return isinstance(layer, DADLinear) and layer.local_loss == "ce" and kernel_applies(layer.activation, layer.num_classes)
 
 
 def _tensor(value: object) -> Tensor:
@@ -154,16 +102,13 @@ class FusedStep:
 
     def __init__(
         self, model: DADModel, device: torch.device, options: EngineOptions, graphed: bool, *,
-        classifier_state: LocalOptimizerState | None, statistics: GramAccumulator | None,
-        sample: InputReservoir | None, loss_total: Tensor, classifier_label_smoothing: float = 0.0,
+        classifier: OutputClassifier | None, running_loss: RunningLoss,
     ) -> None:
         self.model, self.device, self.options, self.graphed = model, device, options, graphed
-        self.classifier_label_smoothing = classifier_label_smoothing
         # read once: the module walk behind model.local_layers costs host time every step
         self.layers: list[Any] = model.local_layers
-        self.classifier = model.get_classifier()
-        self.classifier_state, self.statistics, self.sample = classifier_state, statistics, sample
-        self.loss_total = loss_total
+        self.classifier = classifier
+        self.running_loss = running_loss
         self.config = OptimizerConfig()
         self._shadows: dict[torch.dtype, list[tuple[Tensor | None, Tensor | None]]] = {}
         self.lr_tensor = torch.zeros((), device=device, dtype=torch.float32)
@@ -201,6 +146,10 @@ class FusedStep:
                 if b is not None and layer.bias is not None:
                     b.copy_(layer.bias.detach())
 
+    def refresh(self) -> None:
+        """:meth:`refresh_shadows` (the runner protocol's name)."""
+        self.refresh_shadows()
+
     def _signature(self) -> tuple[int, ...]:
         """Storage addresses a captured graph baked in: a change forces a re-capture.
 
@@ -210,11 +159,9 @@ class FusedStep:
         """
         if self._tracked is None:
             tracked = list(self.model.parameters()) + list(self.model.buffers())
-            if self.classifier_state is not None:
-                tracked += list(self.classifier_state.buffers())
-            if self.statistics is not None:
-                tracked += list(self.statistics.buffers())
-            tracked.append(self.loss_total)
+            if self.classifier is not None:
+                tracked += self.classifier.buffers()
+            tracked.append(self.running_loss.total)
             self._tracked = tracked
         return tuple(p.data_ptr() for p in self._tracked)
 
@@ -287,34 +234,29 @@ class FusedStep:
     # nothing in the step needs autograd (a DADBlock turns it on inside itself): without this, a
     # batch-normalised layer's affine parameters made every later tensor of the step record a graph
     @torch.no_grad()
-    def run(
-        self, batch: Batch, config: OptimizerConfig, *, span: tuple[int, int], with_classifier: bool,
-        reducer: GradientReducer | None, count_loss: bool, accumulate_statistics: bool,
-        dropout: Dropout | None = None,
-    ) -> StepOutput:
-        """Train layers ``span`` (then the classifier if ``with_classifier``) on ``batch``.
+    def run(self, batch: Batch, plan: StepPlan, reducer: GradientReducer | None) -> StepOutput:
+        """Train the plan's layers (then the classifier if it says so) on ``batch``.
 
         The whole model on one process replays a captured graph (``graphed``); a span (pipeline
         stage) or a ``reducer`` (data parallelism) runs uncaptured: large distributed batches
-        are bound by GEMMs, not launches. ``count_loss`` adds the loss to ``loss_total``.
-        ``dropout`` (``None``: none) drops each layer's output between layers, with the masks of the
-        trainer's eager loop.
+        are bound by GEMMs, not launches.
         """
         self.set_lr(batch.lr)
-        self.config = config
-        self._sync_dropout(dropout or Dropout(0.0, 0, 0))
-        if span[0] == 0 and self.sample is not None:
+        self.config = plan.config
+        self._sync_dropout(plan.dropout or Dropout(0.0, 0, 0))
+        sample = self.classifier.sample if self.classifier is not None else None
+        if plan.start == 0 and sample is not None:
             if batch.x.is_cuda:
-                self.sample.count_rows(batch.x.shape[0])  # the step adds the rows on the device
+                sample.count_rows(batch.x.shape[0])  # the step adds the rows on the device
             else:
-                self.sample.add(batch.x, batch.y)
-        whole = span == (0, len(self.layers)) and with_classifier == (self.classifier is not None)
-        settings = _Settings(span, with_classifier, reducer, count_loss, accumulate_statistics)
-        if not (self.graphed and whole and reducer is None and count_loss):
-            logits, loss, features = _Run(self, batch, settings, overlap=False).train()
-            return StepOutput(logits, loss, features, count_loss)
+                sample.add(batch.x, batch.y)
+        whole = (plan.start, plan.stop) == (0, len(self.layers)) and plan.with_classifier == (self.classifier is not None)
+        if not (self.graphed and whole and reducer is None and plan.count_loss):
+            logits, loss, features = _Run(self, batch, plan, reducer, overlap=False).train()
+            return StepOutput(logits, loss, features, plan.count_loss)
+        statistics = self.classifier is not None and self.classifier.statistics is not None
         key = (
-            tuple(batch.x.shape), batch.x.dtype, batch.compute_dtype, accumulate_statistics, self._signature(),
+            tuple(batch.x.shape), batch.x.dtype, batch.compute_dtype, statistics, self._signature(),
             self.dropout.p, self.dropout.seed,
         )
         entry = self._graphs.get(key)
@@ -323,9 +265,9 @@ class FusedStep:
                 # first sight of a shape: run uncaptured (compiles the Triton kernels, warms cuBLAS);
                 # a shape seen twice is captured, so a ragged last batch costs no capture
                 self._seen.add(key)
-                logits, loss, features = _Run(self, batch, settings, overlap=False).train()
+                logits, loss, features = _Run(self, batch, plan, reducer, overlap=False).train()
                 return StepOutput(logits, loss, features, True)
-            entry = self._capture(key, batch, settings)
+            entry = self._capture(key, batch, plan)
         graph, static_x, static_y, out_logits, out_loss, out_features = entry
         static_x.copy_(batch.x)
         static_y.copy_(batch.y)
@@ -343,7 +285,7 @@ class FusedStep:
             self.dropout.step.fill_(dropout.step)
         self._dropout_step_mirror = dropout.step + 1
 
-    def _capture(self, key: tuple[Any, ...], batch: Batch, settings: _Settings) -> tuple[Any, ...]:
+    def _capture(self, key: tuple[Any, ...], batch: Batch, plan: StepPlan) -> tuple[Any, ...]:
         if len(self._graphs) >= self.options.max_graphs:
             self._graphs.clear()
         self.stream("gemm")
@@ -359,7 +301,7 @@ class FusedStep:
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
         with no_garbage_collection(), torch.cuda.graph(graph, pool=self._pool, stream=capture_stream):
-            out = _Run(self, static, settings, overlap=self.options.overlap).train()
+            out = _Run(self, static, plan, None, overlap=self.options.overlap).train()
         entry = (graph, static_x, static_y, *out)
         self._graphs[key] = entry
         return entry
@@ -373,27 +315,23 @@ class _Dropout(NamedTuple):
     step: Tensor
 
 
-class _Settings(NamedTuple):
-    span: tuple[int, int]
-    with_classifier: bool
-    reducer: GradientReducer | None
-    count_loss: bool
-    accumulate_statistics: bool
+class _Run(LayerLoop):
+    """One pass of the fused step through :class:`~torch_dad.training.step.LayerLoop`: per layer its
+    own forward and local error (:meth:`DADLinear.step_forward` / ``step_error``), then the weight
+    gradient and AdamW placed on streams; then the classifier, the batched small updates and the
+    stream joins. With ``overlap`` (inside a capture) the updates run on side streams; ``keep``
+    holds every tensor a side stream reads, so the allocator does not hand its memory to the main
+    stream while it is still read."""
 
-
-class _Run:
-    """One pass of the fused step: per layer forward, local error, weight update, local-head update;
-    then the classifier, the batched small updates and the stream joins. With ``overlap`` (inside
-    a capture) the updates run on side streams; ``keep`` holds every tensor a side stream reads,
-    so the allocator does not hand its memory to the main stream while it is still read."""
-
-    def __init__(self, engine: FusedStep, batch: Batch, settings: _Settings, overlap: bool) -> None:
-        self.engine, self.batch, self.settings, self.overlap = engine, batch, settings, overlap
-        start, stop = settings.span
-        self.layers = engine.layers[start:stop]
+    def __init__(
+        self, engine: FusedStep, batch: Batch, plan: StepPlan, reducer: GradientReducer | None, overlap: bool
+    ) -> None:
+        super().__init__(engine.layers, batch, plan, reducer, engine.running_loss)
+        self.engine, self.overlap = engine, overlap
+        self.dropout_step = engine.dropout.step
         compute = batch.compute_dtype
         low = compute is not None and compute != torch.float32
-        self.shadows = engine.shadows(compute)[start:stop] if low and compute is not None else None
+        self.shadows = engine.shadows(compute)[plan.start : plan.stop] if low and compute is not None else None
         self.main = torch.cuda.current_stream() if overlap else None
         # only kernel layers fork to the error stream; joining a stream that never forked from the
         # main one is an error under CUDA-graph capture
@@ -408,88 +346,69 @@ class _Run:
         self.small_exp_avg: list[Tensor] = []
         self.small_exp_avg_sq: list[Tensor] = []
         self.small_steps: list[Tensor] = []
-        self.pending: list[_Update] = []
         self.keep: list[Tensor] = []
+        self.sample_stream: torch.cuda.Stream | None = None
 
-    def train(self) -> tuple[Tensor, Tensor, Tensor]:
-        """``(logits, loss, span output)`` of the step on the span, updates applied."""
-        engine, batch, settings = self.engine, self.batch, self.settings
-        classifier = engine.classifier if settings.with_classifier else None
+    def begin(self) -> None:
         steps = [_tensor(layer.optim_state.step) for layer in self.layers]
-        if classifier is not None and engine.classifier_state is not None:
-            steps.append(_tensor(engine.classifier_state.step))
+        classifier = self.engine.classifier
+        if self.plan.with_classifier and classifier is not None:
+            steps.append(_tensor(classifier.state.step))
         torch._foreach_add_(steps, 1.0)
-        sample_stream = self._offer_sample()
-        compute = batch.compute_dtype
-        a = batch.x if compute is None or batch.x.dtype == compute else batch.x.to(compute)
-        logits = loss = a
-        dropout = engine.dropout
-        for i, layer in enumerate(self.layers):
-            h, logits, loss = self._layer(i, layer, a)
-            # the same mask as the eager step's: Philox of (seed, step, layer index, element)
-            a = counter_dropout(h, dropout.p, dropout.seed, dropout.step, settings.span[0] + i) if dropout.p else h
-        if self.error_stream is not None and self.main is not None:
-            # the local-head gradients, logits and loss of every layer come from the error stream
-            self.main.wait_stream(self.error_stream)
-        if classifier is not None:
-            logits, loss = self._classifier(classifier, a)
-        self._finish(loss)
-        if dropout.p:
-            dropout.step.add_(1)
-        if sample_stream is not None:
-            torch.cuda.current_stream().wait_stream(sample_stream)
-        self.keep.clear()
-        return logits, loss, a
+        self.sample_stream = self._offer_sample()
+
+    def first_input(self) -> Tensor:
+        x, compute = self.batch.x, self.batch.compute_dtype
+        return x if compute is None or x.dtype == compute else x.to(compute)
 
     def _offer_sample(self) -> torch.cuda.Stream | None:
         """Add the rows to the classifier's input sample on the device (CUDA, first layer only)."""
-        engine, x, y = self.engine, self.batch.x, self.batch.y
-        if engine.sample is None or not x.is_cuda or self.settings.span[0] != 0:
+        classifier, x, y = self.engine.classifier, self.batch.x, self.batch.y
+        sample = classifier.sample if classifier is not None else None
+        if sample is None or not x.is_cuda or self.plan.start != 0:
             return None
         if not self.overlap:
-            engine.sample.add_on_device(x, y)
+            sample.add_on_device(x, y)
             return None
-        # on its own stream, beside the layers: on the critical path its ~14 small kernels cost
-        # 40-90 µs a step (mnist-medium-3 at B=1024: 186 vs 99 µs)
-        stream = engine.stream("sample")
+        # on its own stream, beside the layers: its small kernels stay off the critical path
+        stream = self.engine.stream("sample")
         stream.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(stream):
-            engine.sample.add_on_device(x, y)
+            sample.add_on_device(x, y)
         return stream
 
-    def _layer(self, i: int, layer: LocalLayer, a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """Layer ``i``: forward, local error, then its updates (on the side stream under overlap)."""
+    def layer_step(self, index: int, layer: Any, a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Layer ``index``: forward, local error, then its updates (on the side stream under overlap)."""
         if not isinstance(layer, DADLinear):
             return self._local_layer(layer, a)
         if a.dim() > 2:  # a convolution's or block's output, read as rows
             a = a.flatten(1)
         if self.shadows is not None:
-            w, b = self.shadows[i]
+            w, b = self.shadows[index]
         else:
             w, b = layer.weight.detach(), (layer.bias.detach() if layer.bias is not None else None)
         if not uses_local_error_kernel(layer):
             return self._rule_layer(layer, a, w, b)
         assert w is not None
-        h, saved = _forward(layer, a, w, b)
+        z, h, saved = layer.step_forward(a, w, b)
+        layer.update_running_statistics()  # batch norm: on the main stream, which made the statistics
         if self.error_stream is not None and self.main is not None:
             self.error_stream.wait_stream(self.main)
             self.keep += [h, *(saved or ())[1:]]
             with torch.cuda.stream(self.error_stream):
-                err, norm_grads = self._local_error(layer, h, saved)
+                err = layer.step_error(h, z, saved, self.batch.y, backend="triton")
         else:
-            err, norm_grads = self._local_error(layer, h, saved)
-        assert err.d_z is not None and err.grad_bias is not None
+            err = layer.step_error(h, z, saved, self.batch.y, backend="triton")
         side = self.engine.stream("gemm") if self.overlap and self.main is not None else None
         if side is not None and self.main is not None:
             side.wait_stream(self.main)
             self.forked.add("gemm")
             if self.error_stream is not None:
                 side.wait_stream(self.error_stream)
-            self.keep += [a, err.d_z, err.grad_bias, *norm_grads]
+            self.keep += [a, err.d_z, err.grad_bias, *err.head_grads]
         with torch.cuda.stream(side) if side is not None else nullcontext():
-            self._update_layer(layer, a, err, w, b, norm_grads)
-        # err's B x width temporaries go before the next forward allocates: at 16 x 4096,
-        # B=16384 that keeps the peak at ~3.5 such tensors instead of ~4.5
+            self._update_layer(layer, a, err, w, b)
+        # err's B x width temporaries go before the next forward allocates
         return h, err.logits, err.loss
 
     def _local_layer(self, layer: Any, a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -497,7 +416,7 @@ class _Run:
         on the main stream, capturable), then AdamW on all its trained tensors at the end of the
         step, in the one ``torch._fused_adamw_`` launch shared with the batched small updates
         (after their all-reduce under data parallelism)."""
-        result, grads = layer.local_gradients(a, self.batch.y, self.batch.compute_dtype)
+        result, grads = layer.local_gradients(a, self.batch.y, self.batch.compute_dtype, backend="triton")
         layer.update_running_statistics()
         params, state = layer.trained_tensors(), layer.optim_state
         moments = state.moments("exp_avg"), state.moments("exp_avg_sq")
@@ -511,7 +430,7 @@ class _Run:
         on the main stream; it casts the fp32 masters as the eager step does), then AdamW on
         weight and bias (refreshing their copies) and on each further pair it trains (local head,
         batch-norm affine), and the batch norm's running statistics."""
-        result, grads = layer.local_gradients(a, self.batch.y, self.batch.compute_dtype)
+        result, grads = layer.local_gradients(a, self.batch.y, self.batch.compute_dtype, backend="triton")
         layer.update_running_statistics()  # on the main stream, which made the batch statistics
         nb = 2 if layer.bias is not None else 1
         params, state = layer.trained_tensors(), layer.optim_state
@@ -527,34 +446,16 @@ class _Run:
             for j in range(nb, len(params), 2):
                 pair = slice(j, j + 2)
                 update = _Update([p.data for p in params[pair]], grads[pair], exp_avg[pair], exp_avg_sq[pair], [None, None], step)
-                if self.settings.reducer is None:
+                if self.reducer is None:
                     self.engine.adamw(update)
                 else:
                     self._collect_small(update)
         return result.output, result.logits.float(), result.loss.float()
 
-    def _local_error(
-        self, layer: DADLinear, h: Tensor, saved: NormalizationSaved | None
-    ) -> tuple[LocalError, list[Tensor]]:
-        """``(error, batch-norm affine gradients)``: the local-error kernel on ``h``, then, under a
-        normalisation, ``d_z`` and the bias gradient taken back through it (the kernel's ``d_z`` is
-        the gradient of the normalised pre-activation)."""
-        head_w, head_b = _tensor(layer.head_weight), _tensor(layer.head_bias)
-        err = local_error(h, head_w, head_b, self.batch.y, layer.activation, label_smoothing=layer.label_smoothing)
-        if saved is None:
-            return err, []
-        assert err.d_z is not None and err.grad_bias is not None
-        d_z, norm_grads = normalization_backward(err.d_z, saved, layer.norm_weight)
-        # under batch norm the bias gradient is 0: the mean subtraction cancels the bias (as eager)
-        grad_bias = err.grad_bias.zero_() if saved.kind == "batchnorm" else d_z.sum(0, dtype=torch.float32)
-        return replace(err, d_z=d_z, grad_bias=grad_bias), norm_grads
-
-    def _update_layer(
-        self, layer: DADLinear, a: Tensor, err: Any, w: Tensor, b: Tensor | None, norm_grads: list[Tensor]
-    ) -> None:
+    def _update_layer(self, layer: DADLinear, a: Tensor, err: DenseError, w: Tensor, b: Tensor | None) -> None:
         """The layer's weight gradient and AdamW (whole, in row blocks, or after an all-reduce),
         then one AdamW for its local head and its batch norm's affine."""
-        engine, reducer = self.engine, self.settings.reducer
+        engine, reducer = self.engine, self.reducer
         params = layer.trained_tensors()
         moments = layer.optim_state.moments("exp_avg"), layer.optim_state.moments("exp_avg_sq")
         step = _tensor(layer.optim_state.step)
@@ -569,7 +470,7 @@ class _Run:
             self._launch_update(update)
         if self.overlap and grad_w is not None:
             self.keep.append(grad_w)
-        head_grads = [err.grad_head_weight, err.grad_head_bias, *norm_grads]
+        head_grads = err.head_grads
         for j in range(0, len(head_grads), 2):  # the local head, then the batch norm's affine
             pair = slice(nb + j, nb + j + 2)
             update = _Update(params[pair], head_grads[j : j + 2], moments[0][pair], moments[1][pair], [None, None], step)
@@ -583,13 +484,11 @@ class _Run:
     def _launch_update(self, update: _Update) -> None:
         """AdamW now (on the background stream under priorities), or after the all-reduce it
         starts, one layer later, so the collective runs under the next layer's GEMMs."""
-        engine, reducer = self.engine, self.settings.reducer
+        engine, reducer = self.engine, self.reducer
         if reducer is not None:
             # launch() copies the gradients into its buffer at once; the update uses that buffer
-            update.work, update.grads = reducer.launch(update.grads)
-            self.pending.append(update)
-            while len(self.pending) > 1:
-                engine.adamw(self.pending.pop(0))
+            work, update.grads = reducer.launch(update.grads)
+            self.held.push(work, partial(engine.adamw, update), hold=1)
         elif self.overlap and engine.stream_priorities():
             # at background priority, so it yields to the next forward
             stream = engine.stream("background")
@@ -601,7 +500,7 @@ class _Run:
         else:
             engine.adamw(update)
 
-    def _chunked_update(self, err: Any, a: Tensor, whole: _Update) -> Tensor:
+    def _chunked_update(self, err: DenseError, a: Tensor, whole: _Update) -> Tensor:
         """``W -= AdamW(d_z.T @ a)`` (and the bias) in row blocks of the weight; returns the last
         block's gradient. Per block: ``g = d_z[:, rows].T @ a``, then AdamW on ``W[rows]``,
         ``b[rows]`` and their moments and copies, elementwise as in one launch. Under ``overlap``
@@ -638,38 +537,37 @@ class _Run:
         self.small_exp_avg_sq += update.exp_avg_sq
         self.small_steps += [update.step] * len(update.params)
 
-    def _classifier(self, classifier: torch.nn.Linear, a: Tensor) -> tuple[Tensor, Tensor]:
-        """The classifier's Gram update, its output-head error and its AdamW."""
-        engine, y = self.engine, self.batch.y
-        assert engine.classifier_state is not None and engine.statistics is not None
-        a = a.flatten(1)  # a convolution's or block's output, read as rows (a view for a matrix)
-        if self.settings.accumulate_statistics:
-            gram_update_(engine.statistics, a, y)
-        bias = classifier.bias.detach() if classifier.bias is not None else torch.zeros(
-            classifier.out_features, device=a.device, dtype=torch.float32
-        )
-        err = local_error(
-            a, classifier.weight.detach(), bias, y, with_dz=False, label_smoothing=engine.classifier_label_smoothing
-        )
-        params = [classifier.weight.data] + ([classifier.bias.data] if classifier.bias is not None else [])
-        state = engine.classifier_state
+    def classifier_step(self, features: Tensor) -> tuple[Tensor, Tensor]:
+        """The classifier's Gram update, its output-head error (the kernel) and its AdamW."""
+        self._join_error_stream()
+        classifier, y = self.engine.classifier, self.batch.y
+        assert classifier is not None
+        classifier.accumulate(features, y)
+        logits, loss, grads = classifier.gradients(features, y, None, backend="triton")
+        state = classifier.state
         update = _Update(
-            params, [err.grad_head_weight, err.grad_head_bias][: len(params)], state.moments("exp_avg"),
-            state.moments("exp_avg_sq"), [None] * len(params), _tensor(state.step),
+            classifier.tensors, grads, state.moments("exp_avg"), state.moments("exp_avg_sq"),
+            [None] * len(grads), _tensor(state.step),
         )
-        if self.settings.reducer is None:
-            engine.adamw(update)
+        if self.reducer is None:
+            self.engine.adamw(update)
         else:
             self._collect_small(update)
-        return err.logits, err.loss
+        return logits, loss
 
-    def _finish(self, loss: Tensor) -> None:
+    def _join_error_stream(self) -> None:
+        if self.error_stream is not None and self.main is not None:
+            # the local-head gradients, logits and loss of every layer come from the error stream
+            self.main.wait_stream(self.error_stream)
+
+    def finish(self, loss: Tensor) -> None:
         """The all-reduced small updates and pending layer updates, the running loss, the joins."""
-        engine, reducer = self.engine, self.settings.reducer
-        if reducer is not None:
-            reducer(self.small_grads)  # every local head and the classifier: one small blocking all-reduce
-            for update in self.pending:
-                engine.adamw(update)
+        engine = self.engine
+        if not self.plan.with_classifier:
+            self._join_error_stream()
+        if self.reducer is not None:
+            self.reducer(self.small_grads)  # every local head and the classifier: one small blocking all-reduce
+        super().finish(loss)
         if self.small_params:  # the local heads and the classifier together, in one launch
             config = engine.config
             lr = engine.lr_tensor if loss.is_cuda else engine.lr_value
@@ -678,10 +576,13 @@ class _Run:
                 amsgrad=False, lr=lr, beta1=config.betas[0], beta2=config.betas[1],  # type: ignore[arg-type]
                 weight_decay=config.weight_decay, eps=config.eps, maximize=False,
             )
-        if self.settings.count_loss:
-            engine.loss_total += loss
         if self.overlap and self.main is not None:
             # join only the side streams this step forked: waiting on one that holds no captured
             # work is an error under capture (a model of DADBlocks alone forks none)
             for name in sorted(self.forked):
                 self.main.wait_stream(engine.stream(name))
+        if self.plan.dropout is not None and self.plan.dropout.p:
+            engine.dropout.step.add_(1)
+        if self.sample_stream is not None:
+            torch.cuda.current_stream().wait_stream(self.sample_stream)
+        self.keep.clear()

@@ -118,7 +118,6 @@ class Pipeline:
         # accumulates the Gram statistics every step, one width x width GEMM: 4 ms of a 55 ms
         # stage at B=65536, width 4096 on an H200, which made it the slower stage.
         self._sampled = trainer.keeps_input_sample
-        trainer.accumulate_classifier_statistics = not self._sampled
         if trainer.gradient_reducer is not None:
             raise ValueError("trainer.gradient_reducer is set; a Pipeline stage updates from its own batch only")
         # agree first, so a rank with another model cannot fail alone and leave the others waiting
@@ -126,7 +125,7 @@ class Pipeline:
             trainer, process_group, {"mode": "pipeline", "balance": None if balance is None else list(balance)}
         )
         if balance is None:
-            bounds = partition_layers(layer_costs(trainer.model, trainer.accumulate_classifier_statistics), world)
+            bounds = partition_layers(layer_costs(trainer.model, not self._sampled), world)
         else:
             counts = list(balance)
             if len(counts) != world or any(isinstance(c, bool) or not isinstance(c, int) or c < 1 for c in counts) \
@@ -137,6 +136,10 @@ class Pipeline:
                 )
             starts = [sum(counts[:i]) for i in range(world)]
             bounds = [(a, a + c) for a, c in zip(starts, counts)]
+        if trainer.classifier is not None:
+            trainer.classifier.keep_statistics(not self._sampled)
+            if rank != 0:
+                trainer.classifier.drop_sample()  # only stage 0 sees raw inputs
         broadcast(trainer.state_tensors(), 0, process_group)
         self.trainer = trainer
         self.process_group = process_group
@@ -144,9 +147,6 @@ class Pipeline:
         self.bounds = bounds
         self.layers = layers[bounds[rank][0] : bounds[rank][1]]
         self.is_first, self.is_last = rank == 0, rank == world - 1
-        if not self.is_first:
-            trainer.classifier_sample = None  # only stage 0 sees raw inputs
-            trainer._sample_size = 0
         self.max_in_flight = max_in_flight
         self._sends: deque[list[Any]] = deque()
         nccl = dist.get_backend(process_group) == "nccl"
@@ -403,13 +403,10 @@ class Pipeline:
         classifier = trainer.model.get_classifier()
         if classifier is not None:
             rest += list(classifier.state_dict().values())
-        if trainer.classifier_state is not None:
-            rest += list(trainer.classifier_state.buffers())
-        if trainer.classifier_statistics is not None:
-            rest += list(trainer.classifier_statistics.buffers())
+        if trainer.classifier is not None:
+            rest += trainer.classifier.buffers()
         broadcast(rest, self.num_stages - 1, self.process_group)
-        step = self._from_last(trainer.step_count)
-        trainer.step_count = int(step)
+        trainer.set_step_count(int(self._from_last(trainer.step_count)))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """:meth:`synchronize`, then ``torch.save(trainer.state_dict(), path)`` on rank 0 only."""

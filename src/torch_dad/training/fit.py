@@ -1,0 +1,112 @@
+"""The parts of :meth:`DADTrainer.fit <torch_dad.DADTrainer.fit>` that read no trainer internals: its
+argument checks, its starting point (fresh or resumed) and the loop over one epoch's batches."""
+
+from __future__ import annotations
+
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from .._checks import check_bool, check_positive_int
+from . import checkpoint
+from .checkpoint import CheckpointFolder, FitProgress
+
+__all__ = ["check_fit_arguments", "start_fit", "train_epoch"]
+
+
+def check_fit_arguments(
+    epochs: object, schedule: object, checkpoint_dir: object, checkpoint_every: object, keep_last: object,
+    resume: object, *, distributed: bool,
+) -> CheckpointFolder | None:
+    """Validate ``fit``'s arguments before anything changes; the checkpoint folder or ``None``."""
+    if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
+        raise ValueError(f"epochs={epochs!r} must be a positive int")
+    if schedule is not None and not callable(schedule):
+        raise TypeError(f"schedule must be a callable step -> lr, got {type(schedule).__name__}")
+    check_bool("resume", resume)
+    every = None if checkpoint_every is None else check_positive_int("checkpoint_every", checkpoint_every)
+    keep = check_positive_int("keep_last", keep_last)
+    if checkpoint_dir is None:
+        if resume or every is not None:
+            raise ValueError(
+                f"{'resume=True' if resume else f'checkpoint_every={every}'} needs checkpoint_dir= (the folder "
+                "that holds the checkpoints)"
+            )
+        return None
+    if distributed:
+        raise ValueError(
+            "checkpoint_dir: fit() checkpoints a single process; with data parallelism call "
+            "save_checkpoint(path) on rank 0 between fit() calls"
+        )
+    return CheckpointFolder(checkpoint.check_folder(checkpoint_dir), every, keep)
+
+
+def train_epoch(
+    step: Callable[[Tensor, Tensor, float | None], tuple[Tensor, Tensor]], step_count: Callable[[], int],
+    bar: Any, *, log_every: int, schedule: Callable[[int], float] | None, run: FitProgress,
+    device: torch.device, save: Callable[[], object] | None = None, due: Callable[[int], bool] | None = None,
+) -> dict[str, float]:
+    """``step(x, y, lr)`` over ``bar``, continuing ``run``'s totals, and ``save()`` whenever
+    ``due(step_count())``: ``{loss, train_s, img_per_s}``. Checkpoint writes are not counted in ``train_s``."""
+    synchronize = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    synchronize()
+    start = time.perf_counter()
+    for inputs, labels in bar:
+        _, loss = step(inputs, labels, None if schedule is None else schedule(step_count()))
+        run.loss_sum += loss
+        run.batches += 1
+        run.seen += inputs.shape[0]
+        if run.batches % log_every == 0:
+            mean_loss = float(run.loss_sum) / run.batches
+            if mean_loss != mean_loss or mean_loss in (float("inf"), float("-inf")):
+                raise FloatingPointError(
+                    f"training loss became non-finite by step {step_count()}; lower lr, or use "
+                    "amp_dtype=torch.bfloat16 instead of float16"
+                )
+            if hasattr(bar, "set_postfix"):
+                bar.set_postfix(loss=f"{mean_loss:.4f}")
+        if save is not None and due is not None and due(step_count()):
+            synchronize()
+            run.seconds += time.perf_counter() - start
+            save()
+            start = time.perf_counter()
+    synchronize()
+    run.seconds += time.perf_counter() - start
+    return {
+        "loss": float(run.loss_sum) / max(run.batches, 1),
+        "train_s": run.seconds,
+        "img_per_s": run.seen / run.seconds if run.seconds > 0 else float("nan"),
+    }
+
+
+def start_fit(
+    folder: CheckpointFolder | None, resume: bool, args: dict[str, Any], generator: torch.Generator, *,
+    history_length: int, step_count: int, device: torch.device, load: Callable[[dict[str, Any], str], None],
+    announce: bool,
+) -> FitProgress:
+    """The starting point of ``fit``: the newest intact checkpoint's progress with ``resume`` (its
+    trainer state handed to ``load(state, path)``), else a fresh one. ``announce`` prints where it resumed."""
+    fresh = FitProgress(args, history_length, generator.get_state(), torch.zeros((), device=device))
+    if folder is None:
+        return fresh
+    found = folder.newest() if resume else None
+    if found is None:
+        folder.check_fresh_start(step_count)
+        folder.remove_temporaries()
+        return fresh
+    path, state = found
+    if not isinstance(state, dict) or state.get("fit") is None:
+        raise ValueError(f"resume=True: {path} holds no fit() progress (written by save_checkpoint?)")
+    run = FitProgress.from_state(state["fit"], path, device)
+    run.check_args(args, path)
+    load(state["trainer"], str(path))
+    folder.remove_temporaries()
+    if announce:
+        trainer_state = state["trainer"]
+        print(f"resumed from {path}: step {trainer_state['step_count']}, epoch {run.epoch + 1}, "
+              f"batch {run.batches} of that epoch done", file=sys.stderr)
+    return run
