@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-__all__ = ["GramAccumulator", "RidgeSolution", "gcv_curve", "sample_space_rank", "solve_ridge_from_gram"]
+__all__ = ["GramAccumulator", "RidgeSolution", "gcv_curve", "logit_scale", "sample_space_rank", "solve_ridge_from_gram"]
 
 
 @dataclass
@@ -245,3 +245,30 @@ def solve_ridge_from_gram(
         gcv=gcv_value,
         jitter=jitter,
     )
+
+
+@torch.no_grad()
+def logit_scale(logits: Tensor, labels: Tensor, *, iterations: int = 60) -> float:
+    """The factor ``s > 0`` that minimises the mean cross-entropy of ``s * logits`` on ``labels``.
+
+    The loss is convex in ``s`` and its derivative ``mean(E_softmax(s z)[z] - z_y)`` increases with
+    ``s``, so its root is bracketed by doubling and found by bisection, in float64. Scaling leaves
+    every row's argmax unchanged. A scale below ``1e-6`` (scores no better than chance) or above
+    ``1e6`` (every row already right by a margin) is clamped to that bound.
+    """
+    if logits.dim() != 2 or labels.shape != (logits.shape[0],) or logits.shape[0] == 0:
+        raise ValueError(f"logits {tuple(logits.shape)} and labels {tuple(labels.shape)} must be (N, C) and (N,), N >= 1")
+    z = logits.double()
+    target = z.gather(1, labels.long().view(-1, 1)).squeeze(1)
+
+    def slope(s: float) -> float:
+        p = torch.softmax(s * z, dim=1)
+        return float(((p * z).sum(1) - target).mean())
+
+    low, high = 0.0, 1.0
+    while slope(high) < 0 and high < 1e6:
+        low, high = high, high * 2
+    for _ in range(iterations):
+        middle = (low + high) / 2
+        low, high = (middle, high) if slope(middle) < 0 else (low, middle)
+    return min(max((low + high) / 2, 1e-6), 1e6)

@@ -19,7 +19,7 @@ from .. import functional
 from ..ops.gram import gram_update_
 from ..ops.local_error import local_error
 from ..optim import LocalOptimizerState, OptimizerConfig
-from ..ridge import GramAccumulator, RidgeSolution
+from ..ridge import GramAccumulator, RidgeSolution, logit_scale
 from .input_sample import InputReservoir
 
 __all__ = ["OutputClassifier"]
@@ -166,8 +166,6 @@ class OutputClassifier:
         return solution
 
     def _calibrate(self, batches: Iterator[tuple[Tensor, Tensor]]) -> None:
-        from ..ridge import logit_scale
-
         pairs = [(self.linear(features.flatten(1)).float(), labels) for features, labels in batches]
         if not pairs:
             return
