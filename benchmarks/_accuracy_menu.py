@@ -301,11 +301,21 @@ def _run_key(run: dict[str, Any]) -> tuple[Any, ...]:
 
 
 def load_records(path: Path) -> list[dict[str, Any]]:
-    """The records of a results JSON (a list) or of a run log (one JSON object a line)."""
+    """The rows of a study: a record's last ``--menu`` run (``results/accuracy.json``), a list of rows, or a run
+    log (one JSON object a line)."""
+    from _common import read_runs
+
     text = path.read_text()
-    return (
-        json.loads(text) if text.lstrip().startswith("[") else [json.loads(line) for line in text.splitlines() if line]
-    )
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:  # a run log
+        return [json.loads(line) for line in text.splitlines() if line]
+    if isinstance(data, dict) and "runs" not in data:  # a run log of one line
+        return [data]
+    studies = [run for run in read_runs(path) if "menu" in run["config"] or not run["config"]]
+    if not studies:
+        raise ValueError(f"{path} holds no --menu run: pass a record with one, a list of rows or a run log")
+    return [{**studies[-1]["environment"], **row} for row in studies[-1]["results"]]
 
 
 def search(
@@ -512,8 +522,8 @@ def tables(records: list[dict[str, Any]]) -> str:
 
 
 def plot(records: list[dict[str, Any]], out: Path) -> list[Path]:
-    """Test accuracy of each system's selected recipe (mean over seeds) against epoch and wall time,
-    one panel per cell; the selected ridge head is a marker at the last epoch."""
+    """Test accuracy of each system's selected recipe (mean over seeds) against epoch (top row) and wall time
+    (bottom row), one column per cell; the selected ridge head is a marker at the last epoch. Draws ``out``'s .png."""
     try:
         import matplotlib
 
@@ -524,10 +534,11 @@ def plot(records: list[dict[str, Any]], out: Path) -> list[Path]:
         return []
     summaries = [r for r in records if r.get("kind") == "menu_summary"]
     cells = list(dict.fromkeys(s["cell"] for s in summaries))
-    paths = []
-    for axis, suffix in (("epoch", "vs_epoch"), ("train_s", "vs_time")):
-        fig, axes = plt.subplots(1, len(cells), figsize=(5.5 * len(cells), 4.2), squeeze=False)
-        for ax, cell in zip(axes[0], cells):
+    if not cells:
+        return []
+    fig, axes = plt.subplots(2, len(cells), figsize=(5.5 * len(cells), 8.4), squeeze=False)
+    for row, axis in enumerate(("epoch", "train_s")):
+        for ax, cell in zip(axes[row], cells):
             for s in (s for s in summaries if s["cell"] == cell):
                 runs = [
                     r
@@ -549,12 +560,11 @@ def plot(records: list[dict[str, Any]], out: Path) -> list[Path]:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=6)
             ax.set_ylim(bottom=max(ax.get_ylim()[0], ax.get_ylim()[1] - 10))
-        fig.tight_layout()
-        path = out.parent / f"{out.stem}_{suffix}.png"
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
-    return paths
+    fig.tight_layout()
+    path = out.with_suffix(".png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -590,19 +600,23 @@ def _study(
 
 
 def menu_main(args: Any) -> Path:
-    """Run (or with ``--plot-only`` re-report, with ``--merge`` combine) the study; writes the JSON, prints
-    the tables, plots. Runs are logged to ``<out>.runs.jsonl`` as they finish; ``--resume`` reuses them."""
+    """Run (or with ``--plot-only`` re-report, with ``--merge`` combine) the study; adds it as a run to the record
+    (``results/accuracy.json`` or ``--out``), prints the tables, plots. Runs are logged to ``<out>.runs.jsonl`` as
+    they finish; ``--resume`` reuses them. ``args.config`` (default ``{"menu": args.menu}``) is the run's
+    configuration."""
     import tempfile
 
-    from _common import RESULTS, environment
+    from _common import environment, record_path, write_run
 
     menu = parse_menu(args.menu)
     smoke = args.smoke
-    out = Path(args.out) if args.out else RESULTS / ("accuracy_menu.smoke.json" if smoke else "accuracy_menu.json")
+    config = getattr(args, "config", None) or {"menu": args.menu}
+    out = record_path("accuracy", smoke=smoke, out=args.out)
     if args.plot_only or args.merge:
         records = best_of_studies([r for path in args.merge or [out] for r in load_records(Path(path))])
         if args.merge:
-            out.write_text(json.dumps(records, indent=1) + "\n")
+            env = environment()
+            write_run("accuracy", records, config=config, out=out, env=env)
         print(tables(records))
         print("\n".join(str(p) for p in plot(records, out)))
         return out
@@ -614,6 +628,7 @@ def menu_main(args: Any) -> Path:
     env = environment()
     earlier = load_records(Path(args.resume)) if args.resume else []
     log = out.with_suffix(".runs.jsonl")
+    log.parent.mkdir(parents=True, exist_ok=True)
     log.unlink(missing_ok=True)
     cells = prepare_cells(names, args, Path(tempfile.mkdtemp(prefix="dad_accuracy_menu_")))
     runs, summaries = _study(cells, systems, menu, args, log, [{**env, **r} for r in earlier])
@@ -634,8 +649,7 @@ def menu_main(args: Any) -> Path:
         "wall_s": time.perf_counter() - started,
     }
     records = [{**header, **env}, *({**env, **r} for r in runs), *({**s, **env} for s in summaries)]
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(records, indent=1) + "\n")
+    write_run("accuracy", records, config=config, out=out, env=env)
     log.unlink()
     print(tables(records))
     if not smoke:

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
 import json
 import os
 import platform
 import statistics
 import subprocess
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -158,9 +160,74 @@ def cuda_kernel_times(prof: Any) -> dict[str, list[float]]:
     return kernels
 
 
-def write_records(name: str, records: list[dict[str, Any]], smoke: bool) -> Path:
-    """Write ``results/<name>.json`` (or ``<name>.smoke.json`` under ``--smoke``, not committed)."""
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / (f"{name}.smoke.json" if smoke else f"{name}.json")
-    path.write_text(json.dumps(records, indent=2) + "\n")
+def record_path(name: str, *, smoke: bool = False, out: str | Path | None = None) -> Path:
+    """Where ``name``'s runs go: ``out`` if given, else ``results/<name>.json``, or under ``--smoke`` a file
+    of the same name in the temporary directory (smoke runs never touch ``results/``)."""
+    if out is not None:
+        return Path(out)
+    return (Path(tempfile.gettempdir()) / "torch_dad_smoke" if smoke else RESULTS) / f"{name}.json"
+
+
+def run_config(
+    args: argparse.Namespace, parser: argparse.ArgumentParser, *, exclude: Sequence[str] = ()
+) -> dict[str, Any]:
+    """The command-line options of ``args`` that differ from ``parser``'s defaults, as JSON values: a run's
+    configuration. ``smoke``, ``out`` and the ``exclude`` options (paths, output and plotting switches) are left out."""
+    skip = {"smoke", "out", *exclude}
+    config = {}
+    for key, value in sorted(vars(args).items()):
+        if key in skip or value == parser.get_default(key):
+            continue
+        config[key] = json.loads(json.dumps(value, default=str))
+    return config
+
+
+def read_runs(path: str | Path) -> list[dict[str, Any]]:
+    """The runs of a record: ``{"benchmark": ..., "runs": [...]}``; a plain list of rows (a file written
+    before records held runs) reads as one run of those rows."""
+    data = json.loads(Path(path).read_text())
+    if isinstance(data, dict) and isinstance(data.get("runs"), list):
+        return data["runs"]
+    if isinstance(data, list):
+        return [{"environment": {}, "config": {}, "results": data}]
+    raise ValueError(f"{path}: expected a record {{'benchmark': ..., 'runs': [...]}} or a list of rows")
+
+
+def latest_results(path: str | Path) -> list[dict[str, Any]]:
+    """The rows of the last run in the record at ``path``."""
+    runs = read_runs(path)
+    if not runs:
+        raise ValueError(f"{path} holds no runs")
+    return runs[-1]["results"]
+
+
+def _run_key(run: dict[str, Any]) -> str:
+    return json.dumps([run["environment"].get("device"), run["config"]], sort_keys=True)
+
+
+def write_run(
+    name: str,
+    results: list[dict[str, Any]],
+    *,
+    config: dict[str, Any],
+    smoke: bool = False,
+    out: str | Path | None = None,
+    env: dict[str, Any] | None = None,
+) -> Path:
+    """Add one run (``env``, default :func:`environment`; ``config``; ``results``) to ``name``'s record
+    (:func:`record_path`) and return its path.
+
+    The rule for every benchmark: a run of the same device and configuration as an earlier one replaces it, and
+    the new run goes last, so a record holds the latest run of each configuration. A row's environment fields
+    equal to the run's are dropped (a row keeps those where it was measured elsewhere, e.g. at another commit).
+    """
+    env = environment() if env is None else env
+    rows = [{k: v for k, v in row.items() if not (k in env and env[k] == v) and not (k == "environment" and v == env)}
+            for row in results]
+    run = {"environment": env, "config": config, "results": rows}
+    path = record_path(name, smoke=smoke, out=out)
+    runs = read_runs(path) if path.exists() else []
+    runs = [r for r in runs if _run_key(r) != _run_key(run)] + [run]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps({"benchmark": name, "runs": runs}, indent=1) + "\n")
     return path

@@ -1,15 +1,17 @@
-"""Markdown tables from results/gpu_*.json (for docs/benchmarks.md): python _gpu_report.py"""
+"""Markdown tables from results/gpu_*.json (for docs/benchmarks.md): python _gpu_report.py
+
+The throughput table is the last run of the default topologies without ``--recipes`` or ``--deterministic``;
+the memory and scaling tables are the last run of their records."""
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
-RESULTS = Path(__file__).resolve().parent / "results"
+from _common import RESULTS, latest_results, read_runs
 
 
 def throughput() -> None:
-    rows = json.loads((RESULTS / "gpu_throughput.json").read_text())
+    plain = [run for run in read_runs(RESULTS / "gpu_throughput.json")
+             if not {"recipes", "deterministic", "topologies", "batches"} & set(run["config"])]
+    rows = plain[-1]["results"]
     ips = {(r["topology"], r["batch"], r["system"]): r["img_per_s"] for r in rows}
     ratio = {r["topology"]: r["flop_ratio"] for r in rows}
     systems = ["dad", "dad-no-head-stats", "backprop-graphed", "backprop-eager", "wheel-2026.5.24"]
@@ -27,7 +29,7 @@ def throughput() -> None:
 
 
 def memory() -> None:
-    rows = json.loads((RESULTS / "gpu_memory.json").read_text())
+    rows = latest_results(RESULTS / "gpu_memory.json")
     print("| system | depth x width | B | static MiB | above-static MiB | graph pool MiB |")
     print("|---|---|---|---|---|---|")
     for r in rows:
@@ -37,7 +39,7 @@ def memory() -> None:
 
 
 def scaling() -> None:
-    rows = json.loads((RESULTS / "gpu_scaling.json").read_text())
+    rows = latest_results(RESULTS / "gpu_scaling.json")
     by = {(r["system"], r["depth"]): r for r in rows}
     print("| depth | dad img/s | backprop-graphed img/s | ratio | dad peak MiB | backprop peak MiB |")
     print("|---|---|---|---|---|---|")

@@ -23,7 +23,9 @@ extracted folder on PYTHONPATH; ``--wheel-dir``). Runs go to a pool of ``--worke
     python benchmarks/accuracy.py --smoke                        # seconds, CPU, synthetic data (both modes)
     python benchmarks/accuracy.py --wheel-dir W --workers 8      # full grid (GPU)
     python benchmarks/accuracy.py --time-to-target               # adds time_to_97_5_s (CUDA)
-    python benchmarks/accuracy.py --plot-only                    # PNGs from results/accuracy.json
+    python benchmarks/accuracy.py --plot-only                    # results/accuracy.png from the last grid run
+
+Every study adds a run to ``results/accuracy.json`` (``--out``: another record); its options are its configuration.
 """
 
 from __future__ import annotations
@@ -325,7 +327,8 @@ def summarise(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def plot(records: list[dict[str, Any]], out: Path) -> list[Path]:
-    """Test accuracy against epoch and against training wall time, one panel per dataset."""
+    """Test accuracy against epoch (top row) and against training wall time (bottom row), one column per
+    dataset, into ``out``'s .png."""
     try:
         import matplotlib
 
@@ -339,10 +342,9 @@ def plot(records: list[dict[str, Any]], out: Path) -> list[Path]:
     if not datasets:
         return []
     longest = {ds: max(k[1] for k in summary if k[0] == ds) for ds in datasets}
-    paths = []
-    for axis, name in (("epoch", f"{out.stem}_vs_epoch.png"), ("train_s", f"{out.stem}_vs_time.png")):
-        fig, axes = plt.subplots(1, len(datasets), figsize=(6 * len(datasets), 4.5), squeeze=False)
-        for ax, ds in zip(axes[0], datasets):
+    fig, axes = plt.subplots(2, len(datasets), figsize=(6 * len(datasets), 9), squeeze=False)
+    for row, axis in enumerate(("epoch", "train_s")):
+        for ax, ds in zip(axes[row], datasets):
             for (d, ep, system), s in sorted(summary.items()):
                 if d != ds or ep != longest[ds]:
                     continue
@@ -362,12 +364,11 @@ def plot(records: list[dict[str, Any]], out: Path) -> list[Path]:
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
             ax.set_ylim(bottom=max(ax.get_ylim()[0], ax.get_ylim()[1] - 8))  # the last 8pp hold the story
-        fig.tight_layout()
-        path = out.parent / name
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        paths.append(path)
-    return paths
+    fig.tight_layout()
+    path = out.with_suffix(".png")
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return [path]
 
 
 # ------------------------------------------------------------------------------------------ main
@@ -410,10 +411,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--time-to-target", action="store_true", help="add time_to_97_5_s (MNIST, CUDA graphs)")
     parser.add_argument("--ttt-lrs", type=float, nargs="+", default=[1e-3, 3e-3])
     parser.add_argument("--ttt-max-epochs", type=int, default=20)
-    parser.add_argument("--out", default=None, help="results JSON (default results/accuracy.json)")
+    parser.add_argument("--out", default=None, help="record path (default results/accuracy.json)")
     parser.add_argument("--plot-only", action="store_true", help="re-plot and re-summarise an existing JSON")
     parser.add_argument("--resume", default=None,
-                        help="an earlier results JSON (with --menu also a .runs.jsonl log): keep its runs, run only "
+                        help="an earlier record (its last run of the mode) or list of rows (with --menu also a "
+                        ".runs.jsonl log): keep its runs, run only "
                         "the missing ones (and time to target)")
     parser.add_argument("--option-lrs", nargs="+", default=None,
                         help="lr grid for the option systems (dad+..., backprop+cosine); default --lrs; 'best' = "
@@ -425,16 +427,19 @@ def main() -> None:
     parser = build_parser()
     args = parser.parse_args()
     sys.path.insert(0, str(HERE))
+    from _common import read_runs, record_path, run_config, write_run
+
+    locations = ["mnist_npz", "fmnist_dir", "ng_root", "wheel_dir"]
+    args.config = run_config(args, parser, exclude=["plot_only", "merge", "resume", *locations])
     if (args.menu or args.smoke) and _menu_mode(args, parser):
         return
     args.systems = args.systems or [*DAD_SYSTEMS, *BACKPROP_SYSTEMS, WHEEL]
-    from _common import RESULTS
-
-    out = Path(args.out) if args.out else RESULTS / ("accuracy.smoke.json" if args.smoke else "accuracy.json")
+    out = record_path("accuracy", smoke=args.smoke, out=args.out)
     if args.plot_only:
-        records = [r for r in json.loads(out.read_text()) if r.get("kind") != "summary"]
+        run = [run for run in read_runs(out) if "menu" not in run["config"]][-1]
+        records = [r for r in run["results"] if r.get("kind") != "summary"]
         records += summarise(records)
-        out.write_text(json.dumps(records, indent=1) + "\n")
+        write_run("accuracy", records, config=run["config"], out=out, env=run["environment"])
         print("\n".join(str(p) for p in plot(records, out)))
         return
     _grid_options(args, parser)
@@ -455,7 +460,8 @@ def _menu_mode(args: argparse.Namespace, parser: argparse.ArgumentParser) -> boo
         menu_main(args)
         return True
     # --smoke covers both modes: the menu study on synthetic data (2 seeds), then the grid
-    menu_main(argparse.Namespace(**{**vars(args), "menu": "smoke", "seeds": [0, 1], "out": None, "device": "cpu"}))
+    menu_main(argparse.Namespace(**{**vars(args), "menu": "smoke", "seeds": [0, 1], "out": None, "device": "cpu",
+                                    "config": {**args.config, "menu": "smoke"}}))
     return False
 
 
@@ -481,7 +487,7 @@ def _option_lrs(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Ca
     if args.option_lrs == ["best"]:
         if not args.resume:
             parser.error("--option-lrs best needs --resume (the base systems' runs)")
-        for entry in summarise(json.loads(Path(args.resume).read_text())):
+        for entry in summarise(grid_rows(Path(args.resume))):
             if entry["epochs"] == max(args.epochs):
                 base_best[(entry["dataset"], entry["system"])] = entry["lr"]
     elif args.option_lrs:
@@ -534,12 +540,23 @@ def grid_jobs(args: argparse.Namespace, parser: argparse.ArgumentParser, tmp: Pa
     return jobs
 
 
+def grid_rows(path: Path) -> list[dict[str, Any]]:
+    """The rows of a record's last grid run (one without ``--menu``) or of a list of rows, each with its run's
+    environment."""
+    from _common import read_runs
+
+    grids = [run for run in read_runs(path) if "menu" not in run["config"]]
+    if not grids:
+        raise ValueError(f"{path} holds no grid run (every run is a --menu study)")
+    return [{**grids[-1]["environment"], **row} for row in grids[-1]["results"]]
+
+
 def _resume(args: argparse.Namespace, jobs: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """``(jobs still to run, earlier records)`` under ``--resume`` (earlier runs count as done; their
     epoch-3 points are derived again)."""
     if not args.resume:
         return jobs, []
-    earlier = [r for r in json.loads(Path(args.resume).read_text())
+    earlier = [r for r in grid_rows(Path(args.resume))
                if r.get("kind") == "run" and "test_acc" in r and "from_curve_of" not in r]
     done = {(r["dataset"], r["system"], r["lr"], r["seed"], r["epochs"]) for r in earlier}
 
@@ -606,7 +623,7 @@ def curve_points(records: list[dict[str, Any]], epochs: list[int]) -> list[dict[
 
 def grid_main(args: argparse.Namespace, parser: argparse.ArgumentParser, out: Path) -> None:
     """The grid: every system at every lr, seed and epoch count; summaries, time to target, plots."""
-    from _common import environment
+    from _common import environment, write_run
 
     env = environment()
     started = time.perf_counter()
@@ -629,8 +646,7 @@ def grid_main(args: argparse.Namespace, parser: argparse.ArgumentParser, out: Pa
     elif args.time_to_target:
         print("time_to_97_5_s: skipped (needs CUDA)")
     records += summarise(records)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(records, indent=1) + "\n")
+    write_run("accuracy", records, config=args.config, out=out, env=env)
     for s in (r for r in records if r.get("kind") == "summary"):
         print(f"SUMMARY {s['dataset']:8} ep={s['epochs']:>2} {s['system']:16} lr={s['lr']:<7g} "
               f"{100 * s['test_acc_mean']:6.2f} +- {100 * s['test_acc_std']:.2f}% (n={s['seeds']})"

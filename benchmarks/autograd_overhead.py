@@ -33,7 +33,7 @@ lazily created moments count as static state): on CPU from the allocator events 
 (parameters, optimizer moments) is reported separately.
 
     python benchmarks/autograd_overhead.py                 # CPU, about 2 minutes on 1 thread
-    python benchmarks/autograd_overhead.py --device cuda   # GPU, fp32 + bf16 autocast -> *_cuda.json
+    python benchmarks/autograd_overhead.py --device cuda   # GPU, fp32 + bf16 autocast
     python benchmarks/autograd_overhead.py --smoke         # seconds, for CI
 """
 
@@ -48,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_dad as td
-from _common import environment, median_time, write_records
+from _common import environment, median_time, run_config, write_run
 
 SYSTEMS = ("linear+adamw", "linear+adamw-fused", "dad-inplace", "dad-grad", "dad-inplace-late")
 TRITON_SYSTEM = "dad-inplace-triton"
@@ -244,7 +244,7 @@ def main() -> None:
     records = []
     for workload, shape in shapes.items():
         for dtype in dtypes:
-            rows = [{**r, **env} for r in measure(workload, shape, dtype, device, args.smoke, args.repeats)]
+            rows = measure(workload, shape, dtype, device, args.smoke, args.repeats)
             base = next(r for r in rows if r["system"] == "linear+adamw-fused")
             for r in rows:
                 r["time_vs_fused_adamw"] = r["step_ms"] / base["step_ms"]
@@ -255,8 +255,7 @@ def main() -> None:
                     f"  static {r['static_bytes'] / 2**20:7.2f} MiB  loss {r['final_loss']:.4f}"
                 )
             records += rows
-    name = "autograd_overhead" if device.type == "cpu" else f"autograd_overhead_{device.type}"
-    print("wrote", write_records(name, records, args.smoke))
+    print("wrote", write_run("autograd_overhead", records, config=run_config(args, parser), smoke=args.smoke, env=env))
 
 
 if __name__ == "__main__":

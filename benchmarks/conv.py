@@ -38,7 +38,7 @@ from typing import Any
 import torch
 
 import torch_dad as td
-from _common import cuda_step_memory, environment, median_time, write_records
+from _common import cuda_step_memory, median_time, run_config, write_run
 from _gpu_common import capture
 
 VGG8B: tuple[int | str, ...] = (128, 256, "M", 256, 512, "M", 512, "M", 512, "M")
@@ -332,16 +332,17 @@ def main() -> None:
     parser.add_argument("--memory", action="store_true", help="CUDA: step time and peak memory at batch 256/1024")
     parser.add_argument("--smoke", action="store_true", help="seconds on synthetic data, for CI")
     args = parser.parse_args()
+    config = run_config(args, parser)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.smoke:
         args.width_scale, args.epochs, args.batch, args.device = 32, 1, 64, "cpu"
         args.systems, args.grids = ["dad", "dad+cosine", "backprop"], [1, 2]
     if args.memory:
-        write_records("conv_memory", [{"environment": environment()}, *memory_mode(args)], args.smoke)
+        write_run("conv", memory_mode(args), config=config, smoke=args.smoke)
         return
     train, test = load(args)
-    records: list[dict[str, Any]] = [{"environment": environment(), "args": vars(args)}]
+    records: list[dict[str, Any]] = []
     for seed in args.seeds:
         for system in args.systems:
             grids = args.grids if system == "dad" else [4]
@@ -361,7 +362,7 @@ def main() -> None:
                 }
                 print(record)
                 records.append(record)
-    print(write_records("conv", records, args.smoke))
+    print(write_run("conv", records, config=config, smoke=args.smoke))
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 import torch_dad as td
-from _common import DADMLP, backprop_mlp, environment, median_time, write_records
+from _common import DADMLP, backprop_mlp, median_time, run_config, write_run
 
 WIDTHS = [784, 1024, 512, 256]
 CLASSES = 10
@@ -109,7 +109,6 @@ def main() -> None:
     widths = [64, 48, 32] if args.smoke else WIDTHS
     batches = [64] if args.smoke else args.batch
     repeats, warmup, rounds = (3, 1, 1) if args.smoke else (args.repeats, 5, args.rounds)
-    env = environment()
     records = []
     for batch in batches:
         torch.manual_seed(0)
@@ -142,13 +141,13 @@ def main() -> None:
                   "floor_dad_ms": floor_dad, "floor_backprop_ms": floor_bp, "floor_ratio": floor_bp / floor_dad,
                   "measured_ratio": ms["backprop-step"] / ms["dad-step"],
                   "dad_step_over_floor": ms["dad-step"] / floor_dad,
-                  "backprop_step_over_floor": ms["backprop-step"] / floor_bp, **env}
+                  "backprop_step_over_floor": ms["backprop-step"] / floor_bp}
         records.append(record)
         print(f"B={batch}: floors DAD {floor_dad:.2f} ms, backprop {floor_bp:.2f} ms -> ratio {record['floor_ratio']:.3f}; "
               f"steps DAD {ms['dad-step']:.2f} ms, backprop {ms['backprop-step']:.2f} ms -> ratio "
               f"{record['measured_ratio']:.3f}; GEMMs {ms['dad-gemms']:.2f} / {ms['backprop-gemms']:.2f} ms, "
               f"AdamW {ms['dad-adamw']:.2f} / {ms['backprop-adamw']:.2f} ms", flush=True)
-    path = write_records("cpu_floor", records, args.smoke)
+    path = write_run("cpu_floor", records, config=run_config(args, parser), smoke=args.smoke)
     print("wrote", path)
 
 

@@ -5,11 +5,11 @@ Same synthetic batches for every system, warm-up, median of repeats. Systems:
 (``AdamW(fused=True)``). Two protocols:
 
 - default: all systems in this process, interleaved in rounds, median round
-  (``results/cpu_throughput.json``);
+  (one run of ``results/cpu_throughput.json``);
 - ``--isolated N``: every measurement in a fresh process of its own (one system, one model,
   as a training script runs), N rounds with the order of the systems rotated each round, and
   the per-round ratio ``dad img/s / backprop img/s`` summarised by its median and quartiles
-  (``results/cpu_throughput_isolated.json``). In one process the systems share glibc's
+  (another run of it). In one process the systems share glibc's
   allocator, whose history changes backprop's page faults (0 to ~3,100 a step at B=1024).
 
     python benchmarks/cpu_throughput.py                  # in-process (about 2 minutes on 2 cores)
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 import torch_dad as td
-from _common import DADMLP, backprop_mlp, environment, median_time, write_records
+from _common import DADMLP, backprop_mlp, environment, median_time, run_config, write_run
 
 TOPOLOGIES = {"mnist-medium-3": [784, 1024, 512, 256], "fmnist-wide-2": [784, 4096, 4096]}
 SYSTEMS = ("dad", "backprop-eager", "backprop-eager-fused")
@@ -143,11 +143,13 @@ def main() -> None:
     warmup, repeats = (1, 3) if args.smoke else (args.warmup, args.repeats)
     if args.isolated or args.smoke:
         records = isolated(topologies, batches, max(1, args.isolated) if not args.smoke else 1, warmup, repeats)
-        print("wrote", write_records("cpu_throughput_isolated", records, args.smoke))
+        config = run_config(args, parser) | {"protocol": "isolated"}
+        print("wrote", write_run("cpu_throughput", records, config=config, smoke=args.smoke))
         if args.isolated:
             return
     records = in_process(topologies, batches, 1 if args.smoke else args.rounds, warmup, repeats)
-    print("wrote", write_records("cpu_throughput", records, args.smoke))
+    config = run_config(args, parser) | {"protocol": "in-process"}
+    print("wrote", write_run("cpu_throughput", records, config=config, smoke=args.smoke))
 
 
 if __name__ == "__main__":

@@ -7,7 +7,7 @@ H200), so both GPUs are busy with real work, 16 layers split into 2 pipeline sta
 near-equal cost, and each layer's gradient (64 MiB fp32) is small next to its compute,
 which is what data parallelism needs.
 
-Records (``results/distributed.json``): ``{mode, gpus, topology, batch, img_per_s, ...}``;
+Rows of a run in ``results/distributed.json``: ``{mode, gpus, topology, batch, img_per_s, ...}``;
 ``batch`` is rows per optimizer step (data-parallel: the global batch, ``per_gpu_batch``
 rows on each GPU). Speed-ups compare with ``single`` at the per-GPU batch. Timing: warm-up,
 then the median of ``--repeats`` windows of ``--steps`` steps, each ended by a CUDA sync
@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 import torch_dad as td
-from _common import DADMLP, RESULTS, environment
+from _common import DADMLP, environment, record_path, run_config, write_run
 from conv import DADVGG
 from torch_dad.training import Batch, DataParallelTrainer, Pipeline
 from torch_dad.training.pipeline import partition_layers
@@ -146,8 +146,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--depth", type=int, default=16)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--out", type=Path, default=None, help="JSON path (default results/distributed.json)")
+    parser.add_argument("--out", type=Path, default=None, help="record path (default results/distributed.json)")
     args = parser.parse_args()
+    args.config = run_config(args, parser)
     args.batch = args.batch or ([16384, 65536] if args.net == "mlp" else [256, 1024])
     if args.smoke:
         args.batch, args.width, args.depth, args.steps, args.repeats = [32], 24, 3, 3, 2
@@ -197,11 +198,11 @@ class Bench:
         self.cpu_group = dist.new_group(backend="gloo")  # barriers that never touch a GPU
         self.amp = torch.bfloat16 if self.cuda else None
         self.warmup = 3 if self.cuda else 1
-        self.out = args.out or RESULTS / ("distributed.smoke.json" if args.smoke else "distributed.json")
+        self.out = record_path("distributed", smoke=args.smoke, out=args.out)
         topology = (f"{'smoke' if args.smoke else 'cifar'}-{self.d_in}-{args.depth}x{args.width}" if args.net == "mlp"
                     else f"vgg8b/{self.vgg_scale}-28x28")
-        env = {**environment(), "gpu_link": gpu_link() if self.cuda and self.world > 1 else "none"}
-        self.common = {"gpus": self.world if self.cuda else 0, "topology": topology, "amp_dtype": str(self.amp), **env}
+        self.env = {**environment(), "gpu_link": gpu_link() if self.cuda and self.world > 1 else "none"}
+        self.common = {"gpus": self.world if self.cuda else 0, "topology": topology, "amp_dtype": str(self.amp)}
         self.records: list[dict[str, Any]] = []
         self.has_backend = "backend" in inspect.signature(td.DADTrainer.__init__).parameters
         self.eager: dict[str, Any] = {"backend": "eager"} if self.has_backend else {}
@@ -224,8 +225,7 @@ class Bench:
         if self.rank == 0:
             keys = ("mode", "variant", "batch", "img_per_s", "speedup_vs_single", "speedup_vs_single_default")
             print(json.dumps({k: record[k] for k in keys if k in record}), flush=True)
-            self.out.parent.mkdir(parents=True, exist_ok=True)
-            self.out.write_text(json.dumps(self.records, indent=2) + "\n")
+            write_run("distributed", self.records, config=self.args.config, out=self.out, env=self.env)
 
     def _release(self) -> None:
         if self.cuda:

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from _common import environment, write_records
+from _common import run_config, write_run
 from torch_dad import DADAutogradLinear, data
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -70,16 +70,15 @@ def main() -> None:
     else:
         splits = data.mnist()
         plan = {60_000: [0, 1], 10_000: [0, 1, 2, 3]}
-    env = environment()
     records = []
     for size, seeds in plan.items():
         for seed in seeds:
             for variant in VARIANTS:
                 accuracy = readme_accuracy(size, seed, variant, splits)
                 records.append({"train_images": size, "seed": seed, "system": variant, "test_accuracy": accuracy,
-                                "epochs": 1, "batch": 64, **env})
+                                "epochs": 1, "batch": 64})
                 print(f"{size:>6} images  seed {seed}  {variant:18s} {accuracy:.4f}", flush=True)
-    print("wrote", write_records("dropin_mnist", records, args.smoke))
+    print("wrote", write_run("dropin_mnist", records, config=run_config(args, parser), smoke=args.smoke))
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ optimizer state, Gram statistics, data); "above static" is ``max_memory_allocate
 the step minus that. Both systems run op by op (``DADTrainer(backend="fused")`` and autocast
 backprop): inside a CUDA graph replay the allocator is not called, so peaks would not show.
 Also records ``dad-graph-pool``: the memory a captured DAD step holds as its private pool.
-Writes ``results/gpu_memory.json``. ``--smoke``: CPU, tiny, no memory numbers.
+Adds a run to ``results/gpu_memory.json``. ``--smoke``: CPU, tiny, no memory numbers.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_dad as td
-from _common import DADMLP, backprop_mlp, cuda_step_memory, environment, write_records
+from _common import DADMLP, backprop_mlp, cuda_step_memory, environment, run_config, write_run
 
 MIB = 2**20
 
@@ -71,7 +71,7 @@ def _measure(step, device: torch.device, extra: dict | None = None) -> dict:  # 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="record path (default results/gpu_memory.json)")
     args = parser.parse_args()
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
@@ -92,10 +92,7 @@ def main() -> None:
             print(json.dumps(records[-1]), flush=True)
             if cuda:
                 torch.cuda.empty_cache()
-    path = write_records("gpu_memory", records, args.smoke)
-    if args.out:
-        with open(args.out, "w") as fh:
-            fh.write(json.dumps(records, indent=2) + "\n")
+    path = write_run("gpu_memory", records, config=run_config(args, parser), smoke=args.smoke, out=args.out, env=env)
     print(f"-> {path}")
     for r in records:
         print(f"{r['system']:15} {r['depth']:>3}x{r['width']} B={r['batch']:<6} static {r['static_mib']:>9.0f} "

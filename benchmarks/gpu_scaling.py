@@ -1,8 +1,8 @@
 """Throughput and peak memory against depth: ``dad`` vs ``backprop-graphed``.
 
 MLPs of 2, 4, 8, 16, 32 hidden layers of 1024, B=4096, bf16, AdamW, fp32 inputs on the GPU;
-CUDA events, 20 warm-up steps, median of 5 repeats of 30 steps. Writes
-``results/gpu_scaling.json`` and, with matplotlib, ``results/gpu_scaling.png``
+CUDA events, 20 warm-up steps, median of 5 repeats of 30 steps. Adds a run to
+``results/gpu_scaling.json`` and, with matplotlib, draws its last run into ``results/gpu_scaling.png``
 (``--plot-only`` redraws the PNG from the JSON). ``--smoke``: CPU, tiny.
 """
 
@@ -11,15 +11,17 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 
-from _common import RESULTS, environment, write_records
+from _common import RESULTS, environment, read_runs, record_path, run_config, write_run
 from _gpu_common import backprop_graphed, cuda_sync, dad_system, make_data, time_steps
 
 
-def plot(records: list[dict], path: Path) -> bool:
-    """Two panels: img/s and peak MiB against depth, one line per system. ``False`` without matplotlib."""
+def plot(run: dict[str, Any], path: Path) -> bool:
+    """Two panels of one run: img/s and peak MiB against depth, one line per system. ``False`` without
+    matplotlib."""
     try:
         import matplotlib
 
@@ -27,6 +29,7 @@ def plot(records: list[dict], path: Path) -> bool:
         import matplotlib.pyplot as plt
     except ImportError:
         return False
+    records = run["results"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for system in sorted({r["system"] for r in records}):
         rows = sorted((r for r in records if r["system"] == system), key=lambda r: r["depth"])
@@ -40,8 +43,8 @@ def plot(records: list[dict], path: Path) -> bool:
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    r0 = records[0]
-    fig.suptitle(f"B={r0['batch']}, bf16, {r0['device']}, torch {r0['torch']}")
+    env = run["environment"]
+    fig.suptitle(f"B={records[0]['batch']}, bf16, {env['device']}, torch {env['torch']}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
     return True
@@ -51,11 +54,10 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--plot-only", action="store_true")
-    parser.add_argument("--out", default=None)
+    parser.add_argument("--out", default=None, help="record path (default results/gpu_scaling.json)")
     args = parser.parse_args()
     if args.plot_only:
-        records = json.loads((RESULTS / "gpu_scaling.json").read_text())
-        print("plot:", plot(records, RESULTS / "gpu_scaling.png"))
+        print("plot:", plot(read_runs(record_path("gpu_scaling", out=args.out))[-1], RESULTS / "gpu_scaling.png"))
         return
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
@@ -85,11 +87,10 @@ def main() -> None:
                             "peak_mib": torch.cuda.max_memory_allocated() / 2**20 if cuda else float("nan"), **env})
             print(json.dumps(records[-1]), flush=True)
             del fn
-    path = write_records("gpu_scaling", records, args.smoke)
-    if args.out:
-        Path(args.out).write_text(json.dumps(records, indent=2) + "\n")
-    if not args.smoke:
-        print("plot:", plot(records, RESULTS / "gpu_scaling.png"))
+    path = write_run("gpu_scaling", records, config=run_config(args, parser, exclude=["plot_only"]), smoke=args.smoke,
+                     out=args.out, env=env)
+    if not args.smoke and args.out is None:
+        print("plot:", plot(read_runs(path)[-1], RESULTS / "gpu_scaling.png"))
     print(f"-> {path}")
 
 

@@ -18,13 +18,13 @@ rotated over 8 batches), bf16 compute, fp32 master weights, AdamW:
 given the same recipe (backprop's label smoothing in its loss, its dropout from torch's graph-safe generator).
 
 ``--deterministic`` runs everything under ``torch.use_deterministic_algorithms(True)`` (``CUBLAS_WORKSPACE_CONFIG``
-``:4096:8`` unless set; ``warn_only``, so an op without a deterministic version still runs) and writes
-``results/gpu_throughput_deterministic.json``: against the same run without it, what the mode costs (the
-local-error kernel then adds every sum once, without atomics).
+``:4096:8`` unless set; ``warn_only``, so an op without a deterministic version still runs): against the same
+run without it, what the mode costs (the local-error kernel then adds every sum once, without atomics).
 
 Timing: CUDA events around 50 steps, median of 5 repeats, in 3 interleaved rounds (median of rounds),
 each preceded by 20 steps and 0.3 s of warm-up (the graph is
-captured during warm-up). Writes ``results/gpu_throughput.json``. ``--smoke``: CPU, tiny sizes.
+captured during warm-up). Adds a run (its options are its configuration) to ``results/gpu_throughput.json``.
+``--smoke``: CPU, tiny sizes.
 
 Run: python benchmarks/gpu_throughput.py [--wheel .whl/torch_dad-2026.5.24-py3-none-any.whl]
      python benchmarks/gpu_throughput.py --topologies localloss-3x1024 --batches 128,256 \
@@ -47,7 +47,7 @@ from typing import Any
 
 import torch
 
-from _common import environment, write_records
+from _common import environment, run_config, write_run
 from _gpu_common import (
     TOPOLOGIES,
     Recipe,
@@ -142,8 +142,8 @@ def main() -> None:
     parser.add_argument("--topologies", nargs="+", default=None, help="default: the four of docs/benchmarks.md")
     parser.add_argument("--recipes", nargs="+", default=None, help='recipe specs, e.g. "" "norm=batchnorm,ls=0.1"')
     parser.add_argument("--deterministic", action="store_true",
-                        help="run under torch.use_deterministic_algorithms(True) (writes gpu_throughput_deterministic)")
-    parser.add_argument("--out", default=None, help="write the JSON here instead of results/")
+                        help="run under torch.use_deterministic_algorithms(True)")
+    parser.add_argument("--out", default=None, help="record path (default results/gpu_throughput.json)")
     args = parser.parse_args()
     if args.deterministic:
         # cuBLAS reads this when its first handle is made, so before any CUDA work
@@ -180,12 +180,7 @@ def main() -> None:
         for row in run_wheel(args.wheel, jobs, args.wheel_timeout):
             records.append({**row, "system": "wheel-2026.5.24", "flop_ratio": flop_ratio(*topologies[row["topology"]]), **env})
             print(json.dumps(records[-1]), flush=True)
-    name = "gpu_throughput" if args.recipes is None else "gpu_throughput_recipes"
-    if args.out:  # instead of the default record, which a partial run must not overwrite
-        path = Path(args.out)
-        path.write_text(json.dumps(records, indent=2) + "\n")
-    else:
-        path = write_records(f"{name}_deterministic" if args.deterministic else name, records, args.smoke)
+    path = write_run("gpu_throughput", records, config=run_config(args, parser), smoke=args.smoke, out=args.out, env=env)
     print(f"\n{env['device']}  torch {env['torch']}  -> {path}")
     print_table(records)
 

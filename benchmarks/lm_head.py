@@ -30,10 +30,11 @@ there); ``step_ms`` = median of CUDA-event timed steps after warm-up (p20/p80 to
 a step started on an idle GPU (a step with ``host_ms`` near ``step_ms`` is bound by its launches).
 ``loss_30``: every system starts from the same weights and trains ``--loss-steps`` steps over the same 4 cycled
 batches; the loss of the last step. ``--profile`` adds ``kernels_ms``: each system's CUDA kernel time per step by
-category (GEMMs, cross-entropy, AdamW, casts and copies, reductions and fills, other; ``torch.profiler``). Writes
-``results/lm_head.json`` (or ``--out``).
+category (GEMMs, cross-entropy, AdamW, casts and copies, reductions and fills, other; ``torch.profiler``). Adds a
+run to ``results/lm_head.json`` (or ``--out``) and draws it into ``results/lm_head.png`` (:func:`plot_tradeoff`).
 
     python benchmarks/lm_head.py                 # H200, both shapes
+    python benchmarks/lm_head.py --plot          # redraw results/lm_head.png from the record's last run
     python benchmarks/lm_head.py --smoke         # CPU, seconds, tiny shapes (CI): the CUDA-only peers are skipped
 """
 
@@ -41,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import statistics
 import sys
 import time
@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from _common import cuda_step_memory, environment, graph_pool_slack, write_records
+from _common import RESULTS, cuda_step_memory, environment, graph_pool_slack, read_runs, run_config, write_run
 from torch_dad.nn.lm_head import DADLMHead
 from torch_dad.ops.linear_cross_entropy import resolve_backend
 
@@ -393,12 +393,13 @@ def main() -> None:
                         "sweep='recompute', cuda_graphs=True)")
     parser.add_argument("--peer-graphs", action="store_true",
                         help="also the unfused step (forward, backward, AdamW) replayed whole from a CUDA graph")
-    parser.add_argument("--out", type=Path, default=None, help="JSON path (default results/lm_head.json)")
-    parser.add_argument("--plot", type=Path, default=None,
-                        help="only draw RESULTS.json's step time against peak memory into RESULTS.png")
+    parser.add_argument("--out", type=Path, default=None, help="record path (default results/lm_head.json)")
+    parser.add_argument("--plot", type=Path, nargs="?", const=RESULTS / "lm_head.json", default=None, metavar="RECORD",
+                        help="only draw the last run of RECORD (default results/lm_head.json): step time against "
+                        "peak memory, into RECORD's .png")
     args = parser.parse_args()
     if args.plot is not None:
-        print("wrote", plot_tradeoff(json.loads(args.plot.read_text()), args.plot.with_suffix(".png")))
+        print("wrote", plot_tradeoff(read_runs(args.plot)[-1]["results"], args.plot.with_suffix(".png")))
         return
     device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
     if args.smoke:
@@ -423,12 +424,11 @@ def main() -> None:
             report(row)
         records += rows
         del data
-    if args.out is not None:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(records, indent=2) + "\n")
-        print("wrote", args.out)
-    else:
-        print("wrote", write_records("lm_head", records, args.smoke))
+    path = write_run("lm_head", records, config=run_config(args, parser, exclude=["plot"]), smoke=args.smoke,
+                     out=args.out, env=env)
+    print("wrote", path)
+    if not args.smoke and args.out is None:
+        print("wrote", plot_tradeoff(records, path.with_suffix(".png")))
 
 
 PEERS = ("liger-adamw", "cce-adamw")

@@ -10,7 +10,7 @@ slice ``s``. Per shape (8192 tokens, bf16) this times, in one process:
 - ``vocab_slice_backward`` whole (``dL/dh`` included) with and without the fused kernel, and their ``dL/dh``'s
   relative difference.
 
-Times are medians of ``triton.testing.do_bench``. Writes ``results/lm_head_slice_kernel.json``.
+Times are medians of ``triton.testing.do_bench``. Adds a run to ``results/lm_head_slice_kernel.json``.
 
     python benchmarks/lm_head_slice_kernel.py            # H200: SmolLM2 and Llama-3 8B heads
     python benchmarks/lm_head_slice_kernel.py --smoke    # CPU: lists the candidate tiles, launches nothing
@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from _common import environment, write_records
+from _common import environment, run_config, write_run
 
 SHAPES = {"smollm2": (49152, 576), "llama3-8b": (128256, 4096)}
 TOKENS = 8192
@@ -139,7 +139,7 @@ def main() -> None:
             record.update(shape=shape, tokens=TOKENS, vocab=vocab, hidden=hidden, dtype="bfloat16", **env)
             print({k: v for k, v in record.items() if k not in env})
             records.append(record)
-    print(f"wrote {write_records('lm_head_slice_kernel', records, False)}")
+    print(f"wrote {write_run('lm_head_slice_kernel', records, config=run_config(args, parser), env=env)}")
 
 
 if __name__ == "__main__":

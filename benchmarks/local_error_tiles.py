@@ -4,7 +4,7 @@ For each layer-output shape (rows M x width N, C classes) and dtype, every candi
 ``torch_dad.kernels.local_error`` (row tiles, row split, one-pass or two kernels) is checked against the
 default configuration's result and then timed: 20 calls captured in one CUDA graph, replayed after a
 warm-up, median of 5 replays, per call. Its purpose is to choose ``default_tiles``; a record says which
-candidate was fastest and how the default compares. Writes ``results/local_error_tiles.json``.
+candidate was fastest and how the default compares. Adds a run to ``results/local_error_tiles.json``.
 
     python benchmarks/local_error_tiles.py                                       # H200: M 128/256, fp32 and bf16
     python benchmarks/local_error_tiles.py --shapes 128x1024 --dtypes fp32 --tf32
@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from _common import environment, write_records
+from _common import environment, run_config, write_run
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -130,7 +130,7 @@ def main() -> None:
         # the kernels need CUDA (the kernel tests run them under triton's interpreter)
         counts = {name: len(_swept(args, DTYPES[name])) for name in args.dtypes}
         print(f"no timing without CUDA; candidates per shape: {counts}")
-        write_records("local_error_tiles", [{"candidates": counts, **environment()}], smoke=True)
+        write_run("local_error_tiles", [{"candidates": counts}], config=run_config(args, parser), smoke=True)
         return
     try:
         shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes]
@@ -147,7 +147,7 @@ def main() -> None:
         records.append(record)
         print(f"{m}x{n} {name}: default {record['default_us']} us, best {record['best_us']} us {record['best']}, "
               f"all match: {record['all_match']}", flush=True)
-    print(f"wrote {write_records('local_error_tiles', records, args.smoke)}")
+    print(f"wrote {write_run('local_error_tiles', records, config=run_config(args, parser), smoke=args.smoke, env=env)}")
 
 
 if __name__ == "__main__":

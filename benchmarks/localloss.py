@@ -36,24 +36,22 @@ graph serves every step.
     python benchmarks/localloss.py --net vgg8b --dataset fmnist     # the conv net
     python benchmarks/localloss.py --smoke [--net vgg8b]            # seconds, CPU, synthetic 28x28 data
 
-Writes ``results/localloss_<net>.json`` (or ``--out``).
+Adds a run to ``results/localloss.json`` (or ``--out``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 import torch_dad as td
-from _common import DADMLP, backprop_mlp, environment, write_records
+from _common import DADMLP, backprop_mlp, environment, run_config, write_run
 from _gpu_common import GraphedBackprop, cuda_sync
 from conv import DADVGG, backprop_vgg
 
@@ -277,13 +275,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tf32", action="store_true", help="TF32 products for fp32 matmuls, every system")
     parser.add_argument("--amp", choices=("bf16",), default=None,
                         help="bf16 autocast (backprop) / amp_dtype (DAD) over fp32 master weights, every system")
-    parser.add_argument("--out", default=None, help="results JSON (default results/localloss_<net>.json)")
+    parser.add_argument("--out", default=None, help="record path (default results/localloss.json)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     args = parser.parse_args()
     if args.epochs is not None and args.epochs < 1:
         parser.error(f"--epochs {args.epochs} must be at least 1")
     if args.dropout is not None and not 0.0 <= args.dropout < 1.0:
         parser.error(f"--dropout {args.dropout} must be in [0, 1)")
+    args.config = run_config(args, parser, exclude=["mnist_npz", "fmnist_dir"])
     return args
 
 
@@ -318,11 +317,7 @@ def main() -> None:
                 f", {k} {record[k]:.2%}" for k in ("test_acc_local_head", "test_acc_solve_head") if k in record
             )
             print(f"{system:8s} seed {seed}: test {record['test_acc']:.2%}{extra}, train {record['train_s']:.1f} s")
-    if args.out:
-        out = Path(args.out)
-        out.write_text(json.dumps(records, indent=2) + "\n")
-    else:
-        out = write_records(f"localloss_{args.net}", records, args.smoke)
+    out = write_run("localloss", records, config=args.config, smoke=args.smoke, out=args.out, env=env)
     print(f"wrote {out}")
 
 

@@ -10,7 +10,7 @@ on (B, 256, 28, 28), (B, 512, 14, 14), (B, 512, 7, 7) and (B, 512, 3, 3), derive
 Forward alone, backward alone (from a stored argmax) and the two together, each as ``--calls`` calls
 captured in one CUDA graph (no launch overhead, as in the DAD step's graph), replayed after a warm-up;
 the median over ``--replays`` replays timed with CUDA events, per call. Before timing, both pairs'
-``out`` and ``d_h`` are checked to be bit-equal. Writes ``results/max_pool.json``.
+``out`` and ``d_h`` are checked to be bit-equal. Adds a run to ``results/max_pool.json``.
 
     python benchmarks/max_pool.py                     # CUDA (H200): batch 256 and 1024, bf16
     python benchmarks/max_pool.py --batches 1024 --replays 50
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from _common import environment, write_records
+from _common import run_config, write_run
 from _gpu_common import capture, time_steps
 from conv import layout
 from torch_dad.ops.pooling import max_pool2x2, max_pool2x2_backward
@@ -129,7 +129,7 @@ def main() -> None:
     if not args.smoke and not torch.cuda.is_available():
         parser.error("the A/B needs CUDA; use --smoke on CPU")
     scale, batches = (32, [2]) if args.smoke else (1, args.batches)
-    records: list[dict[str, Any]] = [{"environment": environment(), "args": vars(args)}]
+    records: list[dict[str, Any]] = []
     for batch in batches:
         per_shape = [{"batch": batch, **measure(s, torch.bfloat16, args)} for s in pool_shapes(batch, scale)]
         for record in per_shape + ([] if args.smoke else [totals(batch, per_shape)]):
@@ -137,7 +137,7 @@ def main() -> None:
             records.append(record)
     if not all(r["matches_aten"] for r in records if "matches_aten" in r):
         raise SystemExit("the two pairs disagree: see the records above")
-    print(write_records("max_pool", records, args.smoke))
+    print(write_run("max_pool", records, config=run_config(args, parser), smoke=args.smoke))
 
 
 if __name__ == "__main__":

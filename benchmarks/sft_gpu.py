@@ -55,15 +55,14 @@ step is bound by the host's Python and launches, whose speed drifts from run to 
 ``--full-determinism`` runs every system with ``SFTConfig(full_determinism=True)`` (deterministic kernels; recorded
 as ``full_determinism``): without it two runs of stock differ in loss by up to 1% late in a full fine-tune, which
 hides whether another system's loss stays within 1% of stock's; with it each system's runs are bit-identical on an
-H200 (``results/sft_gpu_full_deterministic.json``). ``--out`` is rewritten after every run, so a grid cut short by a
-time limit keeps its finished runs. ``--profile-steps N`` adds ``profile``:
-``torch.profiler`` over the N steps after the warm-up (wall and CUDA kernel time per step, kernel launches, the costliest kernels and host operators); those steps
+H200. ``--out`` is rewritten after every run, so a grid cut short by a time limit keeps its finished runs.
+``--profile-steps N`` adds ``profile``: ``torch.profiler`` over the N steps after the warm-up (wall and CUDA kernel time per step, kernel launches, the costliest kernels and host operators); those steps
 are left out of tokens/s. A system that fails leaves a row with ``error``, the end of its ``traceback`` and, when
 training itself raised, the model's facts (``param_dtypes_by_module`` among them). On CUDA every run
 is a fresh subprocess: fresh memory stats, and Liger's patches of transformers' Llama functions do not leak into
-the next system. Writes ``results/sft_gpu.json`` and ``results/sft_gpu.png`` (``--out`` for a part of the grid;
-``--merge`` joins parts and draws the plot where matplotlib is installed; ``--plot RECORDS.json`` prints one
-record's table and draws ``RECORDS.png``).
+the next system. Adds a run (its options are its configuration) to ``results/sft_gpu.json`` and draws it into
+``results/sft_gpu.png`` (``--out`` for a part of the grid; ``--merge`` adds the parts' runs and draws the last one
+where matplotlib is installed; ``--plot RECORDS.json`` prints the table of its last run and draws ``RECORDS.png``).
 
 On a GPU machine without network access (the H200 runs here: Python 3.12, torch, transformers, peft and
 accelerate installed), a git-ignored folder ``.gpu_trl/`` in the repository holds ``rt_tokens.pt`` and
@@ -86,8 +85,10 @@ with ``python -c "import huggingface_hub, numpy; print(huggingface_hub.__version
 older hub, add ``pip install -q --no-index --no-deps --upgrade --target /tmp/site-packages
 .gpu_trl/fallback/datasets-5.0.1-py3-none-any.whl`` (it needs ``requests`` installed).
 
-then, where the parts were copied back: ``python sft_gpu.py --merge sft_gpu_*.json`` (writes ``results/sft_gpu.json``
-and the plot). Time at the defaults (200 steps of 8 x 512 tokens), measured on an H200: ``smollm2-135m`` is
+then, where the parts were copied back: ``python sft_gpu.py --merge sft_gpu_*.json`` (adds their runs to
+``results/sft_gpu.json`` and draws the plot).
+
+Time at the defaults (200 steps of 8 x 512 tokens), measured on an H200: ``smollm2-135m`` is
 host-bound (30 small layers, a logged step every step): 135-140 ms a step in full mode and 170-180 ms with LoRA, so
 about 45 s per run, subprocess start included; its grid of 6 runs took 300 s, 8 runs take about 6.5 min.
 ``llama-1b`` does about 6 x 1.24e9 x 4096 = 3e13 FLOP a step (full; LoRA about 2/3): 105-123 ms a step, 33-37 s
@@ -125,7 +126,6 @@ import argparse
 import gc
 import importlib.metadata
 import importlib.util
-import json
 import math
 import os
 import statistics
@@ -140,7 +140,7 @@ from typing import Any
 
 import torch
 
-from _common import RESULTS, cuda_kernel_times, environment, write_records
+from _common import RESULTS, cuda_kernel_times, environment, latest_results, read_runs, run_config, write_run
 from sft_smollm2 import _package_dir, load_snippets
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -577,21 +577,20 @@ def run_isolated(system: str, shape: str, mode: str, args: argparse.Namespace) -
         proc = subprocess.run(cmd, check=False)
         if proc.returncode != 0 or not out.exists():
             return {"system": system, "shape": shape, "mode": mode, "error": f"subprocess exit {proc.returncode}"}
-        records: list[dict[str, Any]] = json.loads(out.read_text())
-        return records[0]
+        return latest_results(out)[0]
 
 
-def write_out(path: Path, records: list[dict[str, Any]]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(records, indent=2) + "\n")
+def grid_environment() -> dict[str, Any]:
+    """The run's environment: :func:`environment` and the package :func:`versions`."""
+    return {**environment(), "versions": versions()}
 
 
 def run_grid(args: argparse.Namespace, device: torch.device) -> list[dict[str, Any]]:
-    """Every selected (shape, mode, system), ``--repeats`` times; each row carries the environment, the package
-    versions and its ``repeat`` index. With ``--out`` the rows so far are rewritten after every run, so a grid
-    cut short by a time limit keeps its finished runs."""
+    """Every selected (shape, mode, system), ``--repeats`` times; each row carries its ``repeat`` index. With
+    ``--out`` the run so far is rewritten after every training, so a grid cut short by a time limit keeps its
+    finished trainings."""
     tokens = smoke_tokens(SMOKE_SHAPE["vocab_size"]) if args.smoke else torch.load(args.tokens)
-    env = {**environment(), "versions": versions()}
+    env = grid_environment()
     records = []
     for shape in args.shapes:
         for mode in args.modes:
@@ -601,7 +600,7 @@ def run_grid(args: argparse.Namespace, device: torch.device) -> list[dict[str, A
                 if reason is not None:
                     if repeat == 0:
                         print(f"skip {system} {shape} {mode}: {reason}")
-                        records.append({"system": system, "shape": shape, "mode": mode, "skipped": reason, **env})
+                        records.append({"system": system, "shape": shape, "mode": mode, "skipped": reason})
                     continue
                 if args.in_process:
                     try:
@@ -615,10 +614,10 @@ def run_grid(args: argparse.Namespace, device: torch.device) -> list[dict[str, A
                         row = {"system": system, "shape": shape, "mode": mode, **failure_row(exc)}
                 else:
                     row = run_isolated(system, shape, mode, args)
-                records.append({**row, "repeat": repeat, **env})
+                records.append({**row, "repeat": repeat})
                 report(records[-1])
                 if args.out is not None:
-                    write_out(args.out, records)
+                    write_run("sft_gpu", records, config=getattr(args, "config", {}), out=args.out, env=env)
     return records
 
 
@@ -739,9 +738,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="tiny random Llama, synthetic ids, CPU, seconds")
     parser.add_argument("--prepare-tokens", type=Path, metavar="OUT.pt", help="tokenize the corpus and exit (CPU)")
     parser.add_argument("--tokens", type=Path, help="token file from --prepare-tokens")
-    parser.add_argument("--merge", type=Path, nargs="+", help="join these --out files into results/sft_gpu.json")
+    parser.add_argument("--merge", type=Path, nargs="+",
+                        help="add the runs of these --out files to results/sft_gpu.json")
     parser.add_argument("--plot", type=Path, metavar="RECORDS.json",
-                        help="only print RECORDS.json's table and draw it into RECORDS.png")
+                        help="only print the table of RECORDS.json's last run and draw it into RECORDS.png")
     parser.add_argument("--systems", nargs="+", choices=SYSTEMS, default=list(DEFAULT_SYSTEMS),
                         help="default: %(default)s (the Unsloth systems run only when named)")
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
@@ -759,7 +759,7 @@ def parse_args() -> argparse.Namespace:
                         help="train every system this many times, round-robin; the table and plot give the median "
                         "tokens/s")
     parser.add_argument("--max-grad-norm", type=float, default=0.0, help="0 = no clipping (see above)")
-    parser.add_argument("--out", type=Path, help="write this JSON instead of results/sft_gpu.json (part of a grid)")
+    parser.add_argument("--out", type=Path, help="record path instead of results/sft_gpu.json (part of a grid)")
     parser.add_argument("--in-process", action="store_true", help="run every system in this process")
     parser.add_argument("--profile-steps", type=int, default=0,
                         help="profile this many steps after the warm-up (kernels, host ops; left out of tokens/s)")
@@ -770,6 +770,7 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.repeats < 1:
         parser.error(f"--repeats {args.repeats}: train each system at least once (--repeats 1)")
+    args.config = run_config(args, parser, exclude=["prepare_tokens", "tokens", "merge", "plot", "in_process"])
     if args.smoke:
         args.shapes, args.steps, args.batch, args.seq_len, args.lr, args.warmup_steps = ["smoke"], 6, 4, 32, 1e-2, 2
         args.in_process = True
@@ -782,12 +783,13 @@ def main() -> None:
         prepare_tokens(args.prepare_tokens)
         return
     if args.plot is not None:
-        show(json.loads(args.plot.read_text()), args.plot.with_suffix(".png"))
+        show(latest_results(args.plot), args.plot.with_suffix(".png"))
         return
     if args.merge:
-        records = [row for path in args.merge for row in json.loads(path.read_text())]
-        print("wrote", write_records("sft_gpu", records, smoke=False))
-        show(records, RESULTS / "sft_gpu.png")
+        for run in (run for path in args.merge for run in read_runs(path)):
+            path = write_run("sft_gpu", run["results"], config=run["config"], env=run["environment"])
+        print("wrote", path)
+        show(run["results"], RESULTS / "sft_gpu.png")
         return
     if args.smoke and (importlib.util.find_spec("trl") is None or importlib.util.find_spec("datasets") is None):
         print("skipped: trl and datasets are not installed (install torch-dad[trl])")
@@ -797,13 +799,11 @@ def main() -> None:
         sys.exit("the full benchmark needs CUDA and --tokens FILE (from --prepare-tokens); use --smoke on CPU")
     if args.in_process and any(skip_reason(s, device) is None for s in args.systems if s in UNSLOTH_SYSTEMS):
         import unsloth  # noqa: F401  # before trl / transformers: Unsloth patches them at import
+    env = grid_environment()
     records = run_grid(args, device)
-    if args.out is not None:
-        write_out(args.out, records)
-        print("wrote", args.out)
-        return
-    print("wrote", write_records("sft_gpu", records, args.smoke))
-    if not args.smoke and importlib.util.find_spec("matplotlib") is not None:
+    path = write_run("sft_gpu", records, config=args.config, smoke=args.smoke, out=args.out, env=env)
+    print("wrote", path)
+    if not args.smoke and args.out is None and importlib.util.find_spec("matplotlib") is not None:
         plot(records, RESULTS / "sft_gpu.png")
 
 

@@ -9,7 +9,7 @@ evaluation set (``--eval-n``, 32), the training set is the next ``steps * batch`
 
 The backbone is frozen (``--lora`` trains LoRA adapters on q/v through ``backprop_gradients=True``);
 the DAD head trains itself in backward. Records the training losses, ``trainer.evaluate()`` before
-and after, and what ``compute_metrics`` received -> ``results/sft_smollm2.json``.
+and after, and what ``compute_metrics`` received -> a run of ``results/sft_smollm2.json``.
 
     python benchmarks/sft_smollm2.py                # minutes on 2 CPU cores (batch 4 x 32 tokens)
     python benchmarks/sft_smollm2.py --smoke        # tiny random Llama, seconds (CI)
@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from _common import environment, write_records
+from _common import run_config, write_run
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -97,7 +97,7 @@ def tiny_model_and_tokenizer() -> tuple[Any, Any]:
 SMOKE_TEXT = [f"the film is {a} and the cast is {b}" for a in ("good", "bad", "long", "fun") for b in ("fine", "weak")]
 
 
-def parse_args() -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--steps", type=int, default=50)
@@ -106,11 +106,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--eval-n", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--lora", action="store_true", help="train LoRA q/v adapters too (backprop_gradients=True)")
-    return parser.parse_args()
+    return parser
 
 
 def main() -> None:
-    args = parse_args()
+    parser = build_parser()
+    args = parser.parse_args()
     try:
         import trl
         from datasets import Dataset
@@ -180,11 +181,10 @@ def main() -> None:
         "compute_metrics_logits_shape": seen.get("logits_shape"),
         "head_backend": head.last_backend, "head_weight_grad_is_none": head.weight.grad is None,
         "train_s": train_s, "eval_s": t_eval, "trl": trl.__version__,
-        "transformers": sys.modules["transformers"].__version__, **environment(),
+        "transformers": sys.modules["transformers"].__version__,
     }
     print({k: v for k, v in record.items() if k != "train_losses"})
-    name = "sft_smollm2_lora" if args.lora else "sft_smollm2"
-    print("wrote", write_records(name, [record], args.smoke))
+    print("wrote", write_run("sft_smollm2", [record], config=run_config(args, parser), smoke=args.smoke))
 
 
 if __name__ == "__main__":

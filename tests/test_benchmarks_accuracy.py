@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 from typing import Any
@@ -29,7 +28,7 @@ from _accuracy_menu import (  # noqa: E402
     recipe_name,
     search,
 )
-from _common import DADMLP, backprop_mlp  # noqa: E402
+from _common import DADMLP, backprop_mlp, latest_results, read_runs  # noqa: E402
 
 
 def test_parse_menu_presets_and_defaults() -> None:
@@ -210,9 +209,10 @@ def keep_threads():
 @pytest.mark.usefixtures("keep_threads")
 def test_study_reports_the_selected_recipe_on_every_seed(tmp_path: Path) -> None:
     out = menu_main(_study_args(tmp_path))
-    records = json.loads(out.read_text())
+    records = latest_results(out)
     assert not out.with_suffix(".runs.jsonl").exists()  # the log is dropped once the results are written
-    assert all({"device", "torch", "commit", "date"} <= r.keys() for r in records)
+    (run,) = read_runs(out)
+    assert {"device", "torch", "commit", "date"} <= run["environment"].keys()
     runs = [r for r in records if r["kind"] == "menu_run"]
     summaries = [r for r in records if r["kind"] == "menu_summary"]
     assert [s["system"] for s in summaries] == ["dad", "backprop"]
@@ -226,7 +226,7 @@ def test_study_reports_the_selected_recipe_on_every_seed(tmp_path: Path) -> None
         assert s["val_acc_search_seed"] == max(v["val_acc"] for r in searched for v in r["heads"].values())
         assert s["searched_runs"] == len(searched)
     # resuming from the results trains nothing again and selects the same
-    again = json.loads(menu_main(_study_args(tmp_path, out=str(tmp_path / "b.json"), resume=str(out))).read_text())
+    again = latest_results(menu_main(_study_args(tmp_path, out=str(tmp_path / "b.json"), resume=str(out))))
     for kind, before in (("menu_summary", summaries), ("menu_run", runs)):
         assert [r for r in again if r["kind"] == kind] == before
 
@@ -265,7 +265,7 @@ def test_conv_cells_train_the_same_net_and_search_what_its_layers_have(normalize
 
 @pytest.mark.usefixtures("keep_threads")
 def test_conv_cell_study_runs_both_systems(tmp_path: Path) -> None:
-    records = json.loads(menu_main(_study_args(tmp_path, cells=["synthetic-vgg-1"])).read_text())
+    records = latest_results(menu_main(_study_args(tmp_path, cells=["synthetic-vgg-1"])))
     summaries = [r for r in records if r["kind"] == "menu_summary"]
     assert [(s["system"], s["topology"]) for s in summaries] == [("dad", "vgg8b/32"), ("backprop", "vgg8b/32")]
     assert all("error" not in r for r in records if r["kind"] == "menu_run")

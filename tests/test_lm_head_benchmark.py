@@ -1,8 +1,7 @@
-"""``benchmarks/lm_head.py``'s targets and trade-off plot, on the committed H200 record."""
+"""``benchmarks/lm_head.py``'s targets and trade-off plot, on the committed H200 record's weight-chunk runs."""
 
 from __future__ import annotations
 
-import json
 import sys
 from pathlib import Path
 
@@ -12,12 +11,18 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import lm_head  # noqa: E402
+from _common import read_runs  # noqa: E402
 
-RECORD = ROOT / "benchmarks" / "results" / "lm_head_weight_chunks.json"
+RECORD = ROOT / "benchmarks" / "results" / "lm_head.json"
+
+
+def weight_chunk_rows() -> list[dict]:
+    """The rows of the record's ``--weight-chunks`` runs (one per shape)."""
+    return [r for run in read_runs(RECORD) if run["config"].get("weight_chunks") for r in run["results"]]
 
 
 def rows_of(shape: str) -> list[dict]:
-    return [r for r in json.loads(RECORD.read_text()) if r["shape"] == shape]
+    return [r for r in weight_chunk_rows() if r["shape"] == shape]
 
 
 def test_targets_take_the_fused_peers_and_the_floor() -> None:
@@ -40,5 +45,5 @@ def test_targets_need_a_peer_and_the_floor() -> None:
 
 def test_plot_tradeoff_writes_one_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
-    out = lm_head.plot_tradeoff(json.loads(RECORD.read_text()), tmp_path / "tradeoff.png")
+    out = lm_head.plot_tradeoff(weight_chunk_rows(), tmp_path / "tradeoff.png")
     assert out is not None and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

@@ -15,6 +15,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import sft_gpu  # noqa: E402
+from _common import latest_results  # noqa: E402
 
 
 def test_profile_steps_record_a_profile_and_leave_every_step_run(tmp_path: Path,
@@ -25,7 +26,7 @@ def test_profile_steps_record_a_profile_and_leave_every_step_run(tmp_path: Path,
     monkeypatch.setattr(sys, "argv", ["sft_gpu.py", "--smoke", "--systems", "dad", "--modes", "full",
                                       "--profile-steps", "2", "--out", str(out)])
     sft_gpu.main()
-    (row,) = json.loads(out.read_text())
+    (row,) = latest_results(out)
     profile = row["profile"]
     assert profile["steps"] == 2 and profile["wall_ms_per_step"] > 0
     assert profile["kernel_launches_per_step"] == 0  # no CUDA on this machine
@@ -40,7 +41,7 @@ def test_without_profile_steps_there_is_no_profile(tmp_path: Path, monkeypatch: 
     monkeypatch.setattr(sys, "argv", ["sft_gpu.py", "--smoke", "--systems", "stock", "--modes", "full",
                                       "--out", str(out)])
     sft_gpu.main()
-    (row,) = json.loads(out.read_text())
+    (row,) = latest_results(out)
     assert "profile" not in row and row["steps"] == 6 and row["gradient_accumulation_steps"] == 1
 
 
@@ -55,7 +56,7 @@ def test_full_determinism_turns_on_deterministic_kernels_and_is_recorded(tmp_pat
             monkeypatch.setattr(sys, "argv", ["sft_gpu.py", "--smoke", "--systems", "stock", "--modes", "full",
                                               "--full-determinism", "--out", str(out)])
             sft_gpu.main()
-            rows += json.loads(out.read_text())
+            rows += latest_results(out)
             # --smoke trains in this process: transformers switched the flag on here
             assert torch.are_deterministic_algorithms_enabled()
     finally:  # the flag and transformers' environment variables must not reach the other tests
@@ -143,18 +144,18 @@ def test_repeats_run_round_robin_and_the_table_gives_their_median(monkeypatch: p
 
 
 def test_out_holds_every_finished_run_while_the_grid_goes_on(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
-    """A grid killed by a time limit keeps the runs it finished: ``--out`` is rewritten after every run."""
+    """A grid killed by a time limit keeps the trainings it finished: ``--out`` is rewritten after every one."""
     out = tmp_path / "part.json"
     seen: list[list[str]] = []
 
     def trained(system: str, shape: str, mode: str, *_: object) -> dict[str, object]:
-        seen.append([r["system"] for r in json.loads(out.read_text())] if out.exists() else [])
+        seen.append([r["system"] for r in latest_results(out)] if out.exists() else [])
         return {"system": system, "shape": shape, "mode": mode, "tokens_per_s": 1.0, "peak_mib": 1.0, "wall_s": 1.0,
                 "losses": [1.0], "loss_steps": [1]}
 
     rows = _grid_with(trained, monkeypatch, tmp_path, mode="full", repeats=2, out=out)
     assert seen == [[], ["stock"], ["stock", "dad"], ["stock", "dad", "stock"]]
-    assert json.loads(out.read_text()) == rows
+    assert latest_results(out) == rows
 
 
 def test_the_loss_gap_is_the_largest_over_every_pair_of_runs() -> None:

@@ -48,7 +48,8 @@ def test_run_grid_records_the_skip(monkeypatch: pytest.MonkeyPatch) -> None:
     rows = sft_gpu.run_grid(args, CPU)
     assert [(r["system"], r["mode"]) for r in rows] == [(s, m) for m in ("full", "lora") for s in sft_gpu.UNSLOTH_SYSTEMS]
     assert all(r["skipped"] == "unsloth needs CUDA" and "losses" not in r for r in rows)
-    assert set(rows[0]["versions"]) >= {"unsloth", "unsloth_zoo", "bitsandbytes"}
+    # the run's environment, beside its rows in the record, names the Unsloth stack's versions
+    assert set(sft_gpu.grid_environment()["versions"]) >= {"unsloth", "unsloth_zoo", "bitsandbytes"}
 
 
 def fake_unsloth(monkeypatch: pytest.MonkeyPatch, full_finetuning: bool) -> list[tuple[str, dict[str, Any]]]:
