@@ -217,12 +217,25 @@ def test_resume_of_a_finished_run_trains_nothing(tmp_path, straight):
     assert again.step_count == done.step_count == EPOCHS * 13
 
 
-def test_resume_without_checkpoints_starts_fresh_and_says_so(tmp_path, straight):
+def test_resume_without_checkpoints_starts_fresh_quietly(tmp_path, straight, recwarn):
     trainer = make_trainer()
-    with pytest.warns(UserWarning, match="no checkpoint in .*training from the start"):
-        fit(trainer, checkpoint_dir=tmp_path / "new", resume=True, schedule=constant_lr)
+    fit(trainer, checkpoint_dir=tmp_path / "new", resume=True, schedule=constant_lr)
+    assert not [w for w in recwarn if "checkpoint" in str(w.message)]  # a fresh start is no warning
     assert_same_state(trainer, straight[0])
     assert saved_steps(tmp_path / "new") == [26, 39]  # epoch ends only
+
+
+def test_resume_says_from_which_file_step_and_epoch(tmp_path, capsys):
+    def interrupt_at_7(step):
+        if step == 7:
+            raise Interrupt
+        return 1e-3
+
+    with pytest.raises(Interrupt):
+        fit(make_trainer(), checkpoint_dir=tmp_path, checkpoint_every=5, schedule=interrupt_at_7)
+    fit(make_trainer(), checkpoint_dir=tmp_path, checkpoint_every=5, resume=True, progress=True)
+    message = capsys.readouterr().err
+    assert f"resumed from {tmp_path}" in message and "step 5, epoch 1, batch 5 of that epoch done" in message
 
 
 def test_keep_last_and_checkpoint_every(tmp_path):

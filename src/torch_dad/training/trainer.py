@@ -438,12 +438,12 @@ class DADTrainer:
             stats = self.features_statistics(sample.batches())
             if self.statistics_reducer is None:  # ranks must stay equal: no per-rank calibration
                 calibration = lambda: self._eval_rows(sample.batches(), self.model.features)  # noqa: E731
-        elif out.statistics is not None:
+        elif out.statistics is not None and out.statistics.num_samples > 0:
             stats = out.statistics
         else:
             raise ValueError(
-                "solve_head(): nothing to solve from yet (the input sample is empty): train with step() or fit() "
-                "first, or pass loader="
+                "solve_head(): nothing to solve from yet: no rows were trained on since the last solve or reset "
+                "(the input sample and the Gram statistics are empty); train with step() or fit() first, or pass loader="
             )
         if self.statistics_reducer is not None:
             self.statistics_reducer(stats)
