@@ -23,7 +23,7 @@ extracted folder on PYTHONPATH; ``--wheel-dir``). Runs go to a pool of ``--worke
     python benchmarks/accuracy.py --smoke                        # seconds, CPU, synthetic data (both modes)
     python benchmarks/accuracy.py --wheel-dir W --workers 8      # full grid (GPU)
     python benchmarks/accuracy.py --time-to-target               # adds time_to_97_5_s (CUDA)
-    python benchmarks/accuracy.py --plot-only                    # results/accuracy.png from the last grid run
+    python benchmarks/accuracy.py --plot-only                    # results/accuracy.png of the last grid run
 
 Every study adds a run to ``results/accuracy.json`` (``--out``: another record); its options are its configuration.
 """
@@ -412,7 +412,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--ttt-lrs", type=float, nargs="+", default=[1e-3, 3e-3])
     parser.add_argument("--ttt-max-epochs", type=int, default=20)
     parser.add_argument("--out", default=None, help="record path (default results/accuracy.json)")
-    parser.add_argument("--plot-only", action="store_true", help="re-plot and re-summarise an existing JSON")
+    parser.add_argument("--plot-only", action="store_true",
+                        help="re-summarise and plot the record's last grid run (the record is not rewritten)")
     parser.add_argument("--resume", default=None,
                         help="an earlier record (its last run of the mode) or list of rows (with --menu also a "
                         ".runs.jsonl log): keep its runs, run only "
@@ -427,7 +428,7 @@ def main() -> None:
     parser = build_parser()
     args = parser.parse_args()
     sys.path.insert(0, str(HERE))
-    from _common import read_runs, record_path, run_config, write_run
+    from _common import read_runs, record_path, run_config
 
     locations = ["mnist_npz", "fmnist_dir", "ng_root", "wheel_dir"]
     args.config = run_config(args, parser, exclude=["plot_only", "merge", "resume", *locations])
@@ -439,7 +440,6 @@ def main() -> None:
         run = [run for run in read_runs(out) if "menu" not in run["config"]][-1]
         records = [r for r in run["results"] if r.get("kind") != "summary"]
         records += summarise(records)
-        write_run("accuracy", records, config=run["config"], out=out, env=run["environment"])
         print("\n".join(str(p) for p in plot(records, out)))
         return
     _grid_options(args, parser)
