@@ -1,5 +1,7 @@
 """``torch_dad.to_dad``: every ``nn.Linear`` of a model becomes a ``DADAutogradLinear`` with its role."""
 
+import warnings
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -123,6 +125,8 @@ def test_trains_in_an_unchanged_loop():
         (_mlp, {"num_classes": 4, "update": "later"}, ValueError, "update"),
         (lambda: torch.nn.Sequential(torch.nn.ReLU()), {"num_classes": 4}, ValueError, "no torch.nn.Linear"),
         (lambda: torch.nn.Linear(3, 4), {"num_classes": 4}, TypeError, "from_linear"),
+        (lambda: td.to_dad(_mlp(), num_classes=4), {"num_classes": 4}, ValueError,
+         "the Sequential is already converted"),
     ],
 )
 def test_bad_input_leaves_the_model_unchanged(make, kwargs, error, match):
@@ -136,3 +140,28 @@ def test_bad_input_leaves_the_model_unchanged(make, kwargs, error, match):
 def test_model_must_be_a_module():
     with pytest.raises(TypeError, match="torch.nn.Module"):
         td.to_dad([torch.nn.Linear(3, 4)], num_classes=4)
+
+
+@pytest.mark.parametrize("final", [torch.nn.Softmax, torch.nn.LogSoftmax])
+def test_softmax_after_the_classifier_warns_naming_it(final):
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.body = _mlp()
+            self.out = torch.nn.Sequential(torch.nn.Dropout(0.0), final(dim=1))
+
+        def forward(self, x):
+            return self.out(self.body(x))
+
+    model = Net()
+    with pytest.warns(UserWarning, match=rf"to_dad: 'out\.1' \({final.__name__}\) comes after the classifier "
+                      r"'body\.4'.* a softmax a second time"):
+        td.to_dad(model, num_classes=4)
+    assert isinstance(model.body[4], DADAutogradLinear)  # converted all the same
+
+
+def test_softmax_before_the_classifier_gives_no_warning():
+    model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Softmax(dim=1), torch.nn.Linear(8, 3))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        td.to_dad(model, num_classes=3)

@@ -9,6 +9,10 @@ triton and the integrations' packages are imported on first use.
 
 from __future__ import annotations
 
+import importlib
+from types import ModuleType
+from typing import TYPE_CHECKING
+
 from . import functional
 from .nn.autograd import DADAutogradLinear, label_context
 from .nn.block import DADBlock
@@ -21,6 +25,14 @@ from .optim import OptimizerConfig
 from .ridge import GramAccumulator, RidgeSolution
 from .training import schedules
 from .training.trainer import DADTrainer
+
+if TYPE_CHECKING:
+    from . import data as data  # re-exported, imported on first access
+    from . import integrations as integrations
+
+# submodules that `import torch_dad` leaves unimported (data reads files, integrations import other libraries),
+# reachable as attributes all the same: `torch_dad.data.mnist()`
+_LAZY_SUBMODULES = ("data", "integrations")
 
 # calendar versioning (year.month.patch): it sorts after the published torch-dad 2026.5.24 on PyPI,
 # so pip never takes that package for an upgrade of this one (README, Install)
@@ -44,3 +56,14 @@ __all__ = [
     "schedules",
     "to_dad",
 ]
+
+
+if not TYPE_CHECKING:  # type checkers see the imports above; at run time the import waits for the first access
+
+    def __getattr__(name: str) -> ModuleType:
+        if name in _LAZY_SUBMODULES:
+            return importlib.import_module(f"{__name__}.{name}")
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+    def __dir__() -> list[str]:
+        return sorted({*globals(), *_LAZY_SUBMODULES})

@@ -6,10 +6,14 @@ one becomes a hidden layer with its own local head over ``num_classes``. A hidde
 head reads the layer's activation, so an activation module that follows the layer in an
 ``nn.Sequential`` (``ReLU``, ``Tanh``, ``GELU``) moves into the layer and its slot becomes
 ``nn.Identity``: the model computes the same function.
+
+The converted classifier trains on the cross-entropy of its own output, so a ``Softmax`` or
+``LogSoftmax`` module after it (a second softmax under ``F.cross_entropy``) gets a warning.
 """
 
 from __future__ import annotations
 
+import warnings
 from typing import Any
 
 from torch import nn
@@ -58,6 +62,11 @@ def _plan(
 ) -> tuple[dict[int, DADAutogradLinear], list[tuple[nn.Sequential, int]]]:
     """``(id(linear) -> its replacement, the activation slots they take over)``; raises before any change."""
     linears = [m for m in model.modules() if type(m) is nn.Linear]
+    if not linears and any(isinstance(m, DADAutogradLinear) for m in model.modules()):
+        raise ValueError(
+            f"to_dad: the {type(model).__name__} is already converted (it holds DADAutogradLinear layers and no "
+            "torch.nn.Linear); use it as it is, or call to_dad on a model with nn.Linear layers"
+        )
     if not linears:
         raise ValueError(
             f"to_dad found no torch.nn.Linear in the {type(model).__name__} to convert; pass the model that holds "
@@ -83,6 +92,24 @@ def _plan(
     return plan, taken_over
 
 
+def _warn_on_final_softmax(model: nn.Module) -> None:
+    """A ``UserWarning`` for each ``Softmax``/``LogSoftmax`` module after the classifier (the last ``nn.Linear``)."""
+    names = {id(m): name for name, m in model.named_modules()}
+    classifier = [m for m in model.modules() if type(m) is nn.Linear][-1]
+    after = list(model.modules())
+    for module in after[after.index(classifier) + 1 :]:
+        if isinstance(module, (nn.Softmax, nn.LogSoftmax)):
+            kind, name = type(module).__name__, names[id(module)]
+            warnings.warn(
+                f"to_dad: {name!r} ({kind}) comes after the classifier {names[id(classifier)]!r} (the last "
+                "nn.Linear). The converted classifier trains on the cross-entropy of its own output, the logits, "
+                "and F.cross_entropy on the model's output would apply a softmax a second time. Remove "
+                f"{name!r} from the model and apply {kind.lower()} only where (log-)probabilities are needed.",
+                UserWarning,
+                stacklevel=3,
+            )
+
+
 def to_dad(model: nn.Module, num_classes: int, **layer_kwargs: Any) -> nn.Module:
     """Replace every ``nn.Linear`` of ``model`` in place by a :class:`DADAutogradLinear`; return ``model``.
 
@@ -94,7 +121,8 @@ def to_dad(model: nn.Module, num_classes: int, **layer_kwargs: Any) -> nn.Module
     replaced by ``nn.Identity``), else ``"identity"`` (an activation applied in a custom
     ``forward`` stays there; the local head then reads the pre-activation). ``layer_kwargs``
     (``update``, ``lr``, ``backprop_gradients``, ...) go to every layer. Subclasses of
-    ``nn.Linear`` are left alone. On any error the model is unchanged.
+    ``nn.Linear`` are left alone. On any error the model is unchanged. A model that is already
+    converted raises ``ValueError``; a ``Softmax``/``LogSoftmax`` module after the classifier warns.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
@@ -111,6 +139,7 @@ def to_dad(model: nn.Module, num_classes: int, **layer_kwargs: Any) -> nn.Module
             "do not pass them, or build that DADAutogradLinear by hand"
         )
     plan, taken_over = _plan(model, num_classes, layer_kwargs)
+    _warn_on_final_softmax(model)
     for parent in list(model.modules()):
         # _modules, not named_children(): a layer registered twice in one parent has two slots
         for name, child in list(parent._modules.items()):
