@@ -392,6 +392,30 @@ def test_missing_safetensors_names_the_extra(tmp_path, monkeypatch):
         make_trainer().save_checkpoint(tmp_path / "c.safetensors")
 
 
+def test_fit_without_safetensors_fails_before_training_or_making_the_folder(tmp_path, monkeypatch):
+    for name in [m for m in sys.modules if m == "safetensors" or m.startswith("safetensors.")] + ["safetensors"]:
+        monkeypatch.setitem(sys.modules, name, None)
+    trainer = make_trainer()
+    before = tensors(trainer)
+    for resume in (False, True):
+        with pytest.raises(ImportError, match=r"install the checkpoint extra, `pip install 'torch-dad\[checkpoint\]'`"):
+            fit(trainer, checkpoint_dir=tmp_path / "runs", resume=resume)
+    assert not (tmp_path / "runs").exists()
+    after = tensors(trainer)
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    assert trainer.step_count == 0 and trainer.history == []
+
+
+def test_save_checkpoint_into_a_missing_folder_names_it(tmp_path):
+    trainer = make_trainer()
+    before = tensors(trainer)
+    with pytest.raises(FileNotFoundError, match=f"the folder {tmp_path / 'no' / 'such'} does not exist; create it"):
+        trainer.save_checkpoint(tmp_path / "no" / "such" / "c.safetensors")
+    assert not (tmp_path / "no").exists()
+    after = tensors(trainer)
+    assert all(torch.equal(before[k], after[k]) for k in before)
+
+
 def test_history_in_the_file_is_json(tmp_path):
     trainer = make_trainer()
     fit(trainer, epochs=1, checkpoint_dir=tmp_path)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
+import select
 import signal
 import subprocess
 import sys
@@ -171,3 +173,128 @@ def test_fit_killed_repeatedly_resumes_bitwise(tmp_path):
     assert int(checkpoint.read(resumed)["trainer"]["step_count"]) == EPOCHS * BATCHES
     assert _saved_steps(folder) == [EPOCHS * BATCHES - 1, EPOCHS * BATCHES]  # keep_last=2
     assert not list(folder.glob(".*tmp-*"))  # the killed writes' temporaries were removed on resume
+
+
+# ------------------------------------------------------------------------------------------ kills inside the write
+# A forking server: it imports torch once, then for each "train" line forks a child that runs fit(checkpoint_every=1,
+# resume=True) on a tiny model whose padding buffer makes each checkpoint a few MiB, so that a write takes long
+# enough to be caught; it prints the child's pid, then its wait status. "check" runs the same fit up to its
+# first step only. A fresh process per kill would spend most of the test importing torch.
+SERVER = textwrap.dedent(
+    """
+    import os, sys, traceback
+    import torch
+    torch.set_num_threads(1)
+    import torch_dad as td
+    from torch_dad import data
+
+    folder = sys.argv[1]
+
+    class Net(td.DADModel):
+        def __init__(self):
+            super().__init__()
+            self.l1 = td.DADLinear(8, 8, num_classes=2)
+            self.classifier = torch.nn.Linear(8, 2)
+            self.register_buffer("padding", torch.arange(1 << 20, dtype=torch.float32))
+
+    class Stop(Exception):
+        pass
+
+    def stop(step):
+        raise Stop
+
+    def run(command):
+        (x, y), _ = data.synthetic(num_train=16 * 25, num_features=8, num_classes=2, seed=3)
+        torch.manual_seed(0)
+        trainer = td.DADTrainer(Net(), classifier_sample_size=20)
+        schedule = stop if command == "check" else None
+        try:
+            trainer.fit((x, y), epochs=40, batch_size=16, progress=False, schedule=schedule,
+                        checkpoint_dir=folder, checkpoint_every=1, keep_last=2, resume=True)
+        except Stop:
+            pass
+
+    for line in sys.stdin:
+        pid = os.fork()
+        if pid == 0:
+            try:
+                run(line.strip())
+                code = 0
+            except BaseException:
+                traceback.print_exc()
+                code = 1
+            sys.stderr.flush()
+            os._exit(code)
+        print(pid, flush=True)
+        print(os.waitpid(pid, 0)[1], flush=True)
+    """
+)
+CHECKPOINT = re.compile(r"checkpoint-\d{9}\.safetensors")
+TEMPORARY = re.compile(r"\.checkpoint-(\d{9})\.safetensors\.tmp-(\d+)")  # step, pid
+
+
+def _folder_state(folder: Path) -> list[int]:
+    """The pids of the temporaries in ``folder``, after asserting that all else is a checkpoint that reads back."""
+    pids = []
+    for path in folder.iterdir() if folder.is_dir() else ():
+        if TEMPORARY.fullmatch(path.name):
+            pids.append(int(TEMPORARY.fullmatch(path.name).group(2)))
+        else:
+            assert CHECKPOINT.fullmatch(path.name), path.name  # no other file: no .corrupt, no foreign temporary
+            checkpoint.read(path)  # complete and verified, or CheckpointError
+    return pids
+
+
+def _wait_for_write(server, log: Path, folder: Path, pid: int, step: int, seconds: float) -> None:
+    """Return once process ``pid`` has a temporary for a checkpoint of ``step`` or later in ``folder``."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        try:
+            names = os.listdir(folder)
+        except FileNotFoundError:
+            names = []
+        for name in names:
+            match = TEMPORARY.fullmatch(name)
+            if match and int(match.group(2)) == pid and int(match.group(1)) >= step:
+                return
+        if select.select([server.stdout], [], [], 0)[0]:  # the server reports the process's end
+            raise AssertionError(f"process {pid} ended with status {server.stdout.readline().strip()}: "
+                                 f"{log.read_text()}")
+    raise AssertionError(f"process {pid} wrote no checkpoint of step {step} or later within {seconds} s: "
+                         f"{log.read_text()}")
+
+
+def test_kills_inside_checkpoint_writes_leave_one_temporary_that_the_next_fit_removes(tmp_path):
+    folder, log = tmp_path / "checkpoints", tmp_path / "server.log"
+    stderr = log.open("w")
+    server = subprocess.Popen([sys.executable, "-c", SERVER, str(folder)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, stderr=stderr, text=True)
+
+    def command(line: str) -> int:
+        server.stdin.write(line + "\n")
+        server.stdin.flush()
+        return int(server.stdout.readline())
+
+    try:
+        inside, attempts, rng = 0, 0, random.Random(1)  # with this seed the chosen steps alone advance 17 steps
+        while inside < 20:
+            attempts += 1
+            assert attempts <= 100, f"only {inside} of {attempts} kills landed inside a write"
+            pid = command("train")
+            # a checkpoint 1 to 3 steps after the one it resumes from, so that training advances between kills
+            step = max(_saved_steps(folder), default=0) + rng.randint(1, 3)
+            _wait_for_write(server, log, folder, pid, step, 60.0)
+            os.kill(pid, signal.SIGKILL)
+            status = int(server.stdout.readline())
+            assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, log.read_text()
+            temporaries = _folder_state(folder)
+            assert len(temporaries) <= 1, temporaries  # the next fit removed the earlier kills' temporaries
+            inside += temporaries == [pid]
+        assert max(_saved_steps(folder)) >= 10  # training advanced between the kills
+        command("check")
+        assert int(server.stdout.readline()) == 0, log.read_text()
+        assert _folder_state(folder) == []  # removed by the next fit(checkpoint_dir=...)
+    finally:
+        server.stdin.close()
+        server.wait(timeout=60)
+        stderr.close()

@@ -172,3 +172,37 @@ def test_guarded_step_with_a_reducer_equals_unguarded_and_stays_atomic(policy):
         before["step_count"] += 1
     assert_same_state(before, trainer_state(trainer))
     assert trainer.skipped_updates == 1
+
+
+class BlockNet(td.DADModel):
+    """A DADBlock (64 features out, batch norm inside) first, or after a DADLinear."""
+
+    def __init__(self, head_features, first):
+        super().__init__()
+        width = 12 if first else 16
+        if not first:
+            self.l1 = td.DADLinear(12, 16, num_classes=3)
+        body = torch.nn.Sequential(torch.nn.Linear(width, 64), torch.nn.BatchNorm1d(64), torch.nn.ReLU())
+        self.block = td.DADBlock(body, num_classes=3, head_features=head_features)
+        self.classifier = torch.nn.Linear(64, 3)
+
+
+@pytest.mark.parametrize("first", [True, False])
+def test_wrong_head_features_names_the_block_width_before_any_change(first):
+    torch.manual_seed(0)
+    trainer = td.DADTrainer(BlockNet(32, first))
+    x, y = torch.randn(8, 12), torch.randint(0, 3, (8,))
+    before = trainer_state(trainer)
+    message = ("DADBlock: head_features=32, but the block's output has shape (batch, 64): 64 features along "
+               "feature_dim=1; pass head_features=64, or a local_head= of your own")
+    with pytest.raises(ValueError) as err:
+        trainer.step(x, y)
+    assert str(err.value) == message
+    assert_same_state(before, trainer_state(trainer))
+    assert all(m.training for m in trainer.model.modules())  # the check ran the block in eval mode, then put it back
+    with pytest.raises(ValueError, match="head_features=32"):
+        trainer.model.block(torch.randn(4, 12 if first else 16))
+    torch.manual_seed(0)
+    trainer = td.DADTrainer(BlockNet(64, first))
+    trainer.step(x, y)  # the right width trains
+    assert trainer.step_count == 1

@@ -78,8 +78,11 @@ class DADBlock(LocalLayer):
                     "(the block's output features, for a mean-pool + Linear head)"
                 )
             local_head = MeanPoolHead(head_features, num_classes, feature_dim)
+            self._unchecked_width: int | None = head_features
         elif not isinstance(local_head, nn.Module):
             raise TypeError(f"local_head must be a torch.nn.Module, got {type(local_head).__name__}")
+        else:
+            self._unchecked_width = None  # a head of the user's own takes what it takes
         self.block = module
         self.head = local_head
         if not self.trained_tensors():
@@ -92,14 +95,55 @@ class DADBlock(LocalLayer):
         return [p for module in modules for p in module.parameters() if p.requires_grad]
 
     def check_input(self, inputs: Tensor, name: str = "inputs") -> None:
-        """Blocks take any shape with a batch dimension; the block itself raises on a wrong one."""
+        """Blocks take any shape with a batch dimension; the block itself raises on a wrong one. Until an
+        output has been checked against ``head_features``, :meth:`check_width` runs too (as in :meth:`forward`
+        and :meth:`local_gradients`)."""
         if inputs.dim() < 2:
             raise ValueError(
                 f"{name} have shape {tuple(inputs.shape)}; expected (batch, ...) for {type(self).__name__}"
             )
+        if self._unchecked_width is not None:
+            self.check_width(inputs)
+
+    def check_width(self, inputs: Tensor) -> None:
+        """``ValueError`` naming ``head_features`` and the block's output width if they differ, found by
+        running the block on the first two rows of ``inputs`` in eval mode without grad: no buffer
+        (batch-norm statistics) changes. A no-op for a ``local_head`` of the user's own."""
+        if self._unchecked_width is None:
+            return
+        reference = self.trained_tensors()[0]
+        x = inputs[:2].to(reference.device)
+        if x.dtype.is_floating_point:
+            x = x.to(reference.dtype)
+        modes = [(module, module.training) for module in self.block.modules()]
+        self.block.eval()
+        try:
+            with torch.no_grad():
+                out = self.block(x)
+        finally:
+            for module, training in modes:
+                module.training = training
+        assert isinstance(self.head, MeanPoolHead)
+        feature_dim, expected = self.head.feature_dim, self._unchecked_width
+        width = out.shape[feature_dim] if -out.dim() <= feature_dim < out.dim() and out.dim() >= 2 else None
+        if width != expected:
+            shape = ", ".join(["batch", *map(str, out.shape[1:])])
+            if width is None:
+                raise ValueError(
+                    f"DADBlock: the block's output has shape ({shape}), with no dimension feature_dim={feature_dim} "
+                    f"for the head_features={expected} head; make the block return (batch, features, ...), or pass "
+                    "a local_head= of your own"
+                )
+            raise ValueError(
+                f"DADBlock: head_features={expected}, but the block's output has shape ({shape}): {width} features "
+                f"along feature_dim={feature_dim}; pass head_features={width}, or a local_head= of your own"
+            )
+        self._unchecked_width = None  # one output checked: the block's width does not change
 
     def forward(self, inputs: Tensor) -> Tensor:
         """``module(inputs)``."""
+        if self._unchecked_width is not None:
+            self.check_width(inputs)
         return self.block(inputs)
 
     def local_head(self, hidden: Tensor) -> Tensor:
@@ -128,6 +172,8 @@ class DADBlock(LocalLayer):
         x = inputs.detach()
         if x.dtype.is_floating_point and isinstance(autocast, nullcontext):
             x = x.to(master)
+        if self._unchecked_width is not None:
+            self.check_width(x)
         with torch.enable_grad():
             with autocast:
                 out = self.block(x)

@@ -10,7 +10,8 @@ The metadata (``str -> str``) holds two entries: ``"torch_dad"``, the JSON docum
 tensor in sorted key order, its key, dtype, shape and raw bytes. A truncated or altered file fails to parse or
 fails the digest, and :func:`read` raises :class:`CheckpointError` (a ``ValueError``) naming the file.
 
-:func:`write` writes to a temporary file in the target's folder, flushes and ``fsync``\\ s it, renames it over
+:func:`write` serializes the file in memory, writes it to a temporary file of its own in the target's folder
+(``.<name>.tmp-<pid>``, the only file a kill mid-write can leave), flushes and ``fsync``\\ s it, renames it over
 the target with ``os.replace`` and ``fsync``\\ s the folder: a reader sees the old file or the new one, never a
 part. :class:`CheckpointFolder` numbers a training run's checkpoints by step, keeps the newest ``keep_last``
 (deleting older ones only once the new one is durable) and skips corrupt ones when resuming.
@@ -24,7 +25,7 @@ import os
 import re
 import struct
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -158,12 +159,14 @@ def _fsync_folder(folder: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, fill: Callable[[Path], None]) -> None:
-    """``fill(temporary)`` in ``path``'s folder, then fsync, ``os.replace`` onto ``path`` and fsync the folder."""
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to a temporary file in ``path``'s folder, fsync it, ``os.replace`` it onto ``path``
+    and fsync the folder."""
     temporary = path.with_name(f".{path.name}{_TEMPORARY}{os.getpid()}")
     try:
-        fill(temporary)
-        with open(temporary, "rb+") as handle:
+        with open(temporary, "wb") as handle:
+            handle.write(data)
+            handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)
     except BaseException:
@@ -177,11 +180,17 @@ def write(path: str | os.PathLike[str], state: Any) -> None:
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"checkpoint path {path} is a folder; pass a file path such as {path / 'model.safetensors'}")
+    if not path.parent.is_dir():
+        raise FileNotFoundError(
+            f"checkpoint path {path}: the folder {path.parent} does not exist; create it first "
+            f"(os.makedirs({str(path.parent)!r})) or pass a path in an existing folder"
+        )
     storage = _safetensors()
     skeleton, tensors = flatten(state)
     document = json.dumps({"format": FORMAT, "version": VERSION, "state": skeleton})
     metadata = {"torch_dad": document, "sha256": _digest(document, tensors)}
-    atomic_write(path, lambda temporary: storage.save_file(tensors, str(temporary), metadata=metadata))
+    # serialized here, not by save_file: save_file writes a temporary of its own that remove_temporaries cannot know
+    atomic_write(path, storage.save(tensors, metadata=metadata))
 
 
 def _metadata(data: bytes) -> dict[str, str]:
@@ -230,12 +239,14 @@ def read(path: str | os.PathLike[str]) -> Any:
 
 # ---------------------------------------------------------------------------------------- a training run's folder
 def check_folder(value: object, name: str = "checkpoint_dir") -> Path:
-    """``Path(value)`` for a folder path (existing or not), else ``TypeError``/``ValueError`` naming ``name``."""
+    """``Path(value)`` for a folder path (existing or not), else ``TypeError``/``ValueError`` naming ``name``;
+    ``ImportError`` naming the extra to install if safetensors is missing."""
     if not isinstance(value, (str, os.PathLike)):
         raise TypeError(f"{name} must be a folder path (str or os.PathLike), got {type(value).__name__}")
     folder = Path(value)
     if folder.exists() and not folder.is_dir():
         raise ValueError(f"{name}={str(value)!r} is a file; pass a folder path (it is created if missing)")
+    _safetensors()  # a missing package fails here, before any training or folder
     return folder
 
 
@@ -262,6 +273,7 @@ class CheckpointFolder:
 
     def save(self, step: int, state: Any) -> Path:
         """Write ``state`` as the checkpoint of ``step``; once it is durable, delete all but the newest ``keep_last``."""
+        _safetensors()
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.folder / f"checkpoint-{step:09d}{SUFFIX}"
         write(path, state)
