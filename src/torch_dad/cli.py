@@ -4,9 +4,10 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 
 import torch
 
@@ -43,7 +44,7 @@ def _demo(args: argparse.Namespace) -> int:
     if args.limit:
         xtr, ytr = xtr[: args.limit], ytr[: args.limit]
     print(f"torch-dad demo: {name}, {len(xtr):,} train / {len(xte):,} test, device {device}, "
-          f"torch {torch.__version__}, batch {args.batch_size}, {args.epochs} epochs")
+          f"torch {torch.__version__}, batch {args.batch_size}, {_count(args.epochs, 'epoch')}", flush=True)
 
     class DADClassifier(DADModel):
         def __init__(self, in_features: int, num_classes: int = 10) -> None:
@@ -58,8 +59,12 @@ def _demo(args: argparse.Namespace) -> int:
     trainer = DADTrainer(model, device=device, lr=args.lr)
     xtr_d, ytr_d = xtr.to(device), ytr.to(device)
     test = (xte.to(device), yte.to(device))
-    history = trainer.fit((xtr_d, ytr_d), epochs=args.epochs, batch_size=args.batch_size, seed=args.seed)
-    dad_s = sum(r["train_s"] for r in history)
+    dad_s = 0.0
+    for epoch, batches in enumerate(_epochs(xtr_d, ytr_d, args), 1):
+        [record] = trainer.fit(_progress(batches, f"DAD epoch {epoch}/{args.epochs}"), progress=False)
+        dad_s += record["train_s"]
+        print(f"DAD epoch {epoch}/{args.epochs}: train loss {record['loss']:.4f} ({record['train_s']:.1f} s)",
+              flush=True)
     local = trainer.evaluate(test, use_local_head=True)["accuracy"]
     solved = trainer.solve_head()
     streamed = trainer.evaluate(test)["accuracy"]
@@ -84,6 +89,30 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _epochs(
+    x: torch.Tensor, y: torch.Tensor, args: argparse.Namespace
+) -> Iterator[Iterator[tuple[torch.Tensor, torch.Tensor]]]:
+    """Each epoch's ``(x, y)`` batches, as ``fit`` draws them from a tensor pair with ``seed``: one
+    generator, one permutation per epoch. DAD and backprop both train on these."""
+    generator = torch.Generator().manual_seed(args.seed)
+    for _ in range(args.epochs):
+        order = torch.randperm(len(x), generator=generator).to(x.device)
+        yield ((x[idx], y[idx]) for idx in order.split(args.batch_size))
+
+
+def _progress(batches: Iterator[tuple[torch.Tensor, torch.Tensor]], desc: str) -> Iterable[tuple[torch.Tensor, torch.Tensor]]:
+    """``batches`` behind a tqdm bar when tqdm is installed (and stderr is a terminal), else as they are."""
+    try:
+        from tqdm.auto import tqdm
+    except ImportError:
+        return batches
+    return tqdm(batches, desc=desc, leave=False, disable=None)
+
+
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'' if number == 1 else 's'}"
+
+
 def _train_backprop(
     args: argparse.Namespace, device: torch.device, train: tuple[torch.Tensor, torch.Tensor],
     test: tuple[torch.Tensor, torch.Tensor],
@@ -95,19 +124,21 @@ def _train_backprop(
         layers += [torch.nn.Linear(a, b), torch.nn.ReLU()]
     net = torch.nn.Sequential(*layers, torch.nn.Linear(256, 10)).to(device)
     opt = torch.optim.AdamW(net.parameters(), lr=args.lr, weight_decay=0.01)
-    generator = torch.Generator().manual_seed(args.seed)
-    xtr_d, ytr_d = train
-    start = time.perf_counter()
-    for _ in range(args.epochs):
-        order = torch.randperm(len(xtr_d), generator=generator).to(device)
-        for i in range(0, len(order), args.batch_size):
-            idx = order[i : i + args.batch_size]
+    seconds = 0.0
+    for epoch, batches in enumerate(_epochs(*train, args), 1):
+        start, loss_sum, steps = time.perf_counter(), torch.zeros((), device=device), 0
+        for x, y in _progress(batches, f"backprop epoch {epoch}/{args.epochs}"):
             opt.zero_grad(set_to_none=True)
-            torch.nn.functional.cross_entropy(net(xtr_d[idx]), ytr_d[idx]).backward()
+            loss = torch.nn.functional.cross_entropy(net(x), y)
+            loss.backward()
             opt.step()
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    seconds = time.perf_counter() - start
+            loss_sum += loss.detach()
+            steps += 1
+        mean_loss = float(loss_sum) / steps  # the epoch's one host sync
+        epoch_s = time.perf_counter() - start
+        seconds += epoch_s
+        print(f"backprop + AdamW epoch {epoch}/{args.epochs}: train loss {mean_loss:.4f} ({epoch_s:.1f} s)",
+              flush=True)
     with torch.no_grad():
         accuracy = (net(test[0]).argmax(1) == test[1]).float().mean().item()
     return accuracy, seconds
@@ -166,37 +197,58 @@ def _positive_float(text: str) -> float:
     return value
 
 
-def _parser() -> argparse.ArgumentParser:
+def _parsers() -> tuple[argparse.ArgumentParser, argparse.ArgumentParser]:
+    """The ``torch-dad`` parser and its ``demo`` subparser."""
     from . import __version__
 
     parser = argparse.ArgumentParser(prog="torch-dad", description="Decoupled Analytical Dense target propagation")
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="train the quickstart model on real MNIST and compare with backprop")
-    demo.add_argument("--epochs", type=_positive_int, default=3)
-    demo.add_argument("--batch-size", type=_positive_int, default=256)
-    demo.add_argument("--lr", type=_positive_float, default=1e-3)
-    demo.add_argument("--seed", type=_non_negative_int, default=0)
+    demo = sub.add_parser("demo", help="train the quickstart model on real MNIST and compare with backprop",
+                          description="Train the quickstart MLP (784-1024-512-256-10) with DAD, then the same MLP "
+                          "with backprop + AdamW on the same batches, and print their test accuracies and speeds.")
+    demo.add_argument("--epochs", type=_positive_int, default=3,
+                      help="passes over the training images, for DAD and for backprop (default: %(default)s)")
+    demo.add_argument("--batch-size", type=_positive_int, default=256,
+                      help="training images per step (default: %(default)s)")
+    demo.add_argument("--lr", type=_positive_float, default=1e-3,
+                      help="AdamW learning rate of both trainings (default: %(default)s)")
+    demo.add_argument("--seed", type=_non_negative_int, default=0,
+                      help="seed of the initial weights and of the data order (default: %(default)s)")
     demo.add_argument("--device", default=None, help="cpu, cuda, cuda:1 ... (default: cuda if available)")
     demo.add_argument("--data", choices=("auto", "mnist", "synthetic"), default="auto",
                       help="auto (default): real MNIST if installed, else a synthetic task with a notice")
     demo.add_argument("--limit", type=_non_negative_int, default=0, help="use only the first N training images (0: all)")
     demo.add_argument("--json", default=None, help="also write the figures to this JSON file")
-    return parser
+    return parser, demo
+
+
+def _json_path_problem(path: str) -> str | None:
+    """Why the demo could not write its record to ``path`` (checked before training), or ``None``."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return f"{path} is a folder; pass a file path such as {os.path.join(path, 'mnist_demo.json')}"
+    if not os.path.isdir(folder):
+        return f"the folder {folder} does not exist; create it first or pass a path in an existing folder"
+    if not os.access(folder, os.W_OK):
+        return f"the folder {folder} is not writable"
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``torch-dad`` console script."""
     from ._checks import check_device
 
-    parser = _parser()
+    parser, demo = _parsers()
     args = parser.parse_args(argv)
     if args.command == "demo":
         if args.device is not None:
             try:
                 check_device(args.device)
             except ValueError as err:
-                parser.error(f"argument --device: {err}")
+                demo.error(f"argument --device: {err}")
+        if args.json is not None and (problem := _json_path_problem(args.json)):
+            demo.error(f"argument --json: {problem}")
         return _demo(args)
     return 1
 
