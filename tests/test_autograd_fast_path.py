@@ -174,7 +174,7 @@ def test_triton_and_eager_gradients_match_oracle(shape, activation, bias, dtype,
     x = torch.randn(shape[0], shape[1], device=DEVICE).to(dtype)
     y = _labels(shape[0], shape[3], DEVICE)
     (got_fast, h_fast), (got_slow, h_slow) = _grads_and_output(fast, x, y), _grads_and_output(slow, x, y)
-    assert fast.last_backend == "triton" and slow.last_backend == "eager"
+    assert fast.last_backend == "triton" and slow.last_backend == "torch"
     _check_against_oracle(fast, x, y, got_fast, dtype, h_fast)
     _check_against_oracle(slow, x, y, got_slow, dtype, h_slow)
 
@@ -200,7 +200,7 @@ def test_all_rows_ignored_falls_back_to_zero_gradients():  # type: ignore[no-unt
     layer = _layer(shape, "relu", True, torch.float32, "triton", DEVICE)
     y = torch.full((5,), IGNORE, device=DEVICE)
     got = _grads(layer, torch.randn(5, 4, device=DEVICE), y)
-    assert layer.last_backend == "eager"
+    assert layer.last_backend == "torch"
     assert all(torch.equal(g, torch.zeros_like(g)) for g in got)
     assert float(layer.last_local_loss) == 0.0  # type: ignore[arg-type]
 
@@ -237,12 +237,12 @@ def _adamw_trajectory(shape, activation, bias, device, steps=3, tol=1e-5):  # ty
     # float64 moments per layer: from the float64 gradients, and from the float32 ones (the
     # reference's own error: AdamW divides by sqrt(v) + eps, so where |g| ~ eps an fp32
     # rounding of g moves the update by up to lr * that rounding / eps)
-    states: dict = {"triton": {}, "eager": {}}
-    own_states: dict = {"triton": {}, "eager": {}}
+    states: dict = {"triton": {}, "torch": {}}
+    own_states: dict = {"triton": {}, "torch": {}}
     for step in range(1, steps + 1):
         x = torch.randn(shape[0], shape[1], device=device)
         y = _labels(shape[0], shape[3], device)
-        for layer, name in ((fast, "triton"), (slow, "eager")):
+        for layer, name in ((fast, "triton"), (slow, "torch")):
             before = [t.detach().double().clone() for t in layer.trained_tensors()]
             layer.set_y_context(y)
             out = layer(x)
@@ -299,7 +299,7 @@ def test_cuda_triton_gradients_match_oracle(shape, activation, dtype):  # type: 
     x = torch.randn(shape[0], shape[1], device="cuda").to(dtype)
     y = _labels(shape[0], shape[3], "cuda", ignore_every=7)
     (got_fast, h_fast), (got_slow, h_slow) = _grads_and_output(fast, x, y), _grads_and_output(slow, x, y)
-    assert fast.last_backend == "triton" and slow.last_backend == "eager"
+    assert fast.last_backend == "triton" and slow.last_backend == "torch"
     _check_against_oracle(fast, x, y, got_fast, dtype, h_fast)
     _check_against_oracle(slow, x, y, got_slow, dtype, h_slow)
 
@@ -343,26 +343,28 @@ def test_cuda_auto_picks_triton_and_eager_where_it_does_not_apply():  # type: ig
     assert layer.last_backend == "triton"
     layer = _layer(shape, "gelu", True, torch.float32, "auto", "cuda")  # its derivative needs z
     _grads(layer, x, y)
-    assert layer.last_backend == "eager"
+    assert layer.last_backend == "torch"
 
 
 # ---------------------------------------------------------------------------------- no kernel needed
+@pytest.mark.no_kernel
 def test_bad_backend_raises_and_leaves_the_layer_unchanged():  # type: ignore[no-untyped-def]
     with pytest.raises(ValueError, match="backend"):
         DADAutogradLinear(4, 3, num_classes=2, activation="relu", backend="cuda")
     layer = DADAutogradLinear(4, 3, num_classes=2, activation="relu", backend="eager")
     before = {k: v.clone() for k, v in layer.state_dict().items()}
     text = repr(layer)
-    for bad in ("torch", "Triton", None, 1):
+    for bad in ("cuda-graph", "Triton", None, 1):
         with pytest.raises(ValueError, match="backend"):
             layer.backend = bad  # type: ignore[assignment]
-        assert layer.backend == "eager" and repr(layer) == text
+        assert layer.backend == "torch" and repr(layer) == text
     after = layer.state_dict()
     assert set(after) == set(before) and all(torch.equal(after[k], before[k]) for k in before)
     layer.backend = "auto"
     assert layer.backend == "auto" and "backend" not in repr(layer)
 
 
+@pytest.mark.no_kernel
 @pytest.mark.parametrize("interpret", ["0", "1"])
 def test_cpu_auto_and_eager_stay_pure_pytorch(monkeypatch, interpret):  # type: ignore[no-untyped-def]
     # "auto" takes the kernel for CUDA tensors only: TRITON_INTERPRET=1 (set for kernel tests)
@@ -371,9 +373,11 @@ def test_cpu_auto_and_eager_stay_pure_pytorch(monkeypatch, interpret):  # type: 
     for backend in ("auto", "eager"):
         layer = _layer((6, 4, 5, 3), "relu", True, torch.float32, backend, "cpu")
         _grads(layer, torch.randn(6, 4), _labels(6, 3, "cpu"))
-        assert layer.last_backend == "eager"
+        assert layer.last_backend == "torch"
 
 
+@pytest.mark.no_kernel
+@pytest.mark.slow
 def test_eager_backend_never_imports_triton():  # type: ignore[no-untyped-def]
     # "eager" (even with TRITON_INTERPRET=1), "auto" on CPU tensors and the head role never
     # import triton; "eager" and the head role do not even import torch_dad.kernels
@@ -383,7 +387,7 @@ def test_eager_backend_never_imports_triton():  # type: ignore[no-untyped-def]
         "layer = td.DADAutogradLinear(4, 3, num_classes=3, activation='relu', backend='auto')\n"
         "layer.set_y_context(torch.tensor([0, 2, -100, 1, 1]))\n"
         "layer(torch.randn(5, 4)).sum().backward()\n"
-        "assert layer.last_backend == 'eager' and not any(m.split('.')[0] == 'triton' for m in sys.modules)\n"
+        "assert layer.last_backend == 'torch' and not any(m.split('.')[0] == 'triton' for m in sys.modules)\n"
         "del sys.modules['torch_dad.kernels'], sys.modules['torch_dad.ops.local_error']\n"
         "for backend, role in (('eager', 'hidden'), ('auto', 'head')):\n"
         "    kw = dict(num_classes=3, activation='relu') if role == 'hidden' else {}\n"
@@ -391,7 +395,7 @@ def test_eager_backend_never_imports_triton():  # type: ignore[no-untyped-def]
         "    for update in range(2):\n"
         "        layer.set_y_context(torch.tensor([0, 2, -100, 1, 1]))\n"
         "        layer(torch.randn(5, 4)).sum().backward()\n"
-        "    assert layer.last_backend == 'eager'\n"
+        "    assert layer.last_backend == 'torch'\n"
         "print(sorted(m for m in sys.modules if m.split('.')[0] == 'triton' or m == 'torch_dad.kernels'))\n"
     )
     src = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "src")
@@ -401,6 +405,7 @@ def test_eager_backend_never_imports_triton():  # type: ignore[no-untyped-def]
         assert out.stdout.strip() == "[]", (interpret, out.stdout, out.stderr)
 
 
+@pytest.mark.no_kernel
 def test_triton_backend_falls_back_where_the_kernel_does_not_apply(monkeypatch):  # type: ignore[no-untyped-def]
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "0")  # a kernel launch here would raise instead
@@ -412,10 +417,10 @@ def test_triton_backend_falls_back_where_the_kernel_does_not_apply(monkeypatch):
     for shape, activation, kw in cases:
         layer = _layer(shape, activation, True, torch.float32, "triton", "cpu", **kw)
         _grads(layer, x, y if shape[3] == 3 else torch.randint(0, 300, (6,)))
-        assert layer.last_backend == "eager", (activation, kw, shape)
+        assert layer.last_backend == "torch", (activation, kw, shape)
     head = DADAutogradLinear(4, 3, update="grad", backend="triton")  # the head role: eager math
     _grads(head, x, y)
-    assert head.last_backend == "eager"
+    assert head.last_backend == "torch"
     # where the kernel applies but cannot run (CPU, no interpreter): a clear error, no update
     layer = _layer((6, 4, 5, 3), "relu", True, torch.float32, "triton", "cpu", update="inplace")
     before = [t.clone() for t in layer.trained_tensors()]
