@@ -1,12 +1,13 @@
 """Streaming ridge: statistics equal the batch computation; GCV equals brute force."""
 
+import math
 import warnings
 
 import pytest
 import torch
 
 from torch_dad import functional
-from torch_dad.ridge import GramAccumulator, gcv_curve
+from torch_dad.ridge import GramAccumulator, gcv_curve, logit_scale
 
 from .conftest import relative_error
 
@@ -128,3 +129,39 @@ def test_auto_lambda_is_near_the_best_grid_lambda_when_rows_do_not_outnumber_fea
         grid = [accuracy(acc.solve(lam)) for lam in torch.logspace(-6, 3, 19).tolist()]
     assert accuracy(auto) >= max(grid) - 0.02
     assert accuracy(again) >= max(grid) - 0.02
+
+
+# ------------------------------------------------------------------------------------------ logit_scale
+def _cross_entropy(logits, labels):
+    return float(torch.nn.functional.cross_entropy(logits, labels))
+
+
+@pytest.mark.parametrize("magnitude", [1e-3, 1.0, 1e3])
+def test_logit_scale_matches_a_log_grid_far_from_one(magnitude):
+    g = torch.Generator().manual_seed(int(magnitude * 1000) % 97)
+    logits = torch.randn(400, 6, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 6, (400,), generator=g)
+    labels[:250] = logits[:250].argmax(1)
+    logits = logits * magnitude  # the best scale moves by 1 / magnitude
+    scale = logit_scale(logits.float(), labels)
+    grid = torch.logspace(-6, 6, 4801, dtype=torch.float64)
+    losses = torch.tensor([_cross_entropy(s * logits, labels) for s in grid])
+    best = float(grid[losses.argmin()])
+    assert abs(math.log(scale / best)) < 0.01  # the grid steps by 0.6 % in s
+    assert _cross_entropy(scale * logits, labels) <= _cross_entropy(logits, labels)
+    assert torch.equal((scale * logits).argmax(1), logits.argmax(1))
+
+
+@pytest.mark.parametrize("case", ["all right", "all wrong", "constant", "one class", "one row"])
+def test_logit_scale_is_finite_and_positive_where_no_interior_optimum_exists(case):
+    logits = torch.randn(50, 4, generator=torch.Generator().manual_seed(3))
+    labels = {"all right": logits.argmax(1), "all wrong": logits.argmin(1)}.get(case, torch.zeros(50, dtype=torch.long))
+    if case == "constant":
+        logits = torch.full((50, 4), 2.5)
+    elif case == "one class":
+        logits = logits[:, :1]
+    elif case == "one row":
+        logits, labels = logits[:1], logits[:1].argmax(1)
+    scale = logit_scale(logits, labels)
+    assert math.isfinite(scale) and scale > 0
+    assert _cross_entropy(scale * logits.double(), labels) <= _cross_entropy(logits.double(), labels) + 1e-12
