@@ -46,7 +46,7 @@ def check_fit_arguments(
 
 
 def train_epoch(
-    step: Callable[[Tensor, Tensor, float | None], tuple[Tensor, Tensor]], step_count: Callable[[], int],
+    step: Callable[..., tuple[Tensor, Tensor]], step_count: Callable[[], int],
     bar: Any, *, log_every: int, schedule: Callable[[int], float] | None, run: FitProgress,
     device: torch.device, save: Callable[[], object] | None = None, due: Callable[[int], bool] | None = None,
 ) -> dict[str, float]:
@@ -56,7 +56,7 @@ def train_epoch(
     synchronize()
     start = time.perf_counter()
     for inputs, labels in bar:
-        _, loss = step(inputs, labels, None if schedule is None else schedule(step_count()))
+        _, loss = step(inputs, labels, lr=None if schedule is None else schedule(step_count()))
         run.loss_sum += loss
         run.batches += 1
         run.seen += inputs.shape[0]
