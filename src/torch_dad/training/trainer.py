@@ -16,7 +16,7 @@ from .._checks import check_device, check_fraction, check_int, check_positive_in
 from ..backends import check_backend
 from ..nn._local import LocalLayer
 from ..nn.linear import DADLinear, DADModel
-from ..optim import OptimizerConfig, check_optimizer
+from ..optim import OptimizerConfig, check_optimizer, warn_if_large_lr
 from ..ridge import GramAccumulator, RidgeSolution
 from . import checkpoint
 from .batches import as_batch_pair, classification_metrics, iterate_batches, prepare_batch_tensors
@@ -273,6 +273,7 @@ class DADTrainer:
         self._running = RunningLoss(self.device)
         self.history: list[dict[str, float]] = []
         self.backend = backend
+        warn_if_large_lr(self.config, stacklevel=2)
         self._runner, self._fused = _make_runner(backend, engine_options, model, layers, self.device, self.config,
                                                  self.on_nonfinite, self.classifier, self._running)
 
