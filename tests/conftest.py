@@ -8,6 +8,14 @@ def _seed():
     yield
 
 
+@pytest.fixture(scope="session")
+def mnist():
+    """``torch_dad.data.mnist()``, loaded once for every test that reads real MNIST (none writes to it)."""
+    from torch_dad import data
+
+    return data.mnist()
+
+
 def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
     """``||a - b|| / max(||b||, tiny)`` in float64."""
     a, b = a.double(), b.double()

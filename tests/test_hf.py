@@ -74,6 +74,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).detach().norm() / b.detach().norm().clamp_min(1e-300))
 
 
+@pytest.mark.slow
 def test_import_is_lazy() -> None:
     code = (
         "import sys, torch_dad, torch_dad.integrations; "

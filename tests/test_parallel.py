@@ -373,6 +373,7 @@ def assert_close_states(got, want, tol, skip=()):
 
 # ---------------------------------------------------------------------------- data parallel
 @pytest.mark.parametrize("name,epochs", [("dp_overlap", 2), ("dp_blocking", 1)])
+@pytest.mark.slow
 def test_data_parallel_global_batch_equals_single_process(ranks, name, epochs):
     trainer, records = reference(epochs, 24, seed_rank0=100, device=ranks.device)
     want = full_state(trainer)
@@ -404,6 +405,7 @@ def test_data_parallel_global_batch_equals_single_process(ranks, name, epochs):
         assert abs(r["evaluate"]["loss"] - metrics["loss"]) <= 1e-5 * metrics["loss"]
 
 
+@pytest.mark.slow
 def test_conv_and_block_models_data_parallel_and_pipeline(ranks):
     """DADConv2d and DADBlock train alike with data parallelism (global batch 24 over 2 ranks) and
     in a pipeline (conv on one stage, block and dense layer on the other) as on one process."""
@@ -422,6 +424,7 @@ def test_conv_and_block_models_data_parallel_and_pipeline(ranks):
                 assert_close_states(got, want, max(tol, TOL), skip=skip)
 
 
+@pytest.mark.slow
 def test_data_parallel_bad_configuration(ranks):
     for res in ranks:
         out = res["dp_overlap"]
@@ -436,6 +439,7 @@ def test_data_parallel_bad_configuration(ranks):
 
 # ---------------------------------------------------------------------------- pipeline
 @pytest.mark.parametrize("name,bounds", [("pipe_auto", None), ("pipe_1_2", [(0, 1), (1, 3)])])
+@pytest.mark.slow
 def test_pipeline_equals_sequential(ranks, name, bounds):
     trainer, records = reference(2, 16, seed_rank0=200, device=ranks.device)
     # CPU: same kernels, same inputs, same order, so bitwise equal; two GPUs: to rounding
@@ -490,6 +494,7 @@ def test_pipeline_equals_sequential(ranks, name, bounds):
             assert relative_error(r["synced"][k], final[k]) <= 10 * TOL * cond, (k, cond)
 
 
+@pytest.mark.slow
 def test_fused_engine_data_parallel_and_pipeline_equal_single_process(ranks):
     # the fused engine's distributed paths: data parallel (per-layer all-reduce, AdamW one
     # layer later) and a pipeline stage span, against the fused single-process step
@@ -518,6 +523,7 @@ def test_fused_engine_data_parallel_and_pipeline_equal_single_process(ranks):
         assert abs(got["loss"] - ref["loss"]) <= 1e-6 * ref["loss"]
 
 
+@pytest.mark.slow
 def test_solve_head_from_input_samples(ranks):
     # data parallel: each rank's sample, features recomputed with the current weights, the Gram
     # statistics summed: the single-process solve on the union of both samples, with the same
@@ -553,6 +559,7 @@ def test_solve_head_from_input_samples(ranks):
         assert p["again"].startswith("ValueError") and "sampled no rows" in p["again"]
 
 
+@pytest.mark.slow
 def test_pipeline_bad_configuration(ranks):
     for res in ranks:
         out = res["errors"]
@@ -562,6 +569,7 @@ def test_pipeline_bad_configuration(ranks):
         assert "ranks disagree" in out["mismatched_balance"] and "balance" in out["mismatched_balance"]
 
 
+@pytest.mark.slow
 def test_mismatched_ranks_raise_on_every_rank(ranks):
     for res in ranks:
         out = res["errors"]
@@ -600,6 +608,7 @@ def test_partition_layers_is_optimal_and_contiguous():
 
 
 # ---------------------------------------------------------------------------- DADAutogradLinear under DDP
+@pytest.mark.slow
 def test_autograd_update_grad_under_ddp_equals_single_process(ranks):
     # DDP would raise "Expected to have finished reduction in the prior iteration" at step 2
     # if any parameter (local heads included) missed its gradient; 3 steps ran on both ranks

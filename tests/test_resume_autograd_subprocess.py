@@ -7,14 +7,16 @@ import textwrap
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow
+
 SCRIPT = textwrap.dedent(
     """
     import sys, torch
     import torch_dad as td
 
-    mode, update, path, out = sys.argv[1:5]
+    mode, folder = sys.argv[1:3]
 
-    def build():
+    def build(update):
         torch.manual_seed(0)
         model = torch.nn.Sequential(
             td.DADAutogradLinear(10, 16, num_classes=3, activation="relu", update=update, lr=1e-2),
@@ -37,21 +39,23 @@ SCRIPT = textwrap.dedent(
                 if opt is not None:
                     opt.step()
 
-    model, opt = build()
-    if mode == "first":
-        run(model, opt, batches[:4])
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict() if opt else None}, path)
-    elif mode == "second":
-        torch.manual_seed(77)
-        state = torch.load(path)
-        model.load_state_dict(state["model"])
-        if opt is not None:
-            opt.load_state_dict(state["opt"])
-        run(model, opt, batches[4:])
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict() if opt else None}, out)
-    else:
-        run(model, opt, batches)
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict() if opt else None}, out)
+    for update in ("inplace", "grad"):  # each from its own seed, so the order changes nothing
+        model, opt = build(update)
+        path, out = f"{folder}/c-{update}.pt", f"{folder}/{mode}-{update}.pt"
+        if mode == "first":
+            run(model, opt, batches[:4])
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict() if opt else None}, path)
+        elif mode == "second":
+            torch.manual_seed(77)
+            state = torch.load(path)
+            model.load_state_dict(state["model"])
+            if opt is not None:
+                opt.load_state_dict(state["opt"])
+            run(model, opt, batches[4:])
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict() if opt else None}, out)
+        else:
+            run(model, opt, batches)
+            torch.save({"model": model.state_dict(), "opt": opt.state_dict() if opt else None}, out)
     """
 )
 
@@ -69,13 +73,20 @@ def _tensors(obj, prefix=""):
     return out
 
 
-@pytest.mark.parametrize("update", ["inplace", "grad"])
-def test_autograd_resume_in_fresh_process_is_bitwise(tmp_path, update):
-    script = tmp_path / "job.py"
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The folder of both update modes' checkpoint, resumed and straight runs: three processes in all."""
+    folder = tmp_path_factory.mktemp("autograd-resume")
+    script = folder / "job.py"
     script.write_text(SCRIPT)
-    ckpt, resumed, straight = (str(tmp_path / n) for n in ("c.pt", "r.pt", "s.pt"))
-    for args in (("first", update, ckpt, "-"), ("second", update, ckpt, resumed), ("straight", update, "-", straight)):
-        subprocess.run([sys.executable, str(script), *args], check=True)
+    for mode in ("first", "second", "straight"):
+        subprocess.run([sys.executable, str(script), mode, str(folder)], check=True)
+    return folder
+
+
+@pytest.mark.parametrize("update", ["inplace", "grad"])
+def test_autograd_resume_in_fresh_process_is_bitwise(runs, update):
+    ckpt, resumed, straight = (str(runs / f"{n}-{update}.pt") for n in ("c", "second", "straight"))
     a, b = _tensors(torch.load(resumed)), _tensors(torch.load(straight))
     assert a.keys() == b.keys() and len(a) >= 4
     for key in a:

@@ -5,7 +5,10 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
 import torch
+
+pytestmark = pytest.mark.slow
 
 SCRIPT = textwrap.dedent(
     """

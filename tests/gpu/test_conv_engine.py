@@ -61,6 +61,7 @@ BACKENDS = ["fused"] + (["cuda-graph"] if DEVICE == "cuda" else [])
 AMPS = [None] + ([torch.bfloat16] if DEVICE == "cuda" else [])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("amp", AMPS)
 @pytest.mark.parametrize("normalize", [None, "batchnorm"])
@@ -71,6 +72,7 @@ def test_conv_and_block_model_matches_eager(
     _check_matches_eager(backend, amp, normalize, *_pair(backend, amp, normalize, dense))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("amp", AMPS)
 def test_conv_recipe_with_smoothing_and_dropout_matches_eager(backend: str, amp: torch.dtype | None) -> None:

@@ -64,6 +64,7 @@ TILES: list[tuple[int, int, int] | dict[str, int | bool]] = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, LOW])
 @pytest.mark.parametrize("shape", [(77, 53, 10), (300, 517, 10), (130, 300, 7)])
 @pytest.mark.parametrize("tiles", range(len(TILES)))
@@ -89,6 +90,7 @@ def test_local_error_label_smoothing(tiles, smoothing, dtype):  # type: ignore[n
 
 # under torch.use_deterministic_algorithms(True): the column splits and the one-launch kernel, which add
 # partial sums atomically, give way to one program per sum; the results stay within the tolerances
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.float32, LOW])
 @pytest.mark.parametrize("tiles", [6, 7, 8, 10])
 def test_local_error_deterministic_mode(tiles, dtype):  # type: ignore[no-untyped-def]
