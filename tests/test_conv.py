@@ -501,9 +501,10 @@ def test_readme_conv_block_runs():
     import re
     from pathlib import Path
 
-    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    block = re.search(r"## Conv nets and arbitrary blocks.*?```python\n(.*?)```", text, re.S).group(1)
-    namespace: dict = {"td": td, "torch": torch, "MyResidualBlock": Residual}  # the reader's block
+    text = (Path(__file__).resolve().parents[1] / "docs" / "conv-and-blocks.md").read_text()
+    block = re.search(r"```python\n(.*?class Net.*?)```", text, re.S).group(1)
+    namespace: dict = {"td": td, "torch": torch, "MyResidualBlock": Residual,  # the reader's block and data
+                       "x_train": torch.rand(64, 784), "y_train": torch.randint(0, 10, (64,))}
     exec(compile(block, "README-conv", "exec"), namespace)
     trainer = td.DADTrainer(namespace["Net"]())
     _, loss = trainer.step(torch.randn(8, 1, 28, 28), torch.randint(0, 10, (8,)))
