@@ -23,6 +23,7 @@ def state_bytes(trainer):
     )
 
 
+@pytest.mark.slow  # a 1.26 GB Gram matrix when asked for
 def test_default_trainer_allocates_no_gram_matrix_for_a_wide_classifier():
     torch.manual_seed(0)
     trainer = td.DADTrainer(WideConv())

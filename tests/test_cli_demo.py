@@ -10,6 +10,7 @@ import sys
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # a subprocess each
 SMALL = ["--data", "synthetic", "--limit", "256", "--batch-size", "128", "--device", "cpu"]
 
 

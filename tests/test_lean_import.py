@@ -23,6 +23,7 @@ def test_import_pulls_no_optional_library():
     assert out.stdout.strip() == ""
 
 
+@pytest.mark.slow
 def test_data_and_integrations_are_attributes_imported_on_first_use():
     code = (
         "import sys\n"
