@@ -49,7 +49,7 @@ def activation_backward(
 
     ``inplace`` overwrites ``grad`` (not for gelu). Each activation takes autograd's own fused backward
     kernel: one pass and no temporaries, where the formulas of :func:`functional.activation_derivative`
-    take several (relu: ``masked_fill_(h <= 0)`` took two passes and 6% of a local step on a 2-core CPU).
+    take several passes (docs/design-cpu-step.md).
     Leaky ReLU's derivative is read off the output, which has the sign of ``z``.
     """
     aten = torch.ops.aten

@@ -48,12 +48,8 @@ from .precondition import GramPreconditioner, check_precondition, softmax_curvat
 __all__ = ["BACKENDS", "HIDDEN_LABEL_SMOOTHING", "ROLES", "DADAutogradFunction", "DADAutogradLinear", "label_context"]
 
 ROLES: tuple[str, ...] = ("hidden", "head")
-#: the default label smoothing of a hidden layer's local cross-entropy. A local head fits its
-#: batch fast, and the plain one-hot target then leaves the layer little signal; the smoothed
-#: target keeps it learning. The README's drop-in MLP (784-512-256-10, batch 64, 1 epoch, 1 CPU
-#: thread), test accuracy, 0 -> 0.1: 60k MNIST images 96.37 -> 97.44% (seed 0) and 96.25 ->
-#: 97.13% (seed 1), against backprop's 96.39 / 96.65%; 10k-image subsets, seeds 0-3, mean gap to
-#: backprop -2.06 -> +0.77pp (docs/autograd.md has the command).
+#: the default label smoothing of a hidden layer's local cross-entropy: a local head fits its batch
+#: fast, and the plain one-hot target then leaves the layer little signal (docs/autograd.md)
 HIDDEN_LABEL_SMOOTHING = 0.1
 #: ``DADAutogradLinear(backend=...)``: the fused Triton local error where it applies, or plain PyTorch
 BACKENDS: tuple[str, ...] = ("auto", "torch", "triton")
@@ -311,8 +307,7 @@ class DADAutogradLinear(LocalLayer):
             )
             if update == "inplace":
                 # the preconditioned gradient is already a scaled (Gauss-Newton-like) step: apply it
-                # with plain SGD; AdamW's per-coordinate scaling undoes it (57.3% vs 71.4% test
-                # accuracy on all-MiniLM-L6-v2 features, docs/hf.md)
+                # with plain SGD; AdamW's per-coordinate scaling undoes it (docs/hf.md)
                 self.config = OptimizerConfig(name="sgd", lr=lr, weight_decay=weight_decay, momentum=0.0)
         self.register_load_state_dict_post_hook(DADAutogradLinear._keep_local)
 

@@ -13,10 +13,10 @@ Per DAD layer the fused step launches: the forward ``addmm`` with bias and ReLU 
 cuBLASLt, the local-error kernels, the ``d_z^T a`` GEMM (output in the compute dtype, as the
 eager step rounds it), one AdamW kernel that updates weight and bias and rewrites their
 bf16 copies (the copies the next forward reads, so no per-step casts), and one more for its
-local head. On an H200 at B=1024 an MLP step is bound by launches, not FLOPs. Under
+local head. At small batches an MLP step is bound by launches, not FLOPs. Under
 ``"cuda-graph"`` the weight GEMM and AdamW of layer ``i`` run on a side stream, beside the
 forward of layer ``i + 1``: DAD allows it because layer ``i + 1`` never waits for a gradient
-from above. :class:`EngineOptions` holds the measured scheduling choices
+from above. The scheduling choices are :class:`EngineOptions`
 (``docs/design-engine.md`` has the numbers and the commands).
 
 A ``DADConv2d`` or ``DADBlock`` runs its own ``local_gradients`` in the step (torch ops, captured
@@ -153,7 +153,7 @@ class FusedStep:
     def _signature(self) -> tuple[int, ...]:
         """Storage addresses a captured graph baked in: a change forces a re-capture.
 
-        The tensor list is gathered once (walking the modules costs ~30 µs a step); a tensor
+        The tensor list is gathered once (walking the modules costs host time every step); a tensor
         whose ``.data`` is replaced is caught by its address, a replaced Parameter object is
         not: call :meth:`reset` after swapping modules or parameters.
         """

@@ -115,8 +115,8 @@ class Pipeline:
         # Stage 0 keeps the trainer's input sample, if it has one (classifier_sample_size > 0, the
         # default): solve_head() streams it through the stages with the current weights, as
         # DADTrainer.solve_head() recomputes its features. Without a sample the last stage
-        # accumulates the Gram statistics every step, one width x width GEMM: 4 ms of a 55 ms
-        # stage at B=65536, width 4096 on an H200, which made it the slower stage.
+        # accumulates the Gram statistics every step, one width x width GEMM that can make it the
+        # slower stage.
         self._sampled = trainer.keeps_input_sample
         if trainer.gradient_reducer is not None:
             raise ValueError("trainer.gradient_reducer is set; a Pipeline stage updates from its own batch only")
