@@ -227,7 +227,7 @@ class DADAutogradLinear(LocalLayer):
             With ``update="inplace"`` the step is plain SGD (``p -= lr * (g @ M^-1)``, decoupled
             weight decay, no momentum): use ``lr`` near 1.
         precondition_damping, precondition_window: its relative damping and forgetting window.
-        backend: ``"auto"`` (default), ``"torch"`` or ``"triton"`` (``"eager"``: the former name of ``"torch"``): how a hidden layer forms its
+        backend: ``"auto"`` (default), ``"torch"`` (formerly ``"eager"``) or ``"triton"``: how a hidden layer forms its
             local error. ``"triton"`` runs the fused kernel of
             :func:`torch_dad.ops.local_error.local_error` (one or two launches for the local-head
             logits, ``softmax - onehot``, ``d_z`` and the bias/head gradients) and raises if it

@@ -44,9 +44,6 @@ class EagerRunner:
         logits, loss, features = loop.train()
         return StepOutput(logits.detach().float(), loss.detach().float(), features, plan.count_loss, loop.nonfinite)
 
-    def reset(self) -> None:
-        """Nothing derived from the weights is kept."""
-
     def refresh(self) -> None:
         """Nothing derived from the weights is kept."""
 

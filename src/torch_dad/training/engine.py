@@ -2,12 +2,12 @@
 
 Selected by ``DADTrainer(..., backend=...)``:
 
-- ``"eager"``: the reference layer loop of :class:`~torch_dad.DADTrainer` (pure PyTorch, any setting);
-- ``"fused"``: this module's step, run op by op. On CUDA its local error, AdamW and Gram
+- ``"torch"``: the eager reference runner (:mod:`torch_dad.training.eager`, pure PyTorch, any setting);
+- ``"triton"``: this module's step, run op by op. On CUDA its local error, AdamW and Gram
   updates are Triton kernels (:mod:`torch_dad.ops`); on CPU their PyTorch twins run;
 - ``"cuda-graph"``: the fused step captured whole into one CUDA graph per input shape;
 - ``"auto"``: ``"cuda-graph"`` on CUDA when the fused step supports the model and triton is
-  installed, else ``"eager"``.
+  installed, else ``"torch"``.
 
 Per DAD layer the fused step launches: the forward ``addmm`` with bias and ReLU fused by
 cuBLASLt, the local-error kernels, the ``d_z^T a`` GEMM (output in the compute dtype, as the
@@ -53,7 +53,7 @@ from .step import Batch, Dropout, GradientReducer, LayerLoop, RunningLoss, StepO
 __all__ = ["FusedStep", "unsupported_reason", "uses_local_error_kernel"]
 
 
-def unsupported_reason(model: DADModel, config: OptimizerConfig, dropout: float = 0.0) -> str | None:
+def unsupported_reason(model: DADModel, config: OptimizerConfig) -> str | None:
     """Why the fused step cannot train ``model`` with ``config``, or ``None`` if it can.
 
     Every local rule, activation, normalisation, label smoothing and ``dropout`` is supported: a

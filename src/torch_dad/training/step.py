@@ -90,9 +90,6 @@ class StepRunner(Protocol):
 
     def run(self, batch: Batch, plan: StepPlan, reducer: GradientReducer | None) -> StepOutput: ...
 
-    def reset(self) -> None:
-        """Forget what was derived from the weights (captured graphs, low-precision copies)."""
-
     def refresh(self) -> None:
         """Re-read the weights after an outside edit (e.g. a loaded checkpoint)."""
 
