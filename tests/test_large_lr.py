@@ -51,3 +51,22 @@ def test_no_warning(config, lr):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert not warn_if_large_lr(config, lr)
+
+
+def test_the_trainer_warns_at_construction_and_for_a_steps_lr():
+    import torch_dad as td
+
+    class Net(td.DADModel):
+        def __init__(self):
+            super().__init__()
+            self.l1 = td.DADLinear(6, 8, num_classes=3)
+            self.classifier = torch.nn.Linear(8, 3)
+
+    with pytest.warns(UserWarning, match=r"^lr=1e\+06 with AdamW") as record:
+        td.DADTrainer(Net(), lr=1e6)
+    assert record[0].filename == __file__
+    optim._large_lr_warned = False
+    trainer = td.DADTrainer(Net())
+    with pytest.warns(UserWarning, match=r"^lr=50 with AdamW") as record:
+        trainer.step(torch.randn(4, 6), torch.tensor([0, 1, 2, 0]), lr=50.0)
+    assert record[0].filename == __file__

@@ -337,6 +337,8 @@ class DADTrainer:
         x, y = self._prepare(inputs, labels)
         if self.classifier is not None:
             self.classifier.ensure_sample(tuple(x.shape[1:]), x.dtype)
+        if lr is not None:
+            warn_if_large_lr(self.config, float(lr), stacklevel=3)
         lr = self.config.lr if lr is None else float(lr)
         return Batch(x, y, lr, None if compute == torch.float32 else compute)
 
@@ -389,10 +391,8 @@ class DADTrainer:
     def require_classifier(self) -> nn.Linear:
         """``model.classifier``; raises ``ValueError`` naming the fix when the model has none."""
         if self.classifier is None:
-            raise ValueError(
-                "solve_head() needs model.classifier (an nn.Linear on the last DAD layer's output); "
-                f"{type(self.model).__name__} has none. Add `self.classifier = torch.nn.Linear(features, classes)`"
-            )
+            raise ValueError("solve_head() needs model.classifier (an nn.Linear on the last DAD layer's output); "
+                             f"{type(self.model).__name__} has none. Add `self.classifier = torch.nn.Linear(features, classes)`")
         return self.classifier.linear
 
     @torch.no_grad()
