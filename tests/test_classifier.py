@@ -57,6 +57,17 @@ def test_solve_is_calibrated_without_changing_predictions():
     assert torch.equal(raw.argmax(1), calibrated.argmax(1))
     raw_loss = nn.functional.cross_entropy(raw, y)
     assert nn.functional.cross_entropy(calibrated, y) < raw_loss
+    # the solve reset the sample: a re-iterable loader is calibrated on, a one-shot iterator cannot be
+    for loader, calibrates in (([(x, y)], True), (iter([(x, y)]), False)):
+        solution = trainer.solve_head(lambda_reg=0.1, loader=loader)
+        with torch.no_grad():
+            raw = trainer.model.features(x).double() @ solution.weight.T.double() + solution.bias.double()
+            calibrated = trainer.model(x).double()
+        assert torch.equal(raw.argmax(1), calibrated.argmax(1))
+        if calibrates:
+            assert nn.functional.cross_entropy(calibrated, y) < nn.functional.cross_entropy(raw, y)
+        else:
+            assert torch.allclose(calibrated, raw, atol=1e-5)
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])

@@ -6,6 +6,7 @@ import itertools
 import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -422,23 +423,20 @@ class DADTrainer:
         (``lambda_reg="auto"``: lambda by GCV), from the features of ``loader`` (one no-grad pass),
         from ``statistics``, or else from what ``step()`` kept since the last solve (then reset): the
         input sample's features recomputed with the current weights, or the streamed statistics.
-        Solving from the sample on one process also calibrates the solved scores (one positive
-        scale fitted on the sample, argmax unchanged), so ``evaluate()``'s loss reads as a
-        calibrated model's.
+        On one process the solved scores are then calibrated: one positive scale fitted on the
+        input sample (or on a re-iterable ``loader``), argmax unchanged, so ``evaluate()``'s loss
+        reads as a calibrated model's.
         """
         self.require_classifier()
         out = self.classifier
         assert out is not None
-        calibration = None
+        sample = out.sample if out.sample is not None and out.sample.size > 0 else None
         if statistics is not None:
             stats = statistics
         elif loader is not None:
             stats = self.features_statistics(loader)
-        elif out.sample is not None and out.sample.size > 0:
-            sample = out.sample
+        elif sample is not None:
             stats = self.features_statistics(sample.batches())
-            if self.statistics_reducer is None:  # ranks must stay equal: no per-rank calibration
-                calibration = lambda: self._eval_rows(sample.batches(), self.model.features)  # noqa: E731
         elif out.statistics is not None and out.statistics.num_samples > 0:
             stats = out.statistics
         else:
@@ -448,6 +446,9 @@ class DADTrainer:
             )
         if self.statistics_reducer is not None:
             self.statistics_reducer(stats)
+        rows = sample.batches() if sample is not None else loader if loader is not None and iter(loader) is not loader else None
+        # ranks must stay equal: no per-rank calibration under data parallelism
+        calibration = None if rows is None or self.statistics_reducer else partial(self._eval_rows, rows, self.model.features)
         solution = out.solve(stats, lambda_reg, calibration)
         if loader is None and statistics is None:
             out.reset()
