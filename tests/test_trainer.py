@@ -84,8 +84,11 @@ def test_solve_head_from_loader_equals_functional_ridge():
     with torch.no_grad():
         feats = trainer.model.features(x)
     w, b = F.ridge_solve(feats, torch.nn.functional.one_hot(y, 4).double(), 0.3)
-    assert relative_error(trainer.model.classifier.weight.detach(), w) < 1e-9
-    assert relative_error(trainer.model.classifier.bias.detach(), b) < 1e-9
+    assert relative_error(solution.weight, w) < 1e-9 and relative_error(solution.bias, b) < 1e-9
+    # the classifier holds that solve times one positive calibration scale, fitted on the loader's rows
+    weight, bias = trainer.model.classifier.weight.detach(), trainer.model.classifier.bias.detach()
+    scale = float((weight * w).sum() / (w * w).sum())
+    assert scale > 0 and relative_error(weight, scale * w) < 1e-9 and relative_error(bias, scale * b) < 1e-9
     assert solution.lambda_reg == 0.3
 
 

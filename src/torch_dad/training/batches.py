@@ -14,6 +14,7 @@ from ..nn.linear import DADLinear
 
 __all__ = [
     "INPUT_KEYS", "LABEL_KEYS", "as_batch_pair", "classification_metrics", "iterate_batches", "prepare_batch_tensors",
+    "reiterable",
 ]
 
 #: the keys of a dict batch (e.g. from a ``DataLoader`` over a HuggingFace dataset), in the order tried
@@ -108,6 +109,11 @@ def _rows(inputs: Tensor, first: DADLinear, device: torch.device, check_values: 
         x = x.to(first.weight.dtype)
     check_inputs(x, first.in_features, check_values=check_values)
     return x
+
+
+def reiterable(data: Any) -> bool:
+    """Whether ``data`` can be read twice (e.g. a list, a pair of tensors or a ``DataLoader``; not a generator)."""
+    return data is not None and iter(data) is not data
 
 
 @torch.no_grad()

@@ -160,16 +160,23 @@ class OutputClassifier:
             # without a bias the intercept is dropped: the solve centred it away
             linear.bias.copy_(solution.bias.to(linear.bias.dtype))
         if calibration is not None:
-            self._calibrate(calibration())
+            self.calibrate(calibration())
         for buffer in self.state.buffers():
             buffer.zero_()
         return solution
 
-    def _calibrate(self, batches: Iterator[tuple[Tensor, Tensor]]) -> None:
+    @torch.no_grad()
+    def calibrate(self, batches: Iterable[tuple[Tensor, Tensor]]) -> None:
+        """:meth:`calibrate_logits` on the classifier's outputs for ``(features, labels)`` batches."""
         pairs = [(self.linear(features.flatten(1)).float(), labels) for features, labels in batches]
-        if not pairs:
-            return
-        scale = logit_scale(torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs]))
+        if pairs:
+            self.calibrate_logits(torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs]))
+
+    @torch.no_grad()
+    def calibrate_logits(self, logits: Tensor, labels: Tensor) -> None:
+        """Scale weight and bias by the positive factor that minimises the cross-entropy of ``logits``
+        (the classifier's outputs) on ``labels`` (:func:`~torch_dad.ridge.logit_scale`); argmax unchanged."""
+        scale = logit_scale(logits, labels)
         self.linear.weight.mul_(scale)
         if self.linear.bias is not None:
             self.linear.bias.mul_(scale)

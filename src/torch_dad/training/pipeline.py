@@ -23,6 +23,7 @@ from torch import Tensor
 
 from ..nn.linear import DADLinear, DADModel
 from ..ridge import GramAccumulator, RidgeSolution
+from .batches import reiterable
 from .data_parallel import DataParallelTrainer
 from .distributed import broadcast, check_same_on_all_ranks, group_info
 from .step import Batch, progress_bar
@@ -382,11 +383,32 @@ class Pipeline:
                 trainer.model.train(was_training)
             if self.is_last:
                 solution = trainer.solve_head(lambda_reg, statistics=stats)
+            if self._from_first(self.is_first and reiterable(data)):
+                self._calibrate(data, batch_size)
         elif self.is_last:
             solution = trainer.solve_head(lambda_reg)
         if from_sample and trainer.classifier_sample is not None:
             trainer.classifier_sample.reset()
         return solution
+
+    def _calibrate(self, data: Any, batch_size: int) -> None:
+        """Stream ``data`` once more and calibrate the solved classifier on the last stage's outputs,
+        as :meth:`DADTrainer.solve_head` does on one process."""
+        trainer, logits, labels = self.trainer, [], []
+
+        def keep(_: int, h: Tensor, y: Tensor, __: Any) -> None:
+            if self.is_last and trainer.classifier is not None:
+                logits.append(trainer.classifier.linear(h.flatten(1)).float())
+                labels.append(y)
+
+        was_training = trainer.model.training
+        trainer.model.eval()
+        try:
+            self._stream(self._stage0_batches(data, batch_size, False, None), _FORWARD, None, keep)
+        finally:
+            trainer.model.train(was_training)
+        if self.is_last and trainer.classifier is not None and logits:
+            trainer.classifier.calibrate_logits(torch.cat(logits), torch.cat(labels))
 
     @torch.no_grad()
     def synchronize(self) -> None:

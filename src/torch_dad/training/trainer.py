@@ -20,7 +20,7 @@ from ..nn.linear import DADLinear, DADModel
 from ..optim import OptimizerConfig, check_optimizer, warn_if_large_lr
 from ..ridge import GramAccumulator, RidgeSolution
 from . import checkpoint
-from .batches import as_batch_pair, classification_metrics, iterate_batches, prepare_batch_tensors
+from .batches import as_batch_pair, classification_metrics, iterate_batches, prepare_batch_tensors, reiterable
 from .checkpoint import FitProgress
 from .classifier import OutputClassifier
 from .eager import EagerRunner
@@ -446,7 +446,7 @@ class DADTrainer:
             )
         if self.statistics_reducer is not None:
             self.statistics_reducer(stats)
-        rows = sample.batches() if sample is not None else loader if loader is not None and iter(loader) is not loader else None
+        rows = sample.batches() if sample is not None else loader if reiterable(loader) else None
         # ranks must stay equal: no per-rank calibration under data parallelism
         calibration = None if rows is None or self.statistics_reducer else partial(self._eval_rows, rows, self.model.features)
         solution = out.solve(stats, lambda_reg, calibration)
