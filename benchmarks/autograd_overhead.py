@@ -154,7 +154,7 @@ def make_step(
         dad.early_gradients = False if system == "dad-inplace-late" else None
         head = dad
         if hidden is not None:
-            backend = "triton" if system == TRITON_SYSTEM else "eager"
+            backend = "triton" if system == TRITON_SYSTEM else "torch"
             local = td.DADAutogradLinear.from_linear(hidden, classes, activation="relu", update=update, backend=backend)
             local.early_gradients = dad.early_gradients
             head = torch.nn.Sequential(local, dad)

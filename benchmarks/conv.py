@@ -262,7 +262,7 @@ def _dad_step(build: Any, x: torch.Tensor, y: torch.Tensor, amp: torch.dtype | N
     """The DAD step's time (``backend="auto"``: the CUDA graph) and its memory above static
     (``backend="fused"``); on CPU one fused step each, no numbers."""
     out: dict[str, Any] = {}
-    for backend in ("auto", "fused"):
+    for backend in ("auto", "triton"):
         torch.manual_seed(0)
         trainer = td.DADTrainer(build(), x.device, lr=1e-3, amp_dtype=amp, backend=backend, on_nonfinite="ignore")
         step = functools.partial(trainer.step, x, y)

@@ -96,7 +96,7 @@ def build(system: str, topology: tuple[int, list[int], int], device: torch.devic
     n_in, widths, classes = topology
     if system.startswith("dad"):
         head = {"dad": "sample", "dad-gram-stats": "gram"}.get(system, "none")
-        backend = "auto" if device.type == "cuda" else "fused"
+        backend = "auto" if device.type == "cuda" else "triton"
         return dad_system(n_in, widths, classes, device, backend, amp, head=head, recipe=recipe)[1]
     if system == "backprop-eager":
         return backprop_eager(n_in, widths, classes, device, amp, recipe)
