@@ -196,3 +196,14 @@ def test_check_labels_allows_ignore_index_only_when_given():
     with pytest.raises(ValueError, match="or equal ignore_index=-1; got values in"):
         check_labels(labels, 4, 3, ignore_index=-1)
     check_labels(labels, 4, 3, check_values=False)  # shape and dtype only
+
+
+@pytest.mark.parametrize("batch_size", [0, -3, 2.5, True])
+def test_fit_rejects_a_bad_batch_size_before_training(batch_size):
+    trainer = td.DADTrainer(Net())
+    before = trainer_state(trainer)
+    data = (torch.randn(16, Net().l1.in_features), torch.randint(0, 2, (16,)))
+    with pytest.raises(ValueError, match=r"^batch_size=.* must be a positive int"):
+        trainer.fit(data, batch_size=batch_size, progress=False)
+    assert trainer.step_count == 0
+    assert all(torch.equal(v, trainer_state(trainer)[k]) for k, v in before.items())

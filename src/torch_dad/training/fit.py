@@ -20,11 +20,12 @@ __all__ = ["check_fit_arguments", "start_fit", "train_epoch"]
 
 def check_fit_arguments(
     epochs: object, schedule: object, checkpoint_dir: object, checkpoint_every: object, keep_last: object,
-    resume: object, *, distributed: bool,
+    resume: object, *, batch_size: object, distributed: bool,
 ) -> CheckpointFolder | None:
     """Validate ``fit``'s arguments before anything changes; the checkpoint folder or ``None``."""
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"epochs={epochs!r} must be a positive int")
+    check_positive_int("batch_size", batch_size)
     if schedule is not None and not callable(schedule):
         raise TypeError(f"schedule must be a callable step -> lr, got {type(schedule).__name__}")
     check_bool("resume", resume)

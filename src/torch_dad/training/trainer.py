@@ -494,7 +494,7 @@ class DADTrainer:
         Guide: ``docs/checkpoints.md``.
         """
         folder = check_fit_arguments(epochs, schedule, checkpoint_dir, checkpoint_every, keep_last, resume,
-                                     distributed=self.gradient_reducer is not None)
+                                     batch_size=batch_size, distributed=self.gradient_reducer is not None)
         args = {"epochs": epochs, "batch_size": batch_size, "seed": seed, "shuffle": shuffle}
         generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, ())) if seed is None else seed)
         run = start_fit(folder, resume, args, generator, history_length=len(self.history), step_count=self.step_count,
