@@ -48,7 +48,7 @@ from ..ops.gram import mm_fp32
 from ..optim import OptimizerConfig
 from .classifier import OutputClassifier
 from .options import STREAM_PRIORITIES, EngineOptions
-from .step import Batch, Dropout, GradientReducer, LayerLoop, RunningLoss, StepOutput, StepPlan
+from .step import Batch, Dropout, GradientReducer, LayerLoop, RunningLoss, StepOutput, StepPlan, input_dtype
 
 __all__ = ["FusedStep", "unsupported_reason", "uses_local_error_kernel"]
 
@@ -292,8 +292,8 @@ class FusedStep:
         capture_stream = self.stream("capture") if self.stream_priorities() else None
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        # the input buffer holds the compute dtype: its copy_ is also the cast
-        static_x = torch.empty(batch.x.shape, device=self.device, dtype=batch.compute_dtype or batch.x.dtype)
+        # the input buffer holds the dtype the first layer reads: its copy_ is also the cast
+        static_x = torch.empty(batch.x.shape, device=self.device, dtype=input_dtype(batch.x, batch.compute_dtype))
         static_y = torch.empty_like(batch.y)
         static_x.copy_(batch.x)
         static_y.copy_(batch.y)
@@ -358,8 +358,9 @@ class _Run(LayerLoop):
         self.sample_stream = self._offer_sample()
 
     def first_input(self) -> Tensor:
-        x, compute = self.batch.x, self.batch.compute_dtype
-        return x if compute is None or x.dtype == compute else x.to(compute)
+        x = self.batch.x
+        dtype = input_dtype(x, self.batch.compute_dtype)
+        return x if x.dtype == dtype else x.to(dtype)
 
     def _offer_sample(self) -> torch.cuda.Stream | None:
         """Add the rows to the classifier's input sample on the device (CUDA, first layer only)."""

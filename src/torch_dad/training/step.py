@@ -22,18 +22,27 @@ from ..optim import OptimizerConfig
 
 __all__ = [
     "Batch", "Dropout", "GradientReducer", "HeldUpdates", "LayerLoop", "RunningLoss", "StepOutput", "StepPlan",
-    "StepRunner", "progress_bar",
+    "StepRunner", "input_dtype", "progress_bar",
 ]
 
 
 class Batch(NamedTuple):
-    """A validated training batch: ``x`` (B, in) on the trainer's device in the master dtype,
-    int64 labels ``y``, the step's ``lr`` and ``compute_dtype`` (``None``: the master dtype)."""
+    """A validated training batch: ``x`` (B, in) on the trainer's device (floats in the master
+    dtype; integer or bool inputs, e.g. token ids, as given), int64 labels ``y``, the step's ``lr``
+    and ``compute_dtype`` (``None``: the master dtype)."""
 
     x: Tensor
     y: Tensor
     lr: float
     compute_dtype: torch.dtype | None
+
+
+def input_dtype(x: Tensor, compute_dtype: torch.dtype | None) -> torch.dtype:
+    """The dtype the first layer reads ``x`` in: ``compute_dtype`` for float inputs, ``x``'s own
+    for integer or bool inputs (token ids for an embedding are never cast), or without one."""
+    if compute_dtype is None or not x.dtype.is_floating_point:
+        return x.dtype
+    return compute_dtype
 
 
 class Dropout(NamedTuple):
