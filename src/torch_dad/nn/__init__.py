@@ -8,15 +8,20 @@ from .conv import DADConv2d
 from .convert import to_dad
 from .linear import DADLinear, DADModel
 from .lm_head import DADLMHead
+from .sequence_heads import BucketHead, LowRankHead, TokenHead, VocabHead
 
 __all__ = [
+    "BucketHead",
     "DADAutogradLinear",
     "DADBlock",
     "DADConv2d",
     "DADLMHead",
     "DADLinear",
     "DADModel",
+    "LowRankHead",
     "MeanPoolHead",
+    "TokenHead",
+    "VocabHead",
     "label_context",
     "to_dad",
 ]

@@ -9,9 +9,11 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import check_fraction, check_int, check_num_classes, check_positive_int
+from ..ops.linear_cross_entropy import check_token_layout
 from ..optim import LocalOptimizerState
 from ._local import LocalLayer
 from .linear import LocalStepResult
+from .sequence_heads import TOKEN_HEADS, TokenHead, make_token_head
 
 __all__ = ["DADBlock", "MeanPoolHead"]
 
@@ -35,6 +37,34 @@ class MeanPoolHead(nn.Module):
         return self.linear(features)
 
 
+def _build_head(
+    local_head: nn.Module | str | None, num_classes: int | None, head_features: int | None, feature_dim: int
+) -> nn.Module:
+    """The local head ``DADBlock``'s arguments describe (see its docstring), checked."""
+    if isinstance(local_head, TokenHead):
+        if num_classes is not None and num_classes != local_head.vocab_size:
+            raise ValueError(f"num_classes={num_classes}, but the token head's vocab_size is {local_head.vocab_size}; "
+                             f"pass num_classes={local_head.vocab_size} or None")
+        return local_head
+    if isinstance(local_head, str):
+        if local_head not in TOKEN_HEADS:
+            raise ValueError(f"local_head={local_head!r} must be a module or one of {', '.join(map(repr, TOKEN_HEADS))}")
+        if head_features is None or num_classes is None:
+            raise TypeError(f"local_head={local_head!r} needs head_features= (the block's output width) and "
+                            "num_classes= (the vocabulary size)")
+        return make_token_head(local_head, head_features, check_num_classes(num_classes))
+    if local_head is None:
+        if head_features is None:
+            raise TypeError(
+                "DADBlock needs local_head= (a module giving (batch, num_classes) logits, or a token head's name) or "
+                "head_features= (the block's output features, for a mean-pool + Linear head)"
+            )
+        return MeanPoolHead(head_features, check_num_classes(10 if num_classes is None else num_classes), feature_dim)
+    if not isinstance(local_head, nn.Module):
+        raise TypeError(f"local_head must be a torch.nn.Module or a token head's name, got {type(local_head).__name__}")
+    return local_head
+
+
 class DADBlock(LocalLayer):
     """A block ``out = module(x)`` trained by its own local head, with autograd inside the block only.
 
@@ -51,6 +81,15 @@ class DADBlock(LocalLayer):
     is built up front, never lazily, so the optimizer state and checkpoints have fixed shapes.
     Unlike :class:`~torch_dad.DADLinear`'s, its parameters are in ``parameters()``. Buffers of
     ``module`` (e.g. batch-norm running statistics) advance in its forward, as in backprop training.
+
+    **Token-level heads** (a causal LM's blocks): ``local_head`` a
+    :class:`~torch_dad.nn.sequence_heads.TokenHead`, or one of the names in
+    :data:`~torch_dad.nn.sequence_heads.TOKEN_HEADS` (``"full"``, ``"fused"``, ``"lowrank"``, ``"bucket"``)
+    with ``head_features`` the block's width and ``num_classes`` the vocabulary size. The block then
+    maps ``(batch, T, ...)`` to ``(batch, T, width)`` and its labels are ``(batch, T)`` token ids, ``-100``
+    where a position has none; the head computes its loss and gradients in closed form and autograd runs
+    inside the block only, from ``dL/d out``. ``num_classes=None`` means 10 for a class head, the head's
+    vocabulary for a token head.
     """
 
     optim_state: LocalOptimizerState
@@ -59,8 +98,8 @@ class DADBlock(LocalLayer):
     def __init__(
         self,
         module: nn.Module,
-        local_head: nn.Module | None = None,
-        num_classes: int = 10,
+        local_head: nn.Module | str | None = None,
+        num_classes: int | None = None,
         *,
         head_features: int | None = None,
         feature_dim: int = 1,
@@ -69,25 +108,25 @@ class DADBlock(LocalLayer):
         super().__init__()
         if not isinstance(module, nn.Module):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
-        self.num_classes = check_num_classes(num_classes)
         self.label_smoothing = check_fraction("label_smoothing", label_smoothing)
-        if local_head is None:
-            if head_features is None:
-                raise TypeError(
-                    "DADBlock needs local_head= (a module giving (batch, num_classes) logits) or head_features= "
-                    "(the block's output features, for a mean-pool + Linear head)"
-                )
-            local_head = MeanPoolHead(head_features, num_classes, feature_dim)
-            self._unchecked_width: int | None = head_features
-        elif not isinstance(local_head, nn.Module):
-            raise TypeError(f"local_head must be a torch.nn.Module, got {type(local_head).__name__}")
-        else:
-            self._unchecked_width = None  # a head of the user's own takes what it takes
+        head = _build_head(local_head, num_classes, head_features, feature_dim)
+        self.num_classes = head.vocab_size if isinstance(head, TokenHead) else check_num_classes(10 if num_classes is None else num_classes)
+        if isinstance(head, TokenHead) and self.label_smoothing:
+            raise ValueError(f"label_smoothing={label_smoothing} applies to a class head; a token-level local_head "
+                             "takes none (pass label_smoothing=0.0)")
+        # the width the head reads, checked against the block's first output (None: a head of the user's own)
+        self._unchecked_width: int | None = head.width if isinstance(head, TokenHead) else (
+            head_features if local_head is None else None)
         self.block = module
-        self.head = local_head
+        self.head = head
         if not self.trained_tensors():
             raise ValueError("the block and its local head have no parameter that requires grad; nothing to train")
         self.optim_state = self._new_optim_state()
+
+    @property
+    def token_level(self) -> bool:
+        """Whether the local head scores every position (labels ``(batch, T)``) rather than the whole input."""
+        return isinstance(self.head, TokenHead)
 
     def trained_tensors(self) -> list[Tensor]:
         """Every parameter of the block that requires grad, then every one of the local head's."""
@@ -123,8 +162,9 @@ class DADBlock(LocalLayer):
         finally:
             for module, training in modes:
                 module.training = training
-        assert isinstance(self.head, MeanPoolHead)
-        feature_dim, expected = self.head.feature_dim, self._unchecked_width
+        # a token head reads the last dimension
+        feature_dim = self.head.feature_dim if isinstance(self.head, MeanPoolHead) else -1
+        expected = self._unchecked_width
         width = out.shape[feature_dim] if -out.dim() <= feature_dim < out.dim() and out.dim() >= 2 else None
         if width != expected:
             shape = ", ".join(["batch", *map(str, out.shape[1:])])
@@ -162,7 +202,12 @@ class DADBlock(LocalLayer):
         """``(LocalStepResult(out.detach(), loss, logits), grads)`` with
         ``grads = torch.autograd.grad(CE(local_head(module(x)), y), trained_tensors())`` (zeros for
         a tensor the loss does not reach), in the parameters' dtype. A half ``compute_dtype`` runs the
-        block under ``torch.autocast``. ``workspace`` and ``backend`` are accepted for the trainer's protocol and unused.
+        block under ``torch.autocast``. ``workspace`` is accepted for the trainer's protocol and unused.
+
+        With a token-level head ``y`` is ``(batch, T)``: the head's loss and gradients come in closed form
+        (:meth:`~torch_dad.nn.sequence_heads.TokenHead.step` on the output's rows in the compute dtype;
+        ``backend="triton"`` lets a fused head run its kernels), then ``torch.autograd.grad(out, block
+        parameters, dL/d out)``; ``logits`` are ``(batch, T, classes)``, ``(batch, T, 0)`` for a head that never forms them.
         """
         params = self.trained_tensors()
         master = params[0].dtype
@@ -174,6 +219,8 @@ class DADBlock(LocalLayer):
             x = x.to(master)
         if self._unchecked_width is not None:
             self.check_width(x)
+        if isinstance(self.head, TokenHead):
+            return self._token_gradients(x, target, autocast, compute_dtype or master, backend)
         with torch.enable_grad():
             with autocast:
                 out = self.block(x)
@@ -183,3 +230,24 @@ class DADBlock(LocalLayer):
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         grads_list = [torch.zeros_like(p) if g is None else g.detach() for p, g in zip(params, grads)]
         return LocalStepResult(out.detach(), loss.detach(), logits.detach()), grads_list
+
+    def _token_gradients(
+        self, x: Tensor, target: Tensor, autocast: Any, dtype: torch.dtype, backend: str
+    ) -> tuple[LocalStepResult, list[Tensor]]:
+        """:meth:`local_gradients` with a token-level head (labels ``(batch, T)``)."""
+        head = self.head
+        assert isinstance(head, TokenHead)
+        with torch.enable_grad(), autocast:
+            out = self.block(x)
+        check_token_layout(target, tuple(out.shape[:-1]), head.ignore_index, "labels")
+        rows = out.detach().reshape(-1, out.shape[-1]).to(dtype)
+        step = head.step(rows, target.reshape(-1), backend=backend)
+        block_params = [p for p in self.block.parameters() if p.requires_grad]
+        block_grads: tuple[Tensor | None, ...] = (None,) * len(block_params)
+        if block_params and out.requires_grad:
+            grad_out = step.grad_hidden.view(out.shape).to(out.dtype)
+            block_grads = torch.autograd.grad(out, block_params, grad_out, allow_unused=True)
+        grads = [torch.zeros_like(p) if g is None else g.detach() for p, g in zip(block_params, block_grads)]
+        grads += [g.to(p.dtype) for p, g in zip(head.parameters(), step.grads) if p.requires_grad]
+        logits = step.logits.view(*out.shape[:-1], -1)
+        return LocalStepResult(out.detach(), step.loss.detach(), logits), grads

@@ -2,19 +2,22 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
 from torch import Tensor
 
 from .._checks import check_finite, check_inputs, check_labels
+from ..functional import IGNORE_INDEX
 from ..nn._local import LocalLayer
+from ..nn.block import DADBlock
 from ..nn.linear import DADLinear
+from ..ops.linear_cross_entropy import check_token_labels, check_token_layout
 
 __all__ = [
-    "INPUT_KEYS", "LABEL_KEYS", "as_batch_pair", "classification_metrics", "iterate_batches", "prepare_batch_tensors",
-    "reiterable",
+    "INPUT_KEYS", "LABEL_KEYS", "as_batch_pair", "check_token_model", "classification_metrics", "iterate_batches",
+    "prepare_batch_tensors", "reiterable",
 ]
 
 #: the keys of a dict batch (e.g. from a ``DataLoader`` over a HuggingFace dataset), in the order tried
@@ -90,8 +93,42 @@ def prepare_batch_tensors(
     if not isinstance(labels, Tensor):
         raise TypeError(f"labels must be a torch.Tensor of class ids, got {type(labels).__name__}")
     y = labels.to(device, non_blocking=True)
-    check_labels(y, x.shape[0], num_classes, check_values=check_values)
+    if isinstance(first, DADBlock) and first.token_level:
+        _check_token_labels(y, x, num_classes, check_values)
+    else:
+        check_labels(y, x.shape[0], num_classes, check_values=check_values)
     return x, y.long()
+
+
+def _check_token_labels(y: Tensor, x: Tensor, vocab: int, check_values: bool) -> None:
+    """``y`` must be ``(batch, T)`` token ids (``T = x.shape[1]``) in ``[0, vocab)`` or ``-100``; the values
+    are read only when ``check_values`` (a host sync on CUDA)."""
+    if x.dim() < 2:
+        raise ValueError(f"inputs have shape {tuple(x.shape)}; a token-level model takes (batch, T, ...) inputs")
+    shape = tuple(x.shape[:2])
+    if check_values:
+        check_token_labels(y, shape, vocab, IGNORE_INDEX, name="labels")
+    else:
+        check_token_layout(y, shape, IGNORE_INDEX, "labels")
+
+
+def check_token_model(layers: Sequence[LocalLayer], has_classifier: bool) -> None:
+    """A model that takes token labels ``(batch, T)`` takes them in every layer and has no
+    ``classifier``: its last block's token head is its output (the LM head). ``ValueError`` otherwise."""
+    token = [isinstance(layer, DADBlock) and layer.token_level for layer in layers]
+    if not any(token):
+        return
+    if not all(token):
+        index = token.index(False)
+        raise ValueError(
+            f"DAD layer {index} ({type(layers[index]).__name__}) takes one label per row, but other layers have "
+            "token-level local heads (labels (batch, T)); give every layer a DADBlock with a token local_head"
+        )
+    if has_classifier:
+        raise ValueError(
+            "model.classifier reads the last output flattened, one label per row; a model of token-level blocks "
+            "has none: its last block's local head is the LM head (e.g. local_head='fused'). Remove model.classifier"
+        )
 
 
 def _rows(inputs: Tensor, first: DADLinear, device: torch.device, check_values: bool) -> Tensor:
@@ -118,14 +155,24 @@ def reiterable(data: Any) -> bool:
 
 @torch.no_grad()
 def classification_metrics(pairs: Iterable[tuple[Tensor, Tensor]], device: torch.device) -> dict[str, float]:
-    """Accuracy, mean cross-entropy and the number of samples over ``(logits, labels)`` pairs."""
+    """Accuracy, mean cross-entropy and the number of samples over ``(logits, labels)`` pairs.
+
+    Token labels ``(batch, T)`` with logits ``(batch, T, vocab)`` count per labelled position (``-100``
+    is ignored): token accuracy, the mean cross-entropy per token, and ``samples`` the number of tokens.
+    """
     correct = torch.zeros((), device=device, dtype=torch.long)
     loss_sum = torch.zeros((), device=device, dtype=torch.float64)
-    total = 0
+    total = torch.zeros((), device=device, dtype=torch.long)
     for logits, labels in pairs:
-        correct += (logits.argmax(1) == labels).sum()
-        loss_sum += torch.nn.functional.cross_entropy(logits.float(), labels, reduction="sum").double()
-        total += labels.shape[0]
-    if total == 0:
-        raise ValueError("evaluate() got no batches")
-    return {"accuracy": int(correct) / total, "loss": float(loss_sum) / total, "samples": float(total)}
+        if labels.dim() > 1:  # one prediction per position
+            logits, labels = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+        valid = labels != IGNORE_INDEX
+        correct += ((logits.argmax(1) == labels) & valid).sum()
+        loss_sum += torch.nn.functional.cross_entropy(
+            logits.float(), labels, reduction="sum", ignore_index=IGNORE_INDEX
+        ).double()
+        total += valid.sum()
+    count = int(total)
+    if count == 0:
+        raise ValueError("evaluate() got no batches (or no labelled position)")
+    return {"accuracy": int(correct) / count, "loss": float(loss_sum) / count, "samples": float(count)}

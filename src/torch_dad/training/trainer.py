@@ -19,7 +19,7 @@ from ..nn._local import LocalLayer
 from ..nn.linear import DADLinear, DADModel
 from ..optim import OptimizerConfig, check_optimizer, warn_if_large_lr
 from ..ridge import GramAccumulator, RidgeSolution
-from . import checkpoint
+from . import batches, checkpoint
 from .batches import as_batch_pair, classification_metrics, iterate_batches, prepare_batch_tensors, reiterable
 from .checkpoint import FitProgress
 from .classifier import OutputClassifier
@@ -98,6 +98,7 @@ def _check_layers(model: DADModel, layers: list[LocalLayer], local_loss: str | N
             raise ValueError(f"local_loss={local_loss!r}: {type(layer).__name__} implements "
                              f"{', '.join(repr(r) for r in layer.local_losses)} only")
     classifier = model.get_classifier()
+    batches.check_token_model(layers, classifier is not None)
     # a convolution's or block's flattened output size depends on the input: the classifier's own
     # shape check reports it at the first step
     last = layers[-1]
@@ -392,8 +393,8 @@ class DADTrainer:
     def require_classifier(self) -> nn.Linear:
         """``model.classifier``; raises ``ValueError`` naming the fix when the model has none."""
         if self.classifier is None:
-            raise ValueError("solve_head() needs model.classifier (an nn.Linear on the last DAD layer's output); "
-                             f"{type(self.model).__name__} has none. Add `self.classifier = torch.nn.Linear(features, classes)`")
+            raise ValueError(f"solve_head() needs model.classifier; {type(self.model).__name__} has none. "
+                             "Add `self.classifier = nn.Linear(features, classes)` (token labels (batch, T): no solve)")
         return self.classifier.linear
 
     @torch.no_grad()
