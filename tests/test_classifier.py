@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 import torch_dad as td
+from tests.conftest import relative_error
 from torch_dad.ridge import logit_scale
 
 
@@ -87,3 +88,70 @@ def test_logit_scale_minimises_cross_entropy(seed):
 def test_logit_scale_checks_its_inputs():
     with pytest.raises(ValueError, match="must be"):
         logit_scale(torch.zeros(3), torch.zeros(3, dtype=torch.long))
+
+
+class WideHead(td.DADModel):
+    """A classifier on 300 features, more than the 64-row input sample it is solved from."""
+
+    def __init__(self, bias: bool = True) -> None:
+        super().__init__()
+        self.l1 = td.DADLinear(20, 300, num_classes=4)
+        self.classifier = nn.Linear(300, 4, bias=bias)
+
+
+def _wide_trainer(bias: bool) -> tuple[td.DADTrainer, list[tuple[torch.Tensor, torch.Tensor]]]:
+    """A WideHead trained for a few steps, and its input sample's rows as one batch."""
+    torch.manual_seed(0)
+    x = torch.randn(64, 20)
+    y = (x[:, :4].argmax(1) + (torch.rand(64) < 0.2).long()) % 4
+    trainer = td.DADTrainer(WideHead(bias), lr=3e-3, classifier_sample_size=64)
+    trainer.fit((x, y), epochs=2, batch_size=16, progress=False)
+    sample = trainer.classifier_sample
+    assert sample is not None and sample.size == 64
+    return trainer, [(sample.inputs[:64].clone(), sample.labels[:64].clone())]
+
+
+@pytest.mark.parametrize("bias", [True, False])
+@pytest.mark.parametrize("lambda_reg", ["auto", 0.5])
+def test_solve_head_solves_a_small_sample_in_the_dual(monkeypatch, bias, lambda_reg):
+    """64 rows, 300 features: no 300 x 300 Gram, and the primal's head on the same features to 1e-6."""
+    from torch_dad import ridge
+
+    trainer, rows = _wide_trainer(bias)
+    with torch.no_grad():
+        features = trainer.model.eval().features(rows[0][0]).double()
+    primal = ridge.GramAccumulator(300, 4)
+    primal.update(features, rows[0][1])
+    want = primal.solve(lambda_reg)
+
+    def no_gram(*args, **kwargs):
+        raise AssertionError("the primal solve ran")
+
+    monkeypatch.setattr(ridge, "solve_ridge_from_gram", no_gram)
+    got = trainer.solve_head(lambda_reg)  # from the input sample, which it then resets
+    assert trainer.classifier_sample.size == 0
+    assert got.lambda_reg == pytest.approx(want.lambda_reg, rel=1e-12) and got.num_samples == 64
+    assert relative_error(got.weight, want.weight) <= 1e-6
+    assert relative_error(got.bias, want.bias) <= 1e-6
+    # what the classifier holds: the solution times the calibration's one positive scale
+    weight = trainer.model.classifier.weight.detach().double()
+    scale = float(weight.norm() / got.weight.norm())
+    assert scale > 0 and relative_error(weight, scale * got.weight) <= 1e-6
+    assert (trainer.model.classifier.bias is None) == (not bias)
+
+
+def test_a_statistics_reducer_sums_the_gram_of_a_small_sample():
+    """Under a statistics reducer (data parallelism sums ``buffers()`` over ranks) the rows become the Gram
+    first, and the primal solves: the same head as the dual's."""
+    trainer, rows = _wide_trainer(True)
+    dual = trainer.solve_head(0.5, loader=rows)
+    seen = []
+
+    def reducer(stats):
+        seen.append([tuple(b.shape) for b in stats.buffers()])
+
+    trainer.set_reducers(statistics_reducer=reducer)
+    primal = trainer.solve_head(0.5, loader=rows)
+    assert len(seen) == 1 and (300, 300) in seen[0]
+    # the fold sums the rows' products in float32, as the streamed statistics do
+    assert relative_error(primal.weight, dual.weight) <= 1e-4

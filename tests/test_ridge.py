@@ -1,6 +1,9 @@
-"""Streaming ridge: statistics equal the batch computation; GCV equals brute force."""
+"""Streaming ridge: statistics equal the batch computation; GCV equals brute force; the dual solve equals the primal."""
 
+import json
 import math
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -129,6 +132,146 @@ def test_auto_lambda_is_near_the_best_grid_lambda_when_rows_do_not_outnumber_fea
         grid = [accuracy(acc.solve(lam)) for lam in torch.logspace(-6, 3, 19).tolist()]
     assert accuracy(auto) >= max(grid) - 0.02
     assert accuracy(again) >= max(grid) - 0.02
+
+
+# ------------------------------------------------------------------------------------------ the dual solve
+def _wide_rows(n, d, k, offset, seed):
+    """``n`` float64 rows of ``d`` features (column scales 0.1 .. 3, all shifted by ``offset``), labels < k."""
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(n, d, generator=g, dtype=torch.float64) * torch.linspace(0.1, 3, d, dtype=torch.float64) + offset
+    return h, torch.arange(n) % k
+
+
+def _both(h, y, k, batch=37):
+    """A plain accumulator (the primal Gram) and a ``keep_rows`` one (the rows) fed the same batches."""
+    primal, dual = GramAccumulator(h.shape[1], k), GramAccumulator(h.shape[1], k, keep_rows=True)
+    for start in range(0, h.shape[0], batch):
+        primal.update(h[start : start + batch], y[start : start + batch])
+        dual.update(h[start : start + batch], y[start : start + batch])
+    return primal, dual
+
+
+@pytest.mark.parametrize("n, d, k", [(3, 5, 2), (40, 60, 4), (100, 384, 20), (257, 700, 10)])
+@pytest.mark.parametrize("offset", [0.0, 3.0])  # centred features, and an intercept far from zero
+@pytest.mark.parametrize("lambda_reg", ["auto", 0.1, 10.0])
+def test_dual_solve_equals_the_primal_with_fewer_rows_than_features(n, d, k, offset, lambda_reg):
+    h, y = _wide_rows(n, d, k, offset, seed=n + d)
+    primal, dual = _both(h, y, k)
+    assert dual.holds_rows and dual._buffers["gram"] is None and not primal.holds_rows
+    want, got = primal.solve(lambda_reg), dual.solve(lambda_reg)
+    assert dual.holds_rows  # solving folded nothing in
+    assert got.lambda_reg == pytest.approx(want.lambda_reg, rel=1e-12)  # the same grid point
+    assert (got.gcv is None) == (want.gcv is None)
+    if want.gcv is not None:
+        assert got.gcv == pytest.approx(want.gcv, rel=1e-9)
+    assert got.num_samples == want.num_samples == n and got.jitter == 0.0
+    assert relative_error(got.weight, want.weight) <= 1e-6
+    assert relative_error(got.bias, want.bias) <= 1e-6
+
+
+def test_dual_at_lambda_zero_is_the_minimum_norm_interpolant():
+    """The primal's Cholesky needs jitter at lambda=0 with n < d; the dual gives the limit exactly: pinv(Hc) Yc."""
+    h, y = _wide_rows(30, 80, 3, 1.0, seed=5)
+    _, dual = _both(h, y, 3)
+    got = dual.solve(0.0)
+    hc = h - h.mean(0)
+    yc = torch.nn.functional.one_hot(y, 3).double()
+    yc = yc - yc.mean(0)
+    assert relative_error(got.weight.T, torch.linalg.pinv(hc) @ yc) <= 1e-8
+    assert relative_error(hc @ got.weight.T, yc) <= 1e-8  # it interpolates the centred targets
+
+
+def test_keep_rows_folds_into_the_gram_at_num_features_rows():
+    h, y = _wide_rows(70, 50, 4, 0.5, seed=7)
+    primal, dual = _both(h[:49], y[:49], 4, batch=20)
+    assert dual.holds_rows
+    dual.update(h[49:], y[49:])  # the 50th row: the rows become the Gram
+    primal.update(h[49:], y[49:])
+    assert not dual.holds_rows and dual._rows == []
+    assert relative_error(dual.gram, primal.gram) <= 1e-15
+    assert relative_error(dual.solve("auto").weight, primal.solve("auto").weight) <= 1e-12
+    dual.reset()  # back to holding rows, the Gram freed
+    assert dual.holds_rows and dual._buffers["gram"] is None and dual.num_samples == 0
+
+
+def test_buffers_and_gram_fold_the_rows_for_a_reduction():
+    """A reduction across processes (``all_reduce_statistics``) sums ``buffers()``: the Gram statistics."""
+    h, y = _wide_rows(20, 45, 3, 0.0, seed=8)
+    _, dual = _both(h, y, 3)
+    rows_solution = dual.solve(1.0)
+    shapes = [tuple(b.shape) for b in dual.buffers()]
+    assert (45, 45) in shapes and not dual.holds_rows
+    assert relative_error(dual.solve(1.0).weight, rows_solution.weight) <= 1e-6
+    _, other = _both(h, y, 3)
+    assert other.gram.shape == (45, 45) and not other.holds_rows
+
+
+def test_keep_rows_checks_its_arguments_and_inputs():
+    with pytest.raises(ValueError, match="keep_rows=True .* window=None"):
+        GramAccumulator(10, 2, window=100.0, keep_rows=True)
+    acc = GramAccumulator(10, 2, keep_rows=True)
+    h = torch.randn(4, 10, dtype=torch.float64)
+    acc.update(h, torch.tensor([0, 1, 0, 1]))
+    h.fill_(float("nan"))  # the rows are copied: the caller's buffer may be reused
+    for bad in ("best", -1.0, float("inf")):
+        with pytest.raises(ValueError, match="lambda_reg"):
+            acc.solve(bad)
+    assert torch.isfinite(acc.solve().weight).all()
+    acc.update(torch.full((2, 10), float("nan"), dtype=torch.float64), torch.tensor([0, 1]))
+    with pytest.raises(ValueError, match="NaN/Inf"):
+        acc.solve()
+
+
+_ACCEPTANCE_SCRIPT = """
+import json, resource, sys, torch
+from torch_dad.ridge import GramAccumulator
+torch.set_num_threads(1)  # per-thread buffers of BLAS/LAPACK would make the peak depend on the machine
+n, d, k = 4096, 12544, 10
+g = torch.Generator().manual_seed(0)
+labels = torch.randint(0, k, (n,), generator=g)
+unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
+peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
+acc = GramAccumulator(d, k, keep_rows=True)
+start = peak()
+for i in range(0, n, 1024):  # the rows arrive in batches, as solve_head() recomputes them
+    acc.update(torch.randn(1024, d, generator=g, dtype=torch.float64), labels[i : i + 1024])
+rows = peak()
+solution = acc.solve("auto")
+end = peak()
+assert acc.holds_rows
+h = torch.cat(acc._rows)
+hc = h - h.mean(0)
+y = torch.nn.functional.one_hot(labels, k).double()
+cross = hc.T @ (y - y.mean(0))
+w = solution.weight.T
+residual = hc.T @ (hc @ w) + solution.lambda_reg * w - cross
+print(json.dumps({"rows": rows - start, "solve": end - start, "residual": float(residual.norm()),
+                  "weight": float(w.norm()), "lambda": solution.lambda_reg,
+                  "bias": float((solution.bias - (y.mean(0) - solution.weight @ h.mean(0))).norm())}))
+"""
+
+
+@pytest.mark.slow  # a fresh Python process and 4,096 x 12,544 float64 rows: about half a minute
+@pytest.mark.skipif(sys.platform == "win32", reason="reads the peak resident memory through the resource module")
+def test_dual_at_the_acceptance_size_needs_less_memory_than_the_gram():
+    """4,096 rows x 12,544 features, float64: the input sample of a classifier on a 64 x 14 x 14 conv output.
+
+    Memory: in a fresh process (one thread), the growth of the peak resident memory over ``update()`` of the
+    rows and ``solve()``, the rows themselves included, stays below the Gram's 12,544^2 x 8 bytes (1.26 GB),
+    which the primal allocates before its eigendecomposition needs twice as much again.
+
+    Accuracy: the primal at this size needs a 12,544^2 eigendecomposition (minutes on a CI CPU), so its
+    agreement is checked at smaller sizes above; here the dual's weights are checked against the primal
+    system itself, ``(Hc^T Hc + lambda I) W^T = Hc^T Yc``, through products with ``Hc`` only. Its exact
+    solution ``W*`` has ``||W - W*|| <= ||residual|| / lambda``: that bound is held to 1e-6 of ``||W||``.
+    """
+    result = subprocess.run([sys.executable, "-c", _ACCEPTANCE_SCRIPT], capture_output=True, text=True, check=True)
+    out = json.loads(result.stdout.strip().splitlines()[-1])
+    gram_bytes = 12544**2 * 8
+    rows_bytes = 4096 * 12544 * 8
+    assert rows_bytes <= out["rows"] < out["solve"] < gram_bytes, (out, gram_bytes)
+    assert out["lambda"] > 0 and out["residual"] / out["lambda"] <= 1e-6 * out["weight"], out
+    assert out["bias"] <= 1e-12 * out["weight"]
 
 
 # ------------------------------------------------------------------------------------------ logit_scale

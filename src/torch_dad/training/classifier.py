@@ -4,7 +4,9 @@
 as an output head, its gradient exactly backprop's for that layer, and solved in closed form by
 :meth:`OutputClassifier.solve`. For the solve it keeps either a uniform sample of the input rows
 (``sample_size > 0``, the default: their features are recomputed with the current weights) or
-streamed float64 Gram statistics (``in_features²``, allocated only in that mode).
+streamed float64 Gram statistics (``in_features²``, allocated only in that mode). Recomputed
+features of fewer rows than ``in_features`` are solved in the dual, from the rows' ``n²`` products
+(``GramAccumulator(keep_rows=True)``), with no ``in_features²`` matrix.
 """
 
 from __future__ import annotations
@@ -135,9 +137,10 @@ class OutputClassifier:
 
     # ------------------------------------------------------------------ the closed-form solve
     def statistics_of(self, batches: Iterable[tuple[Tensor, Tensor]]) -> GramAccumulator:
-        """Gram statistics of the feature rows in ``batches`` (``(features, labels)`` pairs)."""
+        """Statistics of the feature rows in ``batches`` (``(features, labels)`` pairs): the rows
+        themselves while fewer than ``in_features`` (solved in the dual), else their Gram."""
         linear = self.linear
-        stats = GramAccumulator(linear.in_features, linear.out_features, device=linear.weight.device)
+        stats = GramAccumulator(linear.in_features, linear.out_features, device=linear.weight.device, keep_rows=True)
         for features, labels in batches:
             stats.update(features.flatten(1), labels)
         return stats
