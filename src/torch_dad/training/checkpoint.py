@@ -25,7 +25,7 @@ import os
 import re
 import struct
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,9 @@ __all__ = [
     "FitProgress",
     "flatten",
     "mismatches",
+    "fill",
     "read",
+    "read_parts",
     "unflatten",
     "write",
 ]
@@ -98,14 +100,15 @@ def _skeleton(tree: Any, path: tuple[str, ...]) -> Any:
     return tree
 
 
-def flatten(tree: Any) -> tuple[Any, dict[str, Tensor]]:
-    """``(skeleton, tensors)``: ``tensors`` maps each tensor's dotted path to a contiguous CPU copy of it,
-    ``skeleton`` is ``tree`` with placeholders instead (see :func:`unflatten`)."""
+def flatten(tree: Any, keep: Callable[[str], bool] | None = None) -> tuple[Any, dict[str, Tensor]]:
+    """``(skeleton, tensors)``: ``tensors`` maps each tensor's dotted path (those ``keep`` accepts, default all)
+    to a contiguous CPU copy of it, ``skeleton`` is ``tree`` with placeholders instead (see :func:`unflatten`)."""
     tensors: dict[str, Tensor] = {}
     for key, tensor in _walk(tree, ()):
         if key in tensors:
             raise ValueError(f"checkpoint state: two tensors flatten to the key {key!r}; rename one")
-        tensors[key] = tensor.detach().to("cpu", copy=True).contiguous()
+        if keep is None or keep(key):
+            tensors[key] = tensor.detach().to("cpu", copy=True).contiguous()
     return _skeleton(tree, ()), tensors
 
 
@@ -175,8 +178,10 @@ def atomic_write(path: Path, data: bytes) -> None:
     _fsync_folder(path.parent)
 
 
-def write(path: str | os.PathLike[str], state: Any) -> None:
-    """Write ``state`` to ``path`` as one verified safetensors file, atomically (see the module docstring)."""
+def write(path: str | os.PathLike[str], state: Any, keep: Callable[[str], bool] | None = None) -> str:
+    """Write ``state`` to ``path`` as one verified safetensors file, atomically (see the module docstring);
+    returns its sha256. With ``keep``, only the tensors whose flat key it accepts are stored (a shard: the
+    others stay placeholders, for the reader to fill from elsewhere, see :func:`read_parts`)."""
     path = Path(path)
     if path.is_dir():
         raise ValueError(f"checkpoint path {path} is a folder; pass a file path such as {path / 'model.safetensors'}")
@@ -186,11 +191,12 @@ def write(path: str | os.PathLike[str], state: Any) -> None:
             f"(os.makedirs({str(path.parent)!r})) or pass a path in an existing folder"
         )
     storage = _safetensors()
-    skeleton, tensors = flatten(state)
+    skeleton, tensors = flatten(state, keep)
     document = json.dumps({"format": FORMAT, "version": VERSION, "state": skeleton})
-    metadata = {"torch_dad": document, "sha256": _digest(document, tensors)}
+    digest = _digest(document, tensors)
     # serialized here, not by save_file: save_file writes a temporary of its own that remove_temporaries cannot know
-    atomic_write(path, storage.save(tensors, metadata=metadata))
+    atomic_write(path, storage.save(tensors, metadata={"torch_dad": document, "sha256": digest}))
+    return digest
 
 
 def _metadata(data: bytes) -> dict[str, str]:
@@ -206,9 +212,9 @@ def _metadata(data: bytes) -> dict[str, str]:
     return metadata
 
 
-def read(path: str | os.PathLike[str]) -> Any:
-    """The state saved by :func:`write` (tensors on the CPU); :class:`CheckpointError` if the file is
-    truncated, altered or not a checkpoint, ``FileNotFoundError`` if it does not exist."""
+def read_parts(path: str | os.PathLike[str]) -> tuple[Any, dict[str, Tensor], str]:
+    """``(skeleton, tensors, sha256)`` of a file written by :func:`write`, verified; :class:`CheckpointError` if
+    it is truncated, altered or not a checkpoint, ``FileNotFoundError`` if it does not exist."""
     path = Path(path)
     data = path.read_bytes()
     try:
@@ -231,8 +237,20 @@ def read(path: str | os.PathLike[str]) -> Any:
         raise CheckpointError(
             f"checkpoint {path} has format version {document['version']}; this torch_dad reads up to {VERSION}"
         )
+    return document["state"], tensors, metadata["sha256"]
+
+
+def read(path: str | os.PathLike[str]) -> Any:
+    """The state saved by :func:`write` (tensors on the CPU); :class:`CheckpointError` if the file is
+    truncated, altered or not a checkpoint, ``FileNotFoundError`` if it does not exist."""
+    skeleton, tensors, _ = read_parts(path)
+    return fill(skeleton, tensors, path)
+
+
+def fill(skeleton: Any, tensors: Mapping[str, Tensor], path: str | os.PathLike[str]) -> Any:
+    """:func:`unflatten`, raising :class:`CheckpointError` naming ``path`` if a placeholder has no tensor."""
     try:
-        return unflatten(document["state"], tensors)
+        return unflatten(skeleton, tensors)
     except (KeyError, TypeError) as exc:
         raise CheckpointError(f"checkpoint {path} names a tensor it does not hold: {exc}") from exc
 
@@ -345,6 +363,10 @@ class FitProgress:
         self.batches, self.seen, self.seconds = 0, 0, 0.0
         self.loss_sum = torch.zeros_like(self.loss_sum)
         self.generator_state = generator_state
+
+    def checkpoint(self, trainer_state: dict[str, Any]) -> dict[str, Any]:
+        """The state ``fit`` saves: the trainer's and this progress."""
+        return {"trainer": trainer_state, "fit": self.state()}
 
     def check_args(self, args: Mapping[str, Any], path: Path) -> None:
         """``ValueError`` naming each argument of this ``fit`` call that differs from the checkpoint's run."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Iterator
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,6 +32,7 @@ from .distributed import (
     group_info,
     is_tensor_pair,
 )
+from .shards import ShardedFolder
 from .trainer import DADTrainer
 
 __all__ = ["DataParallelTrainer"]
@@ -81,7 +83,6 @@ class DataParallelTrainer(DADTrainer):
         # = exp(-global/window) per step, the single-process factor, even for uneven shards
         self._global_window = self.classifier_statistics.window if self.classifier_statistics is not None else None
         self._shard_scale: float | None = None
-        self._epoch = 0
         self._fitting = False  # inside fit(): skip a global tail of fewer than W rows (see batches)
 
     @property
@@ -128,9 +129,8 @@ class DataParallelTrainer(DADTrainer):
                     "a DataLoader given to DataParallelTrainer must use "
                     "sampler=torch.utils.data.distributed.DistributedSampler(dataset) so ranks see different rows"
                 )
-            if self._fitting:
-                data.sampler.set_epoch(self._epoch)  # type: ignore[attr-defined]
-                self._epoch += 1
+            if self._fitting:  # epochs trained so far: a resumed run draws the same order
+                data.sampler.set_epoch(len(self.history))  # type: ignore[attr-defined]
         yield from data
 
     def fit(self, train: Any, epochs: int = 1, eval: Any = None, *, batch_size: int = 256,
@@ -165,6 +165,16 @@ class DataParallelTrainer(DADTrainer):
             record["loss"] = float(totals[0]) / self.world_size
             record["img_per_s"] = float(totals[1])
         return records
+
+    def checkpoint_folder(self, folder: Path, every: int | None, keep_last: int) -> ShardedFolder:
+        """``fit``'s checkpoints: rank 0's shard holds the state every rank shares, each rank's shard its
+        input sample and fit progress, and a manifest commits them (see :mod:`~torch_dad.training.shards`)."""
+        own = ("fit.", "trainer.classifier_sample.")
+        return ShardedFolder(
+            folder, every, keep_last, group=self.process_group,
+            layout={"mode": "data-parallel", "world_size": self.world_size},
+            owner=lambda key: None if key.startswith(own) else 0, shared_from=0, live=self.state_dict,
+        )
 
     @torch.no_grad()
     def evaluate(self, data: Any, *, batch_size: int = 1024, use_local_head: bool = False) -> dict[str, float]:

@@ -6,23 +6,41 @@ from __future__ import annotations
 import sys
 import time
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, Protocol, TypeVar
 
 import torch
 from torch import Tensor
 
 from .._checks import check_bool, check_positive_int
 from . import checkpoint
-from .checkpoint import CheckpointFolder, FitProgress
+from .checkpoint import FitProgress
 
-__all__ = ["check_fit_arguments", "start_fit", "train_epoch"]
+__all__ = ["RunFolder", "check_fit_arguments", "start_fit", "train_epoch"]
+
+
+class RunFolder(Protocol):
+    """Where ``fit`` keeps a run's checkpoints: one process's files
+    (:class:`~torch_dad.training.checkpoint.CheckpointFolder`) or one shard per rank
+    (:class:`~torch_dad.training.shards.ShardedFolder`)."""
+
+    every: int | None
+
+    def due(self, step: int) -> bool: ...
+    def save(self, step: int, state: Any) -> Path: ...
+    def newest(self) -> tuple[Path, Any] | None: ...
+    def check_fresh_start(self, step: int) -> None: ...
+    def remove_temporaries(self) -> None: ...
+
+
+Folder = TypeVar("Folder", bound=RunFolder)
 
 
 def check_fit_arguments(
     epochs: object, schedule: object, checkpoint_dir: object, checkpoint_every: object, keep_last: object,
-    resume: object, *, batch_size: object, distributed: bool,
-) -> CheckpointFolder | None:
-    """Validate ``fit``'s arguments before anything changes; the checkpoint folder or ``None``."""
+    resume: object, *, batch_size: object, make_folder: Callable[[Path, int | None, int], Folder],
+) -> Folder | None:
+    """Validate ``fit``'s arguments before anything changes; ``make_folder(path, every, keep_last)`` or ``None``."""
     if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
         raise ValueError(f"epochs={epochs!r} must be a positive int")
     check_positive_int("batch_size", batch_size)
@@ -38,12 +56,7 @@ def check_fit_arguments(
                 "that holds the checkpoints)"
             )
         return None
-    if distributed:
-        raise ValueError(
-            "checkpoint_dir: fit() checkpoints a single process; with data parallelism call "
-            "save_checkpoint(path) on rank 0 between fit() calls"
-        )
-    return CheckpointFolder(checkpoint.check_folder(checkpoint_dir), every, keep)
+    return make_folder(checkpoint.check_folder(checkpoint_dir), every, keep)
 
 
 def train_epoch(
@@ -85,7 +98,7 @@ def train_epoch(
 
 
 def start_fit(
-    folder: CheckpointFolder | None, resume: bool, args: dict[str, Any], generator: torch.Generator, *,
+    folder: RunFolder | None, resume: bool, args: dict[str, Any], generator: torch.Generator, *,
     history_length: int, step_count: int, device: torch.device, load: Callable[[dict[str, Any], str], None],
     announce: bool,
 ) -> FitProgress:

@@ -10,11 +10,13 @@ is no pipeline bubble beyond filling and draining once per stream.
 
 from __future__ import annotations
 
+import itertools
 import math
 import os
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -24,8 +26,11 @@ from torch import Tensor
 from ..nn.linear import DADLinear, DADModel
 from ..ridge import GramAccumulator, RidgeSolution
 from .batches import reiterable
+from .checkpoint import FitProgress
 from .data_parallel import DataParallelTrainer
 from .distributed import broadcast, check_same_on_all_ranks, group_info
+from .fit import check_fit_arguments, start_fit
+from .shards import ShardedFolder
 from .step import Batch, progress_bar
 from .trainer import DADTrainer
 
@@ -264,44 +269,95 @@ class Pipeline:
         return self.trainer.batches(data, batch_size, shuffle, generator) if self.is_first else None
 
     def fit(self, train: Any, epochs: int = 1, eval: Any = None, *, batch_size: int = 256, shuffle: bool = True,
-            seed: int | None = 0, progress: bool = True) -> list[dict[str, float]]:
+            seed: int | None = 0, progress: bool = True, checkpoint_dir: str | os.PathLike[str] | None = None,
+            checkpoint_every: int | None = None, keep_last: int = 2, resume: bool = False) -> list[dict[str, float]]:
         """Pipelined ``DADTrainer.fit``: same batches, same result; records are returned on every rank.
 
         ``train``/``eval`` matter on rank 0 only (pass ``None`` elsewhere). Records hold
         ``epoch, loss, train_s, img_per_s`` (+ ``accuracy, eval_loss`` with ``eval``).
+        ``checkpoint_dir`` (the same folder, shared by every rank), ``checkpoint_every``, ``keep_last``
+        and ``resume`` work as in ``DADTrainer.fit``: every ``checkpoint_every`` steps the stages drain,
+        each writes its shard and rank 0 a manifest (:mod:`~torch_dad.training.shards`); ``resume=True``
+        continues from the newest complete checkpoint, bitwise on CPU.
         """
-        if isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1:
-            raise ValueError(f"epochs={epochs!r} must be a positive int")
+        folder = check_fit_arguments(epochs, None, checkpoint_dir, checkpoint_every, keep_last, resume,
+                                     batch_size=batch_size, make_folder=self._checkpoint_folder)
         if self.is_first and train is None:
             raise ValueError("stage 0 reads the data: pass train= on rank 0")
-        generator = torch.Generator().manual_seed(seed) if seed is not None else None
-        records = []
-        for epoch in range(epochs):
-            batches = self._stage0_batches(train, batch_size, shuffle, generator)
-            if batches is not None:
+        trainer = self.trainer
+        args = {"epochs": epochs, "batch_size": batch_size, "seed": seed, "shuffle": shuffle}
+        generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, ())) if seed is None else seed)
+        run = start_fit(folder, resume, args, generator, history_length=len(trainer.history),
+                        step_count=trainer.step_count, device=trainer.device, load=trainer.restore,
+                        announce=progress and self.is_first)
+        for epoch in range(run.epoch, epochs):
+            generator.set_state(run.generator_state)
+            batches = None
+            if self.is_first:
+                batches = itertools.islice(trainer.batches(train, batch_size, shuffle, generator), run.batches, None)
                 batches = progress_bar(batches, progress, desc=f"epoch {epoch + 1}/{epochs}")
-            seen = torch.zeros((), dtype=torch.float64)
-            losses = torch.zeros((), device=self.trainer.device)
-
-            def tally(_: int, h: Tensor, y: Tensor, result: Any, seen: Tensor = seen, losses: Tensor = losses) -> None:
-                seen.add_(y.shape[0])
-                if result is not None:
-                    losses.add_(result[1])
-
-            self._sync()
-            start = time.perf_counter()
-            count = self.run(batches, callback=tally)
-            self._sync()
-            elapsed = time.perf_counter() - start
-            record = {"epoch": float(len(self.trainer.history) + 1), "loss": float(losses) / max(count, 1),
-                      "train_s": elapsed, "img_per_s": float(seen) / elapsed if elapsed > 0 else float("nan")}
+            self._train_epoch(batches, run, folder)
+            seconds = run.seconds
+            record = {"epoch": float(len(trainer.history) + 1), "loss": float(run.loss_sum) / max(run.batches, 1),
+                      "train_s": seconds, "img_per_s": run.seen / seconds if seconds > 0 else float("nan")}
             metrics = self.evaluate(eval if self.is_first else None, batch_size=batch_size)
             if metrics is not None:
                 record["accuracy"], record["eval_loss"] = metrics["accuracy"], metrics["loss"]
-            record = self._from_last(record)
-            self.trainer.history.append(record)
-            records.append(record)
-        return records
+            trainer.history.append(self._from_last(record))
+            run.next_epoch(generator.get_state())
+            if folder is not None:
+                folder.save(trainer.step_count, run.checkpoint(trainer.state_dict()))
+        return trainer.history[run.history_start :]
+
+    def _train_epoch(self, batches: Iterable[tuple[Tensor, Tensor]] | None, run: FitProgress,
+                     folder: ShardedFolder | None) -> None:
+        """Stream ``batches`` (stage 0) in segments that end where a checkpoint is due; after each segment
+        every stage has drained, and the checkpoint is written."""
+        due = folder.due if folder is not None else (lambda step: False)
+        source = iter(batches) if batches is not None else None
+
+        def tally(_: int, h: Tensor, y: Tensor, result: Any) -> None:
+            run.batches += 1
+            run.seen += y.shape[0]
+            if result is not None:
+                run.loss_sum += result[1]
+
+        def segment(first: tuple[Tensor, Tensor]) -> Iterator[tuple[Tensor, Tensor]]:
+            yield first
+            while not due(self.trainer.step_count) and (item := next(source, None)) is not None:  # type: ignore[arg-type]
+                yield item
+
+        while True:
+            first = next(source, None) if source is not None else None
+            if not self._from_first(first is not None):
+                return
+            self._sync()
+            start = time.perf_counter()
+            self.run(segment(first) if first is not None else None, callback=tally)
+            self._sync()
+            run.seconds += time.perf_counter() - start
+            if folder is not None and due(self.trainer.step_count):
+                folder.save(self.trainer.step_count, run.checkpoint(self.trainer.state_dict()))
+
+    def _checkpoint_folder(self, folder: Path, every: int | None, keep_last: int) -> ShardedFolder:
+        """One shard per stage: its layers (the last stage also the classifier, stage 0 the input sample)."""
+        model = self.trainer.model
+        names = {id(module): name for name, module in model.named_modules()}
+        owners = {f"trainer.model.{names[id(layer)]}.": stage
+                  for stage, (start, stop) in enumerate(self.bounds) for layer in model.dad_layers[start:stop]}
+        classifier = model.get_classifier()
+        last = self.num_stages - 1
+        if classifier is not None:
+            owners[f"trainer.model.{names[id(classifier)]}."] = last
+        owners.update({"trainer.classifier_state.": last, "trainer.classifier_statistics.": last, "fit.": -1})
+
+        def owner(key: str) -> int | None:
+            stage = next((s for prefix, s in owners.items() if key.startswith(prefix)), 0)
+            return None if stage < 0 else stage
+
+        layout = {"mode": "pipeline", "world_size": self.num_stages, "bounds": [list(b) for b in self.bounds]}
+        return ShardedFolder(folder, every, keep_last, group=self._control, layout=layout, owner=owner,
+                             shared_from=None, live=lambda: {"trainer": self.trainer.state_dict()})
 
     def _sync(self) -> None:
         if self.trainer.device.type == "cuda":

@@ -7,6 +7,7 @@ import os
 import warnings
 from collections.abc import Callable, Iterable, Iterator
 from functools import partial
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -21,10 +22,10 @@ from ..optim import OptimizerConfig, check_optimizer, warn_if_large_lr
 from ..ridge import GramAccumulator, RidgeSolution
 from . import batches, checkpoint
 from .batches import as_batch_pair, classification_metrics, iterate_batches, prepare_batch_tensors, reiterable
-from .checkpoint import FitProgress
+from .checkpoint import CheckpointFolder
 from .classifier import OutputClassifier
 from .eager import EagerRunner
-from .fit import check_fit_arguments, start_fit, train_epoch
+from .fit import RunFolder, check_fit_arguments, start_fit, train_epoch
 from .options import EngineOptions
 from .step import Batch, Dropout, GradientReducer, RunningLoss, StepOutput, StepPlan, StepRunner, progress_bar
 
@@ -495,16 +496,16 @@ class DADTrainer:
         Guide: ``docs/checkpoints.md``.
         """
         folder = check_fit_arguments(epochs, schedule, checkpoint_dir, checkpoint_every, keep_last, resume,
-                                     batch_size=batch_size, distributed=self.gradient_reducer is not None)
+                                     batch_size=batch_size, make_folder=self.checkpoint_folder)
         args = {"epochs": epochs, "batch_size": batch_size, "seed": seed, "shuffle": shuffle}
         generator = torch.Generator().manual_seed(int(torch.randint(0, 2**62, ())) if seed is None else seed)
         run = start_fit(folder, resume, args, generator, history_length=len(self.history), step_count=self.step_count,
-                        device=self.device, load=self._restore, announce=progress)
+                        device=self.device, load=self.restore, announce=progress)
         for epoch in range(run.epoch, epochs):
             generator.set_state(run.generator_state)
             batches = itertools.islice(self.batches(train, batch_size, shuffle, generator), run.batches, None)
             bar = progress_bar(batches, progress, desc=f"epoch {epoch + 1}/{epochs}")
-            save = None if folder is None else (lambda: folder.save(self.step_count, self._checkpoint_state(run)))
+            save = None if folder is None else (lambda: folder.save(self.step_count, run.checkpoint(self.state_dict())))
             record = {"epoch": float(len(self.history) + 1), **train_epoch(
                 self.step, lambda: self.step_count, bar, log_every=log_every, schedule=schedule, run=run,
                 device=self.device, save=save, due=None if folder is None else folder.due,
@@ -518,11 +519,15 @@ class DADTrainer:
             self.history.append(record)
             run.next_epoch(generator.get_state())
             if folder is not None:
-                folder.save(self.step_count, self._checkpoint_state(run))
+                folder.save(self.step_count, run.checkpoint(self.state_dict()))
         return self.history[run.history_start :]
 
-    def _checkpoint_state(self, run: FitProgress) -> dict[str, Any]:
-        return {"trainer": self.state_dict(), "fit": run.state()}
+    def checkpoint_folder(self, folder: Path, every: int | None, keep_last: int) -> RunFolder:
+        """Where ``fit(checkpoint_dir=...)`` saves: one file per checkpoint (data parallelism shards it)."""
+        if self.gradient_reducer is not None:
+            raise ValueError("checkpoint_dir: fit() checkpoints one process; a custom gradient_reducer needs "
+                             "DataParallelTrainer, whose fit() writes one shard per rank")
+        return CheckpointFolder(folder, every, keep_last)
 
     def evaluate(self, data: Any, *, batch_size: int = 1024, use_local_head: bool = False) -> dict[str, float]:
         """Accuracy and mean cross-entropy of ``model(x)`` (or the last local head) over ``data``."""
@@ -601,9 +606,9 @@ class DADTrainer:
         state = checkpoint.read(path)
         if not isinstance(state, dict) or not isinstance(state.get("trainer"), dict):
             raise checkpoint.CheckpointError(f"{path} holds no trainer state")
-        self._restore(state["trainer"], path)
+        self.restore(state["trainer"], path)
 
-    def _restore(self, state: dict[str, Any], path: str | os.PathLike[str]) -> None:
+    def restore(self, state: dict[str, Any], path: str | os.PathLike[str]) -> None:
         """:meth:`load_state_dict` after checking every tensor's presence, shape and dtype; on any failure
         the previous state is put back."""
         if self.classifier_statistics is None:
