@@ -45,7 +45,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[argparse.Namespace, argpa
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--tokens", type=int, default=12_000_000, help="training tokens of every run")
     parser.add_argument("--heads", nargs="+", choices=HEADS, default=list(HEADS), help="the DAD systems' local heads")
-    parser.add_argument("--dad-lrs", type=float, nargs="+", default=[1e-3, 2e-3, 4e-3])
+    parser.add_argument("--dad-lrs", type=float, nargs="+", default=[5e-4, 1e-3, 2e-3, 4e-3])
     parser.add_argument("--backprop-lrs", type=float, nargs="+", default=[2.5e-4, 5e-4, 1e-3])
     parser.add_argument("--eval-every", type=int, default=100, help="steps between validation losses")
     parser.add_argument("--root", default=None, help="a folder holding 20newsgroups-{train,test}.tab")

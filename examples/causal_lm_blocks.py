@@ -40,7 +40,7 @@ from torch.nn import functional as F
 
 import torch_dad as td
 from torch_dad import data
-from torch_dad.nn.sequence_heads import TOKEN_HEADS
+from torch_dad.nn.sequence_heads import TOKEN_HEADS, make_token_head
 
 
 class TokenEmbedding(nn.Module):
@@ -87,11 +87,11 @@ class CausalLM(td.DADModel):
         modules: list[nn.Module] = [CausalBlock(width, heads) for _ in range(blocks)]
         modules[0] = nn.Sequential(TokenEmbedding(vocab, width, seq), modules[0])
         modules[-1] = nn.Sequential(modules[-1], nn.LayerNorm(width))
-        names = [local_head] * (blocks - 1) + [last_head]
+        # the LM head is made before the other heads: the same initial model (blocks, LM head) whatever they are
+        lm_head = make_token_head(last_head, width, vocab)
+        heads = [make_token_head(local_head, width, vocab) for _ in range(blocks - 1)] + [lm_head]
         # registered in order, so the trainer runs them first to last
-        self.blocks = nn.ModuleList(
-            td.DADBlock(module, name, num_classes=vocab, head_features=width) for module, name in zip(modules, names)
-        )
+        self.blocks = nn.ModuleList(td.DADBlock(module, head) for module, head in zip(modules, heads))
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:

@@ -93,5 +93,11 @@ def test_causal_lm_blocks_smoke_both_modes_learn(tmp_path: Path, capsys: pytest.
         assert curve[0]["tokens"] == 0 and curve[-1]["tokens"] == record["tokens"] == 8 * 16 * 60
         assert record["val_loss"] < curve[0]["val_loss"] - 0.5, record
     assert records[0]["curve"][0] == records[1]["curve"][0]  # the same initial weights and validation windows
+    args = example.parse_args(["--smoke"])
+    x = torch.randint(0, args.vocab, (2, args.seq))
+    reference = example.make_model(args)(x)
+    for head in ("full", "bucket"):  # the other blocks' heads leave the model's initial weights as they are
+        args.local_head = head
+        assert torch.equal(example.make_model(args)(x), reference)
     assert "dad: validation loss per word" in capsys.readouterr().out
     assert [r["val_loss"] for r in json.loads(path.read_text())] == [r["val_loss"] for r in records]
