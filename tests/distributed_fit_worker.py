@@ -2,12 +2,13 @@
 
 ``python -m torch.distributed.run ... distributed_fit_worker.py MODE CHECKPOINT_DIR OUT`` with MODE
 ``data-parallel`` or ``pipeline`` (CHECKPOINT_DIR ``-``: no checkpoints). Each rank rewrites ``OUT/status-<rank>``
-with ``"<pid> <step count>"`` after every step (``"<pid> in-write"`` while held in a write, see below) and, once
-``fit`` returns, writes its final state to ``OUT/final-<rank>.safetensors``.
+with ``"<pid> <step count>"`` after every step and, once ``fit`` returns, writes its final state to
+``OUT/final-<rank>.safetensors``.
 
 ``HOOK_RANK``/``HOOK_FILE``: the first time that rank replaces a file named ``HOOK_FILE`` (a shard or the
-manifest of one step) it stops between the temporary file and the rename, so the test can kill it inside the
-write; ``OUT/hooked`` records that the hook has fired, so a restarted rank writes through.
+manifest of one step) it writes its pid to ``OUT/inwrite-<rank>`` and stops between the temporary file and the
+rename, so the test can kill it inside the write; ``OUT/hooked`` records that the hook has fired, so a
+restarted rank writes through.
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ def _hook(out: Path, rank: int) -> None:
     def replace(src, dst, *args, **kwargs):  # type: ignore[no-untyped-def]
         if str(dst).endswith(name) and not (out / "hooked").exists():
             (out / "hooked").touch()
-            (out / f"status-{rank}").write_text(f"{os.getpid()} in-write")
+            (out / f"inwrite-{rank}").write_text(str(os.getpid()))
             time.sleep(120)
         return real_replace(src, dst, *args, **kwargs)
 

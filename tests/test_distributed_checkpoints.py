@@ -125,12 +125,10 @@ def _fresh_group(out: Path, world: int, dead: set[int]) -> dict[int, tuple[int, 
 
 def _victim_ready(out: Path, world: int, hooked_hit: bool, victim: int, target: int) -> tuple[int, int, str] | None:
     """``(rank, pid, where)`` to kill now: a rank held inside a write, else ``victim`` once at ``target``."""
+    if (out / "hooked").exists() and not hooked_hit:  # the hooked rank is inside (or entering) its write
+        held = [rank for rank in range(world) if (out / f"inwrite-{rank}").exists()]
+        return (held[0], int((out / f"inwrite-{held[0]}").read_text() or 0), "in-write") if held else None
     status = _status(out, world)
-    for rank, (pid, step) in status.items():
-        if step == "in-write":
-            return rank, pid, "in-write"
-    if (out / "hooked").exists() and not hooked_hit:
-        return None  # the hooked rank is entering its write: kill it there
     pid, step = status.get(victim, (0, "0"))
     return (victim, pid, f"step {step}") if step.isdigit() and int(step) >= target else None
 

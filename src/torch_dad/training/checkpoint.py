@@ -36,6 +36,7 @@ from torch import Tensor
 __all__ = [
     "CheckpointError",
     "CheckpointFolder",
+    "declared_digest",
     "FitProgress",
     "flatten",
     "mismatches",
@@ -44,6 +45,7 @@ __all__ = [
     "read_parts",
     "unflatten",
     "write",
+    "write_flat",
 ]
 
 FORMAT = "torch_dad.checkpoint"
@@ -190,12 +192,16 @@ def write(path: str | os.PathLike[str], state: Any, keep: Callable[[str], bool] 
             f"checkpoint path {path}: the folder {path.parent} does not exist; create it first "
             f"(os.makedirs({str(path.parent)!r})) or pass a path in an existing folder"
         )
-    storage = _safetensors()
-    skeleton, tensors = flatten(state, keep)
+    _safetensors()
+    return write_flat(path, *flatten(state, keep))
+
+
+def write_flat(path: Path, skeleton: Any, tensors: Mapping[str, Tensor]) -> str:
+    """:func:`write` of a state already split by :func:`flatten` (CPU tensors); returns the sha256."""
     document = json.dumps({"format": FORMAT, "version": VERSION, "state": skeleton})
     digest = _digest(document, tensors)
     # serialized here, not by save_file: save_file writes a temporary of its own that remove_temporaries cannot know
-    atomic_write(path, storage.save(tensors, metadata={"torch_dad": document, "sha256": digest}))
+    atomic_write(path, _safetensors().save(dict(tensors), metadata={"torch_dad": document, "sha256": digest}))
     return digest
 
 
@@ -210,6 +216,14 @@ def _metadata(data: bytes) -> dict[str, str]:
     if not isinstance(metadata, dict) or not {"torch_dad", "sha256"} <= metadata.keys():
         raise ValueError("no torch_dad checkpoint metadata")
     return metadata
+
+
+def declared_digest(path: str | os.PathLike[str]) -> str:
+    """The sha256 a checkpoint file's header declares (read without loading or verifying its tensors)."""
+    with open(path, "rb") as handle:
+        head = handle.read(8)
+        (length,) = struct.unpack("<Q", head) if len(head) == 8 else (0,)
+        return str(_metadata(head + handle.read(length))["sha256"])
 
 
 def read_parts(path: str | os.PathLike[str]) -> tuple[Any, dict[str, Tensor], str]:
@@ -298,6 +312,9 @@ class CheckpointFolder:
         for _, old in self.paths()[self.keep_last :]:
             old.unlink(missing_ok=True)
         return path
+
+    def flush(self) -> None:
+        """Nothing to wait for: :meth:`save` returns once the file is durable."""
 
     def newest(self) -> tuple[Path, Any] | None:
         """``(path, state)`` of the newest checkpoint that reads back intact, or ``None``. Each corrupt one

@@ -307,6 +307,8 @@ class Pipeline:
             run.next_epoch(generator.get_state())
             if folder is not None:
                 folder.save(trainer.step_count, run.checkpoint(trainer.state_dict()))
+        if folder is not None:
+            folder.flush()
         return trainer.history[run.history_start :]
 
     def _train_epoch(self, batches: Iterable[tuple[Tensor, Tensor]] | None, run: FitProgress,

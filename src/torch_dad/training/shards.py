@@ -3,7 +3,8 @@
 ``folder/step-<step>/`` holds ``rank-<r>.safetensors`` for every rank ``r`` (a :mod:`checkpoint` file each:
 safetensors + JSON, verified by sha256, no pickle) and ``manifest.json``. Rank 0 writes the manifest only once
 every rank has written its shard; it names each shard with its sha256, the step and the run's layout (world
-size, and for a pipeline the stage split). A checkpoint counts only when its manifest is there and every shard
+size, and for a pipeline the stage split). A save copies the shard to host memory and writes it on a
+background thread while training goes on; rank 0's thread writes the manifest once every shard file is there. A checkpoint counts only when its manifest is there and every shard
 it names reads back with that sha256 and that step: a kill at any moment leaves either the previous complete
 checkpoint or the new one.
 
@@ -19,8 +20,10 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import time
 import warnings
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +39,7 @@ FORMAT = "torch_dad.sharded_checkpoint"
 VERSION = 1
 MANIFEST = "manifest.json"
 _PREFIX = "step-"
+_SHARD_TIMEOUT = 1800.0  # seconds rank 0 waits for the other ranks' shards, as long as a collective's default
 
 
 def _step_of(path: Path) -> int | None:
@@ -58,6 +62,9 @@ class ShardedFolder:
         self.group, self.layout, self.owner = group, layout, owner
         self.shared_from, self.live = shared_from, live
         self.rank, self.world_size = dist.get_rank(group), dist.get_world_size(group)
+        # one writer thread: shards and manifests reach the disk in the order they were saved
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch_dad-checkpoint")
+        self._last: Future[None] | None = None
         self._check_shared()
 
     # ------------------------------------------------------------------ collectives
@@ -111,27 +118,49 @@ class ShardedFolder:
         return f"rank-{rank:05d}{checkpoint.SUFFIX}"
 
     def save(self, step: int, state: Any) -> Path:
-        """Write this rank's shard of ``state`` for ``step``; rank 0 writes the manifest once every shard is
-        there, then deletes all but the newest ``keep_last`` complete checkpoints."""
+        """Copy this rank's shard of ``state`` to host memory and write it on a background thread while
+        training goes on; rank 0's thread then waits for every rank's shard and writes the manifest. A kill
+        before the manifest leaves the previous checkpoint as the newest complete one."""
+        if self._last is not None and self._last.done():
+            self._last.result()  # a failed write raises here, on its rank: torchrun restarts the group
         target = self.folder / f"{_PREFIX}{step:09d}"
         target.mkdir(parents=True, exist_ok=True)
-        (target / MANIFEST).unlink(missing_ok=True)  # a rewrite of a step invalidates its old manifest first
-        digest = checkpoint.write(target / self._shard(self.rank), state,
-                                  keep=lambda key: self.owner(key) in (None, self.rank))
-        shards = self._gather({"rank": self.rank, "file": self._shard(self.rank), "sha256": digest})
-        problem = None
         if self.rank == 0:
-            missing = [s["file"] for s in shards if not (target / s["file"]).is_file()]
-            if missing:
-                problem = (f"checkpoint_dir={str(self.folder)!r}: rank 0 does not see {missing[0]} in {target}; "
-                           "the folder must be shared between the ranks")
-            else:
-                manifest = {"format": FORMAT, "version": VERSION, "step": step, "layout": self.layout,
-                            "shards": shards}
-                checkpoint.atomic_write(target / MANIFEST, json.dumps(manifest, indent=1).encode())
-                self._rotate()
-        self._raise_if_any(problem)
+            (target / MANIFEST).unlink(missing_ok=True)  # a rewrite of a step invalidates its old manifest first
+        skeleton, tensors = checkpoint.flatten(state, keep=lambda key: self.owner(key) in (None, self.rank))
+        self._last = self._writer.submit(self._write, step, target, skeleton, tensors)
         return target
+
+    def flush(self) -> None:
+        """Wait until the last save is complete on every rank (the end of ``fit``)."""
+        problem = None
+        if self._last is not None:
+            try:
+                self._last.result()
+            except Exception as exc:  # every rank must learn that one rank's write failed
+                problem = f"rank {self.rank} could not write its checkpoint shard: {exc!r}"
+        self._raise_if_any(problem)
+
+    def _write(self, step: int, target: Path, skeleton: Any, tensors: dict[str, Tensor]) -> None:
+        checkpoint.write_flat(target / self._shard(self.rank), skeleton, tensors)
+        if self.rank != 0:
+            return
+        shards = [{"rank": rank, "file": self._shard(rank), "sha256": self._wait_for_shard(target, rank)}
+                  for rank in range(self.world_size)]
+        manifest = {"format": FORMAT, "version": VERSION, "step": step, "layout": self.layout, "shards": shards}
+        checkpoint.atomic_write(target / MANIFEST, json.dumps(manifest, indent=1).encode())
+        self._rotate()
+
+    def _wait_for_shard(self, target: Path, rank: int) -> str:
+        """The sha256 that ``rank``'s shard in ``target`` declares, once its file is there (renamed into
+        place, so complete)."""
+        path = target / self._shard(rank)
+        deadline = time.monotonic() + _SHARD_TIMEOUT
+        while not path.is_file():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"rank {rank}'s shard {path} did not appear within {_SHARD_TIMEOUT:.0f} s")
+            time.sleep(0.005)
+        return checkpoint.declared_digest(path)
 
     def _rotate(self) -> None:
         complete = [path for _, path in self.paths() if (path / MANIFEST).is_file()]

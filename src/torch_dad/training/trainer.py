@@ -520,6 +520,8 @@ class DADTrainer:
             run.next_epoch(generator.get_state())
             if folder is not None:
                 folder.save(self.step_count, run.checkpoint(self.state_dict()))
+        if folder is not None:
+            folder.flush()
         return self.history[run.history_start :]
 
     def checkpoint_folder(self, folder: Path, every: int | None, keep_last: int) -> RunFolder:
