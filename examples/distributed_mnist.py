@@ -9,6 +9,13 @@ Launch one process per GPU (or per CPU process with gloo) with torchrun::
 
 Both give the model that single-process ``DADTrainer.fit`` gives for the same global batch
 (see docs/distributed.md). Only rank 0 prints and writes ``--save``.
+
+With ``--checkpoint-dir`` (a folder every rank sees) each rank writes its shard every
+``--checkpoint-every`` steps and at each epoch's end, and a restarted run resumes from the newest
+complete checkpoint. To survive a killed worker, let torchrun restart the group::
+
+    TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 --max-restarts=3 \
+        examples/distributed_mnist.py --mode data-parallel --checkpoint-dir runs/mnist
 """
 
 from __future__ import annotations
@@ -41,6 +48,9 @@ def main() -> None:
     parser.add_argument("--limit", type=int, default=0, help="use only the first N training images")
     parser.add_argument("--synthetic", action="store_true", help="a synthetic 784-feature task instead of MNIST")
     parser.add_argument("--save", default="", help="checkpoint path (written by rank 0)")
+    parser.add_argument("--checkpoint-dir", default=None,
+                        help="folder shared by every rank: checkpoint there and resume from the newest complete one")
+    parser.add_argument("--checkpoint-every", type=int, default=500, help="steps between checkpoints")
     args = parser.parse_args()
 
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -62,10 +72,13 @@ def main() -> None:
     torch.manual_seed(0)  # the same model on every rank (rank 0's weights are copied anyway)
     model = DADClassifier()
 
+    checkpoints = {}
+    if args.checkpoint_dir:
+        checkpoints = dict(checkpoint_dir=args.checkpoint_dir, checkpoint_every=args.checkpoint_every, resume=True)
     if args.mode == "data-parallel":
         trainer = DataParallelTrainer(model, device=device, lr=1e-3)
         history = trainer.fit((xtr.to(device), ytr.to(device)), epochs=args.epochs, batch_size=args.batch_size,
-                              eval=(xte.to(device), yte.to(device)))
+                              eval=(xte.to(device), yte.to(device)), **checkpoints)
         trainer.solve_head()  # from every rank's input sample, Gram statistics summed over ranks
         accuracy = trainer.evaluate((xte.to(device), yte.to(device)))["accuracy"]
         if args.save:
@@ -75,7 +88,8 @@ def main() -> None:
         pipe = Pipeline(trainer)  # stage = rank; layers balanced by cost
         first = pipe.is_first
         history = pipe.fit((xtr.to(device), ytr.to(device)) if first else None, epochs=args.epochs,
-                           batch_size=args.batch_size, eval=(xte.to(device), yte.to(device)) if first else None)
+                           batch_size=args.batch_size, eval=(xte.to(device), yte.to(device)) if first else None,
+                           **checkpoints)
         pipe.solve_head()  # on the last stage
         metrics = pipe.evaluate((xte.to(device), yte.to(device)) if first else None)
         accuracy = metrics["accuracy"] if metrics is not None else float("nan")

@@ -1,0 +1,156 @@
+"""What checkpointing costs a distributed ``fit``: ``DataParallelTrainer`` at world size 1 and a ``Pipeline`` of
+one stage, with ``checkpoint_every=500`` (plus the save at every epoch's end) against no checkpoints.
+
+Model: the quickstart MNIST net (784-1024-512-256-10, the trainers' defaults), MNIST-shaped synthetic rows
+(60,000 per epoch, batch 256: 235 steps an epoch), ``--steps`` steps. Each run is a fresh process (NCCL on a
+GPU, gloo on CPU, one rank); the time is ``fit``'s wall time from call to return, so it includes every save's
+work on the training thread and the wait for the last one. Runs with and without checkpoints alternate;
+the cost is the median over ``--repeats`` pairs of ``(with - without) / without``.
+
+The record also compares one save of the same state written the two ways a user could pick: this
+library's shard (safetensors + JSON, on the calling thread) and ``torch.distributed.checkpoint.save``.
+
+    PYTHONPATH=src python benchmarks/checkpoint_cost.py          # on the GPU machine
+    python benchmarks/checkpoint_cost.py --smoke                 # CPU, seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+import torch_dad as td
+from _common import DADMLP, run_config, write_run
+from torch_dad.training import DataParallelTrainer, Pipeline, checkpoint
+
+ROWS_PER_EPOCH = 60_000
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _init(device: torch.device) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), RANK="0", WORLD_SIZE="1")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def one_run(mode: str, every: int, steps: int, rows: int, folder: str) -> dict[str, Any]:
+    """One ``fit`` in this process after a 10-step warm-up ``fit``: ``{seconds, steps}``."""
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    _init(device)
+    torch.manual_seed(0)
+    x = torch.randn(rows, 784, device=device)
+    y = torch.randint(0, 10, (rows,), device=device)
+    epochs = -(-steps // -(-rows // 256))
+    model = DADMLP([784, 1024, 512, 256])
+    trainer = DataParallelTrainer(model, device) if mode == "data-parallel" else td.DADTrainer(model, device)
+    options = dict(checkpoint_dir=folder, checkpoint_every=every) if every else {}
+    warm = (x[:2560], y[:2560])
+    if mode == "data-parallel":
+        trainer.fit(warm, progress=False)  # warm-up: kernels, allocator, collectives
+        _sync(device)
+        start = time.perf_counter()
+        trainer.fit((x, y), epochs=epochs, progress=False, **options)
+    else:
+        pipe = Pipeline(trainer)
+        pipe.fit(warm, progress=False)
+        _sync(device)
+        start = time.perf_counter()
+        pipe.fit((x, y), epochs=epochs, progress=False, **options)
+    _sync(device)
+    seconds = time.perf_counter() - start
+    dist.destroy_process_group()
+    return {"seconds": seconds, "steps": trainer.step_count - 10}
+
+
+def save_formats(rows: int) -> dict[str, Any]:
+    """Seconds for one synchronous save of the quickstart trainer's state: shard file vs ``dcp.save``."""
+    import torch.distributed.checkpoint as dcp
+
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    trainer = td.DADTrainer(DADMLP([784, 1024, 512, 256]), device)
+    trainer.fit((torch.randn(rows, 784, device=device), torch.randint(0, 10, (rows,), device=device)),
+                progress=False)
+    state = trainer.state_dict()
+    tensors = checkpoint.flatten(state)[1]
+    timings: dict[str, list[float]] = {"shard": [], "dcp": []}
+    with tempfile.TemporaryDirectory() as folder:
+        for repeat in range(4):
+            start = time.perf_counter()
+            checkpoint.write(Path(folder) / f"s{repeat}.safetensors", {"trainer": state})
+            timings["shard"].append(time.perf_counter() - start)
+            start = time.perf_counter()
+            dcp.save(tensors, checkpoint_id=str(Path(folder) / f"d{repeat}"), no_dist=True)
+            timings["dcp"].append(time.perf_counter() - start)
+    megabytes = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
+    return {"state_mib": round(megabytes, 1), **{f"{k}_ms": round(1e3 * statistics.median(v[1:]), 2)
+                                                 for k, v in timings.items()}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--every", type=int, default=500)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--smoke", action="store_true")
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: one run, JSON on stdout
+    args = parser.parse_args()
+    rows = 2560 if args.smoke else ROWS_PER_EPOCH
+    steps, repeats = (25, 1) if args.smoke else (args.steps, args.repeats)
+    if args.one:
+        mode, every, folder = json.loads(args.one)
+        print(json.dumps(one_run(mode, every, steps, rows, folder)))
+        return
+    results = []
+    for mode in ("data-parallel", "pipeline"):
+        pairs = []
+        for _ in range(repeats):
+            pair = {}
+            for every in (0, 10 if args.smoke else args.every):
+                with tempfile.TemporaryDirectory() as folder:
+                    command = [sys.executable, __file__, "--one", json.dumps([mode, every, folder]),
+                               *(["--smoke"] if args.smoke else []), "--steps", str(steps)]
+                    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+                    pair[every] = json.loads(out.strip().splitlines()[-1])
+            pairs.append(pair)
+        without = [p[0]["seconds"] for p in pairs]
+        with_saves = [p[max(p)]["seconds"] for p in pairs]
+        cost = statistics.median((w - o) / o for w, o in zip(with_saves, without))
+        results.append({"mode": mode, "steps": pairs[0][0]["steps"], "seconds_without": statistics.median(without),
+                        "seconds_with": statistics.median(with_saves), "cost_percent": round(100 * cost, 2),
+                        "pairs": [[round(o, 4), round(w, 4)] for o, w in zip(without, with_saves)]})
+        print(json.dumps(results[-1]))
+    formats = save_formats(rows)
+    print(json.dumps(formats))
+    results.append({"mode": "one save, synchronous", **formats})
+    write_run("checkpoint_cost", results, config=run_config(args, parser, exclude=("one",)), smoke=args.smoke,
+              out=args.out)
+
+
+if __name__ == "__main__":
+    main()
