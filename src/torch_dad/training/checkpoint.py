@@ -102,15 +102,22 @@ def _skeleton(tree: Any, path: tuple[str, ...]) -> Any:
     return tree
 
 
-def flatten(tree: Any, keep: Callable[[str], bool] | None = None) -> tuple[Any, dict[str, Tensor]]:
+def to_host(tensor: Tensor) -> Tensor:
+    """A contiguous CPU copy of ``tensor``."""
+    return tensor.detach().to("cpu", copy=True).contiguous()
+
+
+def flatten(tree: Any, keep: Callable[[str], bool] | None = None,
+            copy: Callable[[Tensor], Tensor] = to_host) -> tuple[Any, dict[str, Tensor]]:
     """``(skeleton, tensors)``: ``tensors`` maps each tensor's dotted path (those ``keep`` accepts, default all)
-    to a contiguous CPU copy of it, ``skeleton`` is ``tree`` with placeholders instead (see :func:`unflatten`)."""
+    to ``copy(tensor)`` (a contiguous CPU copy), ``skeleton`` is ``tree`` with placeholders instead (see
+    :func:`unflatten`)."""
     tensors: dict[str, Tensor] = {}
     for key, tensor in _walk(tree, ()):
         if key in tensors:
             raise ValueError(f"checkpoint state: two tensors flatten to the key {key!r}; rename one")
         if keep is None or keep(key):
-            tensors[key] = tensor.detach().to("cpu", copy=True).contiguous()
+            tensors[key] = copy(tensor)
     return _skeleton(tree, ()), tensors
 
 

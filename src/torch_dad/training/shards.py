@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -46,6 +47,15 @@ def _step_of(path: Path) -> int | None:
     name = path.name
     digits = name[len(_PREFIX):]
     return int(digits) if name.startswith(_PREFIX) and digits.isdigit() else None
+
+
+def _snapshot(tensor: Tensor) -> Tensor:
+    """A host copy of ``tensor`` that training cannot change: from a GPU, an asynchronous copy into pinned
+    memory (the writer thread waits for it), so the training thread does not wait for the transfer."""
+    if tensor.device.type != "cuda":
+        return tensor.detach().clone(memory_format=torch.contiguous_format).cpu()
+    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+    return host.copy_(tensor.detach(), non_blocking=True)
 
 
 class ShardedFolder:
@@ -127,8 +137,12 @@ class ShardedFolder:
         target.mkdir(parents=True, exist_ok=True)
         if self.rank == 0:
             (target / MANIFEST).unlink(missing_ok=True)  # a rewrite of a step invalidates its old manifest first
-        skeleton, tensors = checkpoint.flatten(state, keep=lambda key: self.owner(key) in (None, self.rank))
-        self._last = self._writer.submit(self._write, step, target, skeleton, tensors)
+        skeleton, tensors = checkpoint.flatten(state, lambda key: self.owner(key) in (None, self.rank), _snapshot)
+        copied = None
+        if any(t.is_pinned() for t in tensors.values()):
+            copied = torch.cuda.Event()
+            copied.record()
+        self._last = self._writer.submit(self._write, step, target, skeleton, tensors, copied)
         return target
 
     def flush(self) -> None:
@@ -141,7 +155,10 @@ class ShardedFolder:
                 problem = f"rank {self.rank} could not write its checkpoint shard: {exc!r}"
         self._raise_if_any(problem)
 
-    def _write(self, step: int, target: Path, skeleton: Any, tensors: dict[str, Tensor]) -> None:
+    def _write(self, step: int, target: Path, skeleton: Any, tensors: dict[str, Tensor],
+               copied: torch.cuda.Event | None) -> None:
+        if copied is not None:
+            copied.synchronize()  # the device-to-host copies of the snapshot have landed
         checkpoint.write_flat(target / self._shard(self.rank), skeleton, tensors)
         if self.rank != 0:
             return
