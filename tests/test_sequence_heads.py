@@ -54,8 +54,8 @@ def _reference(head: TokenHead, rows: Tensor, targets: Tensor) -> tuple[Tensor, 
 
 
 def _close(actual: Tensor, expected: Tensor, tol: float) -> None:
-    scale = expected.abs().max().clamp_min(1e-3)
-    assert float((actual.double() - expected).abs().max() / scale) <= tol
+    scale = expected.detach().abs().max().clamp_min(1e-3)
+    assert float((actual.detach().double() - expected.detach()).abs().max() / scale) <= tol
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16])

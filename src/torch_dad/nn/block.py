@@ -110,7 +110,8 @@ class DADBlock(LocalLayer):
             raise TypeError(f"module must be a torch.nn.Module, got {type(module).__name__}")
         self.label_smoothing = check_fraction("label_smoothing", label_smoothing)
         head = _build_head(local_head, num_classes, head_features, feature_dim)
-        self.num_classes = head.vocab_size if isinstance(head, TokenHead) else check_num_classes(10 if num_classes is None else num_classes)
+        classes = head.vocab_size if isinstance(head, TokenHead) else 10 if num_classes is None else num_classes
+        self.num_classes = check_num_classes(classes)
         if isinstance(head, TokenHead) and self.label_smoothing:
             raise ValueError(f"label_smoothing={label_smoothing} applies to a class head; a token-level local_head "
                              "takes none (pass label_smoothing=0.0)")
