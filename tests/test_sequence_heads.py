@@ -33,20 +33,20 @@ def _heads() -> dict[str, TokenHead]:
     }
 
 
-def _targets(n: int = N, ignored: int = 4) -> Tensor:
-    targets = torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(1))
-    targets[:ignored] = -100  # ignored positions: no loss, no gradient
-    return targets
+def _labels(n: int = N, ignored: int = 4) -> Tensor:
+    labels = torch.randint(0, VOCAB, (n,), generator=torch.Generator().manual_seed(1))
+    labels[:ignored] = -100  # ignored positions: no loss, no gradient
+    return labels
 
 
-def _reference(head: TokenHead, rows: Tensor, targets: Tensor) -> tuple[Tensor, Tensor, list[Tensor]]:
+def _reference(head: TokenHead, rows: Tensor, labels: Tensor) -> tuple[Tensor, Tensor, list[Tensor]]:
     """Float64 autograd of the head's training loss: (loss, dL/drows, dL/dparams)."""
     ref = copy.deepcopy(head).double()
     h = rows.detach().double().requires_grad_(True)
-    if isinstance(ref, BucketHead):
-        logits, labels = ref.classes(h), ref.bucket_targets(targets)
+    if isinstance(ref, BucketHead):  # its training loss is over the labels' buckets
+        logits, labels = ref.classes(h), ref.bucket_labels(labels)
     else:
-        logits, labels = ref(h), targets
+        logits = ref(h)
     loss = nn.functional.cross_entropy(logits, labels, ignore_index=-100)
     params = list(ref.parameters())
     grads = torch.autograd.grad(loss, [h, *params])
@@ -63,11 +63,11 @@ def _close(actual: Tensor, expected: Tensor, tol: float) -> None:
 def test_head_step_matches_float64_autograd(name: str, dtype: torch.dtype) -> None:
     head = _heads()[name]
     rows = torch.randn(N, WIDTH, generator=torch.Generator().manual_seed(2))
-    targets = _targets()
-    loss, grad_rows, grads = _reference(head, rows, targets)
+    labels = _labels()
+    loss, grad_rows, grads = _reference(head, rows, labels)
     if dtype == torch.float64:
         head = head.double()
-    step = head.step(rows.to(dtype), targets)
+    step = head.step(rows.to(dtype), labels)
     tol = TOLERANCE[dtype]
     assert step.loss.dtype == torch.float32 or dtype == torch.float64
     _close(step.loss.reshape(1), loss.reshape(1), tol)
@@ -81,9 +81,9 @@ def test_head_step_matches_float64_autograd(name: str, dtype: torch.dtype) -> No
 
 
 def test_logits_are_formed_by_the_full_and_bucket_heads_only() -> None:
-    rows, targets = torch.randn(N, WIDTH), _targets()
+    rows, labels = torch.randn(N, WIDTH), _labels()
     for name, head in _heads().items():
-        logits = head.step(rows, targets).logits
+        logits = head.step(rows, labels).logits
         classes = {"bucket": BUCKETS, "fused": 0, "lowrank": 0}.get(name, VOCAB)
         assert logits.shape == (N, classes)
 
@@ -105,10 +105,10 @@ def test_bucket_head_vocabulary_logits_spread_each_bucket_evenly() -> None:
     bucket_log_p = torch.log_softmax(head.classes(hidden), -1)
     expected = bucket_log_p[..., head.bucket_of] - sizes[head.bucket_of].double().log()
     assert torch.allclose(log_p, expected, atol=1e-12)
-    targets = _targets(6, ignored=1)
-    vocab_loss = nn.functional.cross_entropy(head(hidden).reshape(6, -1), targets, ignore_index=-100)
-    bucket_loss = head.step(hidden.reshape(6, -1), targets).loss
-    extra = sizes[head.bucket_of[targets[1:]]].double().log().mean()
+    labels = _labels(6, ignored=1)
+    vocab_loss = nn.functional.cross_entropy(head(hidden).reshape(6, -1), labels, ignore_index=-100)
+    bucket_loss = head.step(hidden.reshape(6, -1), labels).loss
+    extra = sizes[head.bucket_of[labels[1:]]].double().log().mean()
     assert torch.allclose(vocab_loss, bucket_loss + extra, atol=1e-12)
     assert "bucket_of" not in head.state_dict()  # derived from the seed, not saved
 
@@ -130,11 +130,11 @@ def test_head_argument_errors() -> None:
         LowRankHead(WIDTH, VOCAB, 0)
     head = VocabHead(WIDTH, VOCAB)
     with pytest.raises(ValueError, match="rows of width 7"):
-        head.step(torch.randn(N, WIDTH + 1), _targets())
+        head.step(torch.randn(N, WIDTH + 1), _labels())
     with pytest.raises(ValueError, match="labels have shape"):
-        head.step(torch.randn(N, WIDTH), _targets(N + 1))
+        head.step(torch.randn(N, WIDTH), _labels(N + 1))
     with pytest.raises(TypeError, match="labels have dtype"):
-        head.step(torch.randn(N, WIDTH), _targets().float())
+        head.step(torch.randn(N, WIDTH), _labels().float())
 
 
 # ---------------------------------------------------------------------------------------------- DADBlock
@@ -177,7 +177,7 @@ def test_block_gradients_match_float64_autograd_of_the_whole_block(name: str) ->
     ref = copy.deepcopy(block)
     out = ref.block(x)
     if isinstance(ref.head, BucketHead):
-        logits, labels = ref.head.classes(out), ref.head.bucket_targets(y)
+        logits, labels = ref.head.classes(out), ref.head.bucket_labels(y)
     else:
         logits, labels = ref.head(out), y
     loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)

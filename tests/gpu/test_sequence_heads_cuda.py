@@ -26,10 +26,10 @@ def test_heads_on_cuda_in_bf16_match_float64_autograd(name: str) -> None:
         "lowrank": LowRankHead(WIDTH, VOCAB, 64), "bucket": BucketHead(WIDTH, VOCAB, 257),
     }[name].cuda()
     rows = torch.randn(ROWS, WIDTH, device="cuda")
-    targets = torch.randint(0, VOCAB, (ROWS,), device="cuda")
-    targets[::7] = -100
-    loss, grad_rows, grads = _reference(head, rows, targets)
-    step = head.step(rows.bfloat16(), targets, backend="triton")
+    labels = torch.randint(0, VOCAB, (ROWS,), device="cuda")
+    labels[::7] = -100
+    loss, grad_rows, grads = _reference(head, rows, labels)
+    step = head.step(rows.bfloat16(), labels, backend="triton")
     _close(step.loss.reshape(1), loss.reshape(1), 2e-2)
     _close(step.grad_hidden, grad_rows, 5e-2)
     for got, want in zip(step.grads, grads):

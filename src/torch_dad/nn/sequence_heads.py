@@ -59,18 +59,18 @@ class TokenHead(nn.Module):
     vocab_size: int
     ignore_index: int = functional.IGNORE_INDEX
 
-    def step(self, rows: Tensor, targets: Tensor, *, backend: str = "torch") -> TokenHeadStep:
-        """Loss and gradients on ``rows`` (N, width), in their dtype, for ``targets`` (N,) token ids or
+    def step(self, rows: Tensor, labels: Tensor, *, backend: str = "torch") -> TokenHeadStep:
+        """Loss and gradients on ``rows`` (N, width), in their dtype, for ``labels`` (N,) token ids or
         ``ignore_index``. ``backend="triton"`` lets a fused design run its Triton kernels (CUDA)."""
-        check_token_layout(targets, (rows.shape[0],), self.ignore_index, "labels")
+        check_token_layout(labels, (rows.shape[0],), self.ignore_index, "labels")
         if rows.dim() != 2 or rows.shape[1] != self.width:
             raise ValueError(
                 f"{type(self).__name__} takes rows of width {self.width}; got hidden states of shape "
                 f"{tuple(rows.shape)}. Build the head with the block's output width"
             )
-        return self._step(rows, targets, backend)
+        return self._step(rows, labels, backend)
 
-    def _step(self, rows: Tensor, targets: Tensor, backend: str) -> TokenHeadStep:
+    def _step(self, rows: Tensor, labels: Tensor, backend: str) -> TokenHeadStep:
         raise NotImplementedError
 
 
@@ -112,27 +112,27 @@ class VocabHead(TokenHead):
     def forward(self, hidden: Tensor) -> Tensor:
         return self.linear(hidden)
 
-    def _step(self, rows: Tensor, targets: Tensor, backend: str) -> TokenHeadStep:
+    def _step(self, rows: Tensor, labels: Tensor, backend: str) -> TokenHeadStep:
         weight = self.linear.weight.detach()
         bias = self.linear.bias.detach() if self.linear.bias is not None else None
         if self.fused:
-            return self._fused_step(rows, targets, weight, bias, backend)
+            return self._fused_step(rows, labels, weight, bias, backend)
         dtype = rows.dtype
         logits = rows @ weight.to(dtype).T
         if bias is not None:
             logits = logits + bias.to(dtype)
-        loss, d_logits = functional.cross_entropy_error(logits, targets, ignore_index=self.ignore_index)
+        loss, d_logits = functional.cross_entropy_error(logits, labels, ignore_index=self.ignore_index)
         grads = [_weight_grad(d_logits, rows)] + ([d_logits.to(_wide(dtype)).sum(0)] if bias is not None else [])
         return TokenHeadStep(loss.to(_wide(dtype)), d_logits @ weight.to(dtype), grads, logits)
 
     def _fused_step(
-        self, rows: Tensor, targets: Tensor, weight: Tensor, bias: Tensor | None, backend: str
+        self, rows: Tensor, labels: Tensor, weight: Tensor, bias: Tensor | None, backend: str
     ) -> TokenHeadStep:
         # a sum over the labelled rows, divided by their count on the device: no host sync, so it
         # runs inside a captured CUDA graph (num_valid only skips the range check: the caller made it)
-        count = (targets != self.ignore_index).sum().clamp_min(1)
+        count = (labels != self.ignore_index).sum().clamp_min(1)
         res = linear_cross_entropy(
-            rows, weight, targets, bias, ignore_index=self.ignore_index, reduction="sum", num_valid=targets.numel(),
+            rows, weight, labels, bias, ignore_index=self.ignore_index, reduction="sum", num_valid=labels.numel(),
             backend=_lce_backend(backend, rows.device), compute_dtype=rows.dtype,
         )
         assert res.grad_weight is not None and res.grad_input is not None
@@ -161,9 +161,9 @@ class LowRankHead(TokenHead):
     def forward(self, hidden: Tensor) -> Tensor:
         return self.vocab(self.project(hidden))
 
-    def _step(self, rows: Tensor, targets: Tensor, backend: str) -> TokenHeadStep:
+    def _step(self, rows: Tensor, labels: Tensor, backend: str) -> TokenHeadStep:
         project = self.project.weight.detach().to(rows.dtype)
-        inner = self.vocab.step(rows @ project.T, targets, backend=backend)
+        inner = self.vocab.step(rows @ project.T, labels, backend=backend)
         d_low = inner.grad_hidden
         grads = [_weight_grad(d_low, rows), *inner.grads]
         return TokenHeadStep(inner.loss, d_low @ project, grads, inner.logits)
@@ -204,13 +204,13 @@ class BucketHead(TokenHead):
         logits = self.classes(hidden)
         return logits[..., self.bucket_of] - self.log_size[self.bucket_of].to(logits.dtype)
 
-    def bucket_targets(self, targets: Tensor) -> Tensor:
+    def bucket_labels(self, labels: Tensor) -> Tensor:
         """Each target's bucket; ``ignore_index`` stays."""
-        ignored = targets == self.ignore_index
-        return torch.where(ignored, targets, self.bucket_of[targets.masked_fill(ignored, 0)])
+        ignored = labels == self.ignore_index
+        return torch.where(ignored, labels, self.bucket_of[labels.masked_fill(ignored, 0)])
 
-    def _step(self, rows: Tensor, targets: Tensor, backend: str) -> TokenHeadStep:
-        return self.classes.step(rows, self.bucket_targets(targets), backend=backend)
+    def _step(self, rows: Tensor, labels: Tensor, backend: str) -> TokenHeadStep:
+        return self.classes.step(rows, self.bucket_labels(labels), backend=backend)
 
 
 def make_token_head(name: str, width: int, vocab_size: int) -> TokenHead:
