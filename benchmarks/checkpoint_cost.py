@@ -24,6 +24,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,7 @@ def _sync(device: torch.device) -> None:
 
 def one_run(mode: str, every: int, steps: int, rows: int, folder: str) -> dict[str, Any]:
     """One ``fit`` in this process after a 10-step warm-up ``fit``: ``{seconds, steps}``."""
-    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     _init(device)
     torch.manual_seed(0)
     x = torch.randn(rows, 784, device=device)
@@ -87,8 +88,29 @@ def one_run(mode: str, every: int, steps: int, rows: int, folder: str) -> dict[s
     return {"seconds": seconds, "steps": trainer.step_count - 10}
 
 
+def _training_speed_during(save: Any) -> float:
+    """Small host-bound ops per second on this thread while ``save()`` runs 5 times on another, as a
+    fraction of the rate without it: how much a background save holds the GIL."""
+    x = torch.zeros(8)
+    start, count = time.perf_counter(), 0
+    while time.perf_counter() - start < 0.3:
+        x.add_(1.0)
+        count += 1
+    alone = count / (time.perf_counter() - start)
+    thread = threading.Thread(target=lambda: [save() for _ in range(5)])
+    start, count = time.perf_counter(), 0
+    thread.start()
+    while thread.is_alive():
+        x.add_(1.0)
+        count += 1
+    return round(count / (time.perf_counter() - start) / alone, 3)
+
+
 def save_formats(rows: int) -> dict[str, Any]:
-    """Seconds for one synchronous save of the quickstart trainer's state: shard file vs ``dcp.save``."""
+    """One synchronous save of the quickstart trainer's state, shard file vs ``dcp.save`` (ms), and the
+    training thread's speed while a background thread serializes with ``safetensors.torch.save`` (the
+    whole file built in memory) or writes the shard's chunks (what a distributed save does)."""
+    import safetensors.torch
     import torch.distributed.checkpoint as dcp
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -106,9 +128,17 @@ def save_formats(rows: int) -> dict[str, Any]:
             start = time.perf_counter()
             dcp.save(tensors, checkpoint_id=str(Path(folder) / f"d{repeat}"), no_dist=True)
             timings["dcp"].append(time.perf_counter() - start)
+        target = Path(folder) / "background.safetensors"
+        metadata = {"sha256": "-"}
+        speeds = {
+            "speed_during_safetensors_save": _training_speed_during(
+                lambda: checkpoint.atomic_write(target, safetensors.torch.save(tensors, metadata=metadata))),
+            "speed_during_chunked_write": _training_speed_during(
+                lambda: checkpoint.write_flat(target, {}, tensors)),
+        }
     megabytes = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
     return {"state_mib": round(megabytes, 1), **{f"{k}_ms": round(1e3 * statistics.median(v[1:]), 2)
-                                                 for k, v in timings.items()}}
+                                                 for k, v in timings.items()}, **speeds}
 
 
 def main() -> None:
@@ -116,6 +146,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3000)
     parser.add_argument("--every", type=int, default=500)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--modes", nargs="+", choices=("data-parallel", "pipeline"), default=["data-parallel", "pipeline"])
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=None)
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: one run, JSON on stdout
@@ -127,7 +158,7 @@ def main() -> None:
         print(json.dumps(one_run(mode, every, steps, rows, folder)))
         return
     results = []
-    for mode in ("data-parallel", "pipeline"):
+    for mode in args.modes:
         pairs = []
         for _ in range(repeats):
             pair = {}

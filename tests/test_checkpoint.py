@@ -429,3 +429,27 @@ def test_history_in_the_file_is_json(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         checkpoint.read(tmp_path / "checkpoint-000000013.safetensors")
+
+
+def test_shard_files_read_back_with_safetensors_for_every_dtype_and_shape(tmp_path):
+    """The chunked writer of distributed shards produces files that safetensors itself loads, bit for bit."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    generator = torch.Generator().manual_seed(0)
+    tensors = {
+        "f64": torch.randn(3, 5, generator=generator, dtype=torch.float64),
+        "bf16": torch.randn(7, generator=generator).to(torch.bfloat16),
+        "f16": torch.randn(2, 3, 1, generator=generator).half(),
+        "i64": torch.arange(5), "i8": torch.tensor([-3, 4], dtype=torch.int8),
+        "bool": torch.tensor([True, False, True]), "scalar": torch.tensor(2.5), "empty": torch.zeros(0, 4),
+        "u8": torch.arange(3, dtype=torch.uint8), "i32": torch.tensor([7], dtype=torch.int32),
+    }
+    path = tmp_path / "shard.safetensors"
+    digest = checkpoint.write_flat(path, {"x": 1}, tensors)
+    loaded = safetensors_torch.load_file(path)
+    assert loaded.keys() == tensors.keys()
+    for key, tensor in tensors.items():
+        assert loaded[key].dtype == tensor.dtype and loaded[key].shape == tensor.shape and torch.equal(loaded[key], tensor)
+    skeleton, read, declared = checkpoint.read_parts(path)
+    assert skeleton == {"x": 1} and declared == digest == checkpoint.declared_digest(path)
+    with pytest.raises(TypeError, match="complex64 has no safetensors code"):
+        checkpoint.write_flat(tmp_path / "bad.safetensors", {}, {"c": torch.zeros(2, dtype=torch.complex64)})

@@ -171,13 +171,14 @@ def _fsync_folder(folder: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to a temporary file in ``path``'s folder, fsync it, ``os.replace`` it onto ``path``
-    and fsync the folder."""
+def atomic_write(path: Path, data: bytes | list[Any]) -> None:
+    """Write ``data`` (bytes, or a list of buffers written in order) to a temporary file in ``path``'s folder,
+    fsync it, ``os.replace`` it onto ``path`` and fsync the folder."""
     temporary = path.with_name(f".{path.name}{_TEMPORARY}{os.getpid()}")
     try:
         with open(temporary, "wb") as handle:
-            handle.write(data)
+            for chunk in [data] if isinstance(data, bytes) else data:
+                handle.write(chunk)
             handle.flush()
             os.fsync(handle.fileno())
         os.replace(temporary, path)
@@ -207,9 +208,33 @@ def write_flat(path: Path, skeleton: Any, tensors: Mapping[str, Tensor]) -> str:
     """:func:`write` of a state already split by :func:`flatten` (CPU tensors); returns the sha256."""
     document = json.dumps({"format": FORMAT, "version": VERSION, "state": skeleton})
     digest = _digest(document, tensors)
-    # serialized here, not by save_file: save_file writes a temporary of its own that remove_temporaries cannot know
-    atomic_write(path, _safetensors().save(dict(tensors), metadata={"torch_dad": document, "sha256": digest}))
+    atomic_write(path, _safetensors_chunks(tensors, {"torch_dad": document, "sha256": digest}))
     return digest
+
+
+_SAFETENSORS_DTYPES = {
+    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
+    torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
+}
+
+
+def _safetensors_chunks(tensors: Mapping[str, Tensor], metadata: dict[str, str]) -> list[Any]:
+    """The safetensors file of ``tensors`` (contiguous CPU tensors) as chunks to write: the header, then each
+    tensor's bytes without a copy. ``safetensors.torch.save`` builds the whole file in memory while holding
+    the GIL, which stalls a training thread while a background thread saves; writing chunks releases it."""
+    entries, chunks, offset = {}, [], 0
+    for key in sorted(tensors):
+        tensor = tensors[key]
+        if tensor.dtype not in _SAFETENSORS_DTYPES:
+            raise TypeError(f"checkpoint state {key}: dtype {tensor.dtype} has no safetensors code")
+        data = tensor.reshape(-1).view(torch.uint8).numpy().data
+        entries[key] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
+                        "data_offsets": [offset, offset + data.nbytes]}
+        chunks.append(data)
+        offset += data.nbytes
+    header = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
+    header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned
+    return [struct.pack("<Q", len(header)) + header, *chunks]
 
 
 def _metadata(data: bytes) -> dict[str, str]:
