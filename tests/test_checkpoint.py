@@ -453,3 +453,12 @@ def test_shard_files_read_back_with_safetensors_for_every_dtype_and_shape(tmp_pa
     assert skeleton == {"x": 1} and declared == digest == checkpoint.declared_digest(path)
     with pytest.raises(TypeError, match="complex64 has no safetensors code"):
         checkpoint.write_flat(tmp_path / "bad.safetensors", {}, {"c": torch.zeros(2, dtype=torch.complex64)})
+
+
+def test_fit_checkpoints_refuse_a_custom_gradient_reducer(tmp_path):
+    """One process's checkpoints would miss the other ranks' state: DataParallelTrainer shards instead."""
+    trainer = make_trainer()
+    trainer.set_reducers(lambda grads: None)
+    with pytest.raises(ValueError, match="use DataParallelTrainer"):
+        fit(trainer, checkpoint_dir=tmp_path / "run")
+    assert trainer.step_count == 0 and not (tmp_path / "run").exists()

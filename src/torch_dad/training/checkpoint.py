@@ -39,6 +39,7 @@ __all__ = [
     "declared_digest",
     "FitProgress",
     "flatten",
+    "load_or_roll_back",
     "mismatches",
     "fill",
     "read",
@@ -130,6 +131,16 @@ def unflatten(skeleton: Any, tensors: Mapping[str, Tensor]) -> Any:
     if isinstance(skeleton, list):
         return [unflatten(value, tensors) for value in skeleton]
     return skeleton
+
+
+def load_or_roll_back(current: Any, load: Callable[[Any], None], state: Any) -> None:
+    """``load(state)``; if that raises, ``load`` a copy of ``current`` taken before, then re-raise."""
+    skeleton, tensors = flatten(current)
+    try:
+        load(state)
+    except Exception:
+        load(unflatten(skeleton, tensors))
+        raise
 
 
 def mismatches(expected: Any, found: Any, limit: int = 8) -> list[str]:

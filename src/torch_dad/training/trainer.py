@@ -512,8 +512,7 @@ class DADTrainer:
             )}
             if eval is not None:
                 metrics = self.evaluate(eval, batch_size=batch_size)
-                record["accuracy"] = metrics["accuracy"]
-                record["eval_loss"] = metrics["loss"]
+                record.update(accuracy=metrics["accuracy"], eval_loss=metrics["loss"])
             if hasattr(bar, "close"):
                 bar.close()
             self.history.append(record)
@@ -527,8 +526,7 @@ class DADTrainer:
     def checkpoint_folder(self, folder: Path, every: int | None, keep_last: int) -> RunFolder:
         """Where ``fit(checkpoint_dir=...)`` saves: one file per checkpoint (data parallelism shards it)."""
         if self.gradient_reducer is not None:
-            raise ValueError("checkpoint_dir: fit() checkpoints one process; a custom gradient_reducer needs "
-                             "DataParallelTrainer, whose fit() writes one shard per rank")
+            raise ValueError("checkpoint_dir with a gradient_reducer: use DataParallelTrainer, whose fit() shards")
         return CheckpointFolder(folder, every, keep_last)
 
     def evaluate(self, data: Any, *, batch_size: int = 1024, use_local_head: bool = False) -> dict[str, float]:
@@ -621,9 +619,4 @@ class DADTrainer:
             if made and self.classifier is not None:
                 self.classifier.discard_sample()
             raise ValueError(f"checkpoint {path} does not match this trainer: " + "; ".join(problems))
-        skeleton, tensors = checkpoint.flatten(self.state_dict())
-        try:
-            self.load_state_dict(state)
-        except Exception:
-            self.load_state_dict(checkpoint.unflatten(skeleton, tensors))
-            raise
+        checkpoint.load_or_roll_back(self.state_dict(), self.load_state_dict, state)
