@@ -13,12 +13,12 @@ local-loss code (their batch norm and dropout are left out); ``--width-scale`` d
 * ``backprop`` / ``backprop+cosine``: the same net as ``nn.Conv2d`` etc., trained end to end.
 
 ``--grids 1 2 4`` runs ``dad`` once per local-head grid (the comparison behind the default 4).
-``--memory`` (CUDA) measures one training step, bf16 compute over fp32 weights: the full-width net at
+``--memory`` (CUDA) measures the training step, bf16 compute over fp32 weights: the full-width net at
 batch 256 and 1024, and a stack of 8 / 16 / 32 residual blocks (``DADBlock`` around two 3 x 3
-convolutions of 64 channels, batch 256). Time: median of 20 steps, DAD on its CUDA graph
-(``backend="auto"``) against backprop with forward, backward and fused AdamW in one CUDA graph. Memory
-above static: ``max_memory_allocated`` during one step minus ``memory_allocated`` before it, both
-systems op by op (``backend="fused"``; a graph replay does not call the allocator).
+convolutions of 64 channels, batch 256). Each system runs in a fresh process with its default settings:
+DAD's ``DADTrainer`` (its CUDA graph) against backprop with forward, backward and fused AdamW in one CUDA
+graph. Time: median of 20 steps. Memory is total: peak allocated plus what the graph pools hold beyond it
+(and the allocator's peak reservation beside it).
 
     python benchmarks/conv.py --smoke                                # seconds, CPU, synthetic data
     python benchmarks/conv.py --grids 1 2 4 --width-scale 16 --train-limit 20000 --threads 1
@@ -30,15 +30,17 @@ from __future__ import annotations
 
 import argparse
 import functools
-import gc
+import json
 import math
+import subprocess
+import sys
 import time
 from typing import Any
 
 import torch
 
 import torch_dad as td
-from _common import cuda_step_memory, median_time, run_config, write_run
+from _common import graph_pool_slack, median_time, run_config, write_run
 from _gpu_common import capture
 
 VGG8B: tuple[int | str, ...] = (128, 256, "M", 256, 512, "M", 512, "M", 512, "M")
@@ -228,58 +230,68 @@ STACK_DEPTHS, STACK_CHANNELS, STACK_BATCH = (8, 16, 32), 64, 256
 
 
 def memory_mode(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Step time (both systems CUDA-graphed, bf16 compute over fp32 weights) and memory above static (both
-    op by op: a graph replay does not call the allocator) of the full-width VGG-style net at batch 256
-    and 1024, and of the residual stack at depths 8, 16 and 32 (64 channels, 14 x 14, batch 256)."""
+    """Step time and total memory, each system in a fresh process with its default settings (bf16 compute
+    over fp32 weights): the full-width VGG-style net at batch 256 and 1024, and the residual stack at
+    depths 8, 16 and 32 (64 channels, 14 x 14, batch 256)."""
     cuda = torch.cuda.is_available() and not args.smoke
-    device = torch.device("cuda" if cuda else "cpu")
-    amp = torch.bfloat16 if cuda else None
-    scale, batches = (1, MEMORY_BATCHES) if cuda else (32, (8,))
-    depths, channels, stack_batch = (STACK_DEPTHS, STACK_CHANNELS, STACK_BATCH) if cuda else ((1, 2), 4, 8)
-    jobs: list[tuple[str, int, int, Any, Any]] = [
-        ("vgg8b", 0, b, lambda: DADVGG(1, 28, scale, 10, 4, 0.0), lambda: backprop_vgg(1, 28, scale, 10))
-        for b in batches
-    ]
-    jobs += [
-        ("residual", d, stack_batch, lambda d=d: DADResidualStack(d, channels, 28, 10),
-         lambda d=d: backprop_residual_stack(d, channels, 28, 10))
-        for d in depths
-    ]
+    batches = MEMORY_BATCHES if cuda else (8,)
+    depths = STACK_DEPTHS if cuda else (1, 2)
+    jobs = [("vgg8b", 0, b) for b in batches] + [("residual", d, STACK_BATCH if cuda else 8) for d in depths]
     records = []
-    for net, depth, batch, dad_model, backprop_model in jobs:
-        x = torch.randn(batch, 1, 28, 28, device=device)
-        y = torch.randint(0, 10, (batch,), device=device)
-        common = {"net": net, "depth": depth, "batch": batch, "amp": "bf16" if amp else None}
-        for system, measure in (("dad", _dad_step), ("backprop", _backprop_step)):
-            model = dad_model if system == "dad" else backprop_model
-            record = {"system": system, **common, **measure(model, x, y, amp)}
+    for net, depth, batch in jobs:
+        for system in ("dad", "backprop"):
+            job = json.dumps([net, depth, batch, system])
+            if cuda:  # a fresh process: no allocator cache or graph pool of another system counts
+                command = [sys.executable, __file__, "--memory-job", job]
+                out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+                record = json.loads(out.strip().splitlines()[-1])
+            else:
+                record = memory_job(json.loads(job), smoke=True)
             print(record, flush=True)
             records.append(record)
     return records
 
 
-def _dad_step(build: Any, x: torch.Tensor, y: torch.Tensor, amp: torch.dtype | None) -> dict[str, Any]:
-    """The DAD step's time (``backend="auto"``: the CUDA graph) and its memory above static
-    (``backend="fused"``); on CPU one fused step each, no numbers."""
-    out: dict[str, Any] = {}
-    for backend in ("auto", "triton"):
-        torch.manual_seed(0)
-        trainer = td.DADTrainer(build(), x.device, lr=1e-3, amp_dtype=amp, backend=backend, on_nonfinite="ignore")
-        step = functools.partial(trainer.step, x, y)
-        if backend == "auto":
-            out["backend"] = "cuda-graph" if trainer.uses_engine and x.is_cuda else "eager"
-            out.update(_time(step, x.device))
-        else:
-            out.update(_memory(step, x.device))
-        del trainer, step
-    return out
+def memory_job(job: list[Any], smoke: bool = False) -> dict[str, Any]:
+    """One system's step (DAD: ``DADTrainer`` defaults, its CUDA graph on a GPU; backprop: forward, backward
+    and fused AdamW in one CUDA graph) on one net: ``step_ms`` (median of 20 after warm-up) and memory.
 
-
-def _backprop_step(build: Any, x: torch.Tensor, y: torch.Tensor, amp: torch.dtype | None) -> dict[str, Any]:
-    """Tuned backprop: forward, backward and fused AdamW in one CUDA graph (timed); the same step
-    op by op for memory above static."""
+    ``total_mib``: peak allocated plus what CUDA-graph pools hold beyond it (:func:`graph_pool_slack`), the
+    memory the step needs; ``reserved_mib``: the allocator's peak reservation; ``static_mib``: allocated
+    between steps (weights, optimizer state, kept buffers)."""
+    net, depth, batch, system = job
+    device = torch.device("cpu" if smoke else "cuda")
+    scale, channels = (32, 4) if smoke else (1, STACK_CHANNELS)
     torch.manual_seed(0)
-    model = build().to(x.device)
+    x = torch.randn(batch, 1, 28, 28, device=device)
+    y = torch.randint(0, 10, (batch,), device=device)
+    amp = None if smoke else torch.bfloat16
+    if system == "dad":
+        model = DADVGG(1, 28, scale, 10, 4, 0.0) if net == "vgg8b" else DADResidualStack(depth, channels, 28, 10)
+        trainer = td.DADTrainer(model, device, lr=1e-3, amp_dtype=amp)
+        step: Any = functools.partial(trainer.step, x, y)
+    else:
+        model = backprop_vgg(1, 28, scale, 10) if net == "vgg8b" else backprop_residual_stack(depth, channels, 28, 10)
+        step = _backprop_step(model.to(device), x, y, amp)
+    record: dict[str, Any] = {"system": system, "net": net, "depth": depth, "batch": batch,
+                              "amp": "bf16" if amp else None}
+    if smoke:
+        step()
+        return record
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    static = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    record["step_ms"] = median_time(step, warmup=2, repeats=20, sync=torch.cuda.synchronize) * 1e3
+    peak = torch.cuda.max_memory_allocated()
+    record.update(total_mib=(peak + graph_pool_slack()) / 2**20, reserved_mib=torch.cuda.max_memory_reserved() / 2**20,
+                  static_mib=static / 2**20, above_static_mib=(peak - static) / 2**20)
+    return record
+
+
+def _backprop_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, amp: torch.dtype | None) -> Any:
+    """Tuned backprop: forward, backward and fused AdamW, captured in one CUDA graph on a GPU."""
     cuda = x.is_cuda
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=cuda, capturable=cuda)
 
@@ -291,29 +303,7 @@ def _backprop_step(build: Any, x: torch.Tensor, y: torch.Tensor, amp: torch.dtyp
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
 
-    out = _memory(step, x.device)
-    out.update(_time(capture(step) if cuda else step, x.device))
-    out["backend"] = "cuda-graph" if cuda else "eager"
-    return out
-
-
-def _time(step: Any, device: torch.device) -> dict[str, Any]:
-    if device.type != "cuda":
-        step()
-        return {}
-    seconds = median_time(step, warmup=5, repeats=20, sync=torch.cuda.synchronize)
-    return {"step_ms": seconds * 1e3}
-
-
-def _memory(step: Any, device: torch.device) -> dict[str, Any]:
-    for _ in range(2):  # materialise the optimizer state
-        step()
-    if device.type != "cuda":
-        return {}
-    gc.collect()
-    torch.cuda.empty_cache()
-    static, peak = cuda_step_memory(step)
-    return {"static_mib": static / 2**20, "peak_mib": peak / 2**20, "above_static_mib": (peak - static) / 2**20}
+    return capture(step) if cuda else step
 
 
 def main() -> None:
@@ -329,9 +319,13 @@ def main() -> None:
     parser.add_argument("--train-limit", type=int, default=0, help="train on the first N images (0: all)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
-    parser.add_argument("--memory", action="store_true", help="CUDA: step time and peak memory at batch 256/1024")
+    parser.add_argument("--memory", action="store_true", help="CUDA: step time and total memory, fresh processes")
+    parser.add_argument("--memory-job", default=None, help=argparse.SUPPRESS)  # internal: one system, JSON out
     parser.add_argument("--smoke", action="store_true", help="seconds on synthetic data, for CI")
     args = parser.parse_args()
+    if args.memory_job:
+        print(json.dumps(memory_job(json.loads(args.memory_job))))
+        return
     config = run_config(args, parser)
     if args.threads:
         torch.set_num_threads(args.threads)
