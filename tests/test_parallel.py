@@ -23,6 +23,7 @@ from torch_dad.training import DataParallelTrainer, Pipeline
 from torch_dad.training.pipeline import partition_layers
 
 from .conftest import relative_error
+from .test_sequence_heads import SEQ, VOCAB
 
 WORLD = 2
 D_IN, CLASSES = 21, 5
@@ -214,6 +215,62 @@ def _conv_models(rank, out):
     out["pipe_state"] = full_state(trainer)
 
 
+class _PrefixMix(torch.nn.Module):
+    """``x + tanh(W mean(x[:, :t+1]))`` at every position t: causal, and every weight gets a gradient (an
+    attention layer's key bias gets none but rounding, which AdamW scales up to a full step)."""
+
+    def __init__(self, width):
+        super().__init__()
+        self.linear = torch.nn.Linear(width, width)
+
+    def forward(self, x):
+        prefix = x.cumsum(1) / torch.arange(1, x.shape[1] + 1, device=x.device, dtype=x.dtype)[:, None]
+        return x + torch.tanh(self.linear(prefix))
+
+
+class TokenNet(td.DADModel):
+    """Three token-level DADBlocks (bucket, low-rank and fused vocabulary heads; the last is the LM head)."""
+
+    def __init__(self, width=8):
+        super().__init__()
+        torch.manual_seed(6)  # the same model on every rank and in the reference
+        first = torch.nn.Sequential(torch.nn.Embedding(VOCAB, width), _PrefixMix(width))
+        self.blocks = torch.nn.ModuleList(
+            td.DADBlock(module, head, num_classes=VOCAB, head_features=width)
+            for module, head in zip((first, _PrefixMix(width), _PrefixMix(width)), ("bucket", "lowrank", "fused"))
+        )
+
+
+def token_data(rows=24, seed=7):
+    """Token ids (rows, SEQ) and next-token labels, about a third ignored (-100) at random: the rows, and
+    so the ranks' shards, hold different numbers of labelled tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randint(0, VOCAB, (rows, SEQ), generator=generator)
+    y = (x + 1) % VOCAB
+    y[torch.rand(rows, SEQ, generator=generator) < 0.35] = -100
+    return x, y
+
+
+def _token_models(rank, out):
+    x, y = token_data()
+    xt, yt = token_data(11, seed=8)
+    trainer = DataParallelTrainer(TokenNet(), DEVICE, lr=1e-2)
+    out["dp_records"] = trainer.fit((x, y), batch_size=8, progress=False, eval=(xt, yt))
+    out["dp_state"] = full_state(trainer)
+    out["dp_evaluate"] = trainer.evaluate((xt, yt), batch_size=4)
+    trainer = td.DADTrainer(TokenNet(), DEVICE, lr=1e-2)
+    pipe = Pipeline(trainer, balance=[1, 2])
+    first = rank == 0
+    out["pipe_records"] = pipe.fit((x, y) if first else None, batch_size=8, progress=False,
+                                   eval=(xt, yt) if first else None)
+    out["pipe_evaluate"] = pipe.evaluate((xt, yt) if first else None, batch_size=4)
+    out["pipe_solve"] = _catch(lambda: pipe.solve_head(data=(x, y) if first else None))
+    unlabelled = (xt, torch.full_like(yt, -100))
+    out["pipe_unlabelled"] = _catch(lambda: pipe.evaluate(unlabelled if first else None))
+    pipe.synchronize()
+    out["pipe_state"] = full_state(trainer)
+
+
 def _errors(rank, out):
     torch.manual_seed(0)
     out["too_many_stages"] = _catch(lambda: Pipeline(td.DADTrainer(Net(widths=(D_IN, 7)), DEVICE)))
@@ -286,6 +343,7 @@ def _worker(rank, world, port, outdir, backend):
             ("pipe_sampled", lambda o: _pipeline_sampled(rank, o)),
             ("errors", lambda o: _errors(rank, o)),
             ("conv", lambda o: _conv_models(rank, o)),
+            ("tokens", lambda o: _token_models(rank, o)),
             ("ddp_autograd", lambda o: _ddp_autograd(rank, o)),
         ]:
             out[name] = {}
@@ -423,6 +481,39 @@ def test_conv_and_block_models_data_parallel_and_pipeline(ranks):
                 assert all(torch.equal(got[k], want[k]) for k in want), key
             else:
                 assert_close_states(got, want, max(tol, TOL), skip=skip)
+
+
+@pytest.mark.slow
+def test_token_models_data_parallel_and_pipeline(ranks):
+    """Token labels (batch, T): data parallelism (global batch 8 over 2 ranks, shards with different numbers
+    of labelled tokens) equals one process to TOL, a pipeline equals sequential training bit for bit on CPU;
+    evaluate counts labelled tokens as one process does, and solve_head refuses on every rank."""
+    x, y = token_data()
+    xt, yt = token_data(11, seed=8)
+    trainer = td.DADTrainer(TokenNet(), ranks.device, lr=1e-2)
+    records = trainer.fit((x, y), batch_size=8, progress=False, eval=(xt, yt))
+    want, metrics = full_state(trainer), trainer.evaluate((xt, yt), batch_size=4)
+    assert metrics["samples"] == int((yt != -100).sum())
+    # fit's first (only) epoch: the shards' labelled tokens differ, so a share of rows would not be exact
+    order = torch.randperm(24, generator=torch.Generator().manual_seed(0))
+    halves = [(y[order[i : i + 4]] != -100).sum() - (y[order[i + 4 : i + 8]] != -100).sum() for i in (0, 8, 16)]
+    assert any(int(d) != 0 for d in halves)
+    exact = ranks.device == "cpu"
+    for rank in ranks:
+        out = rank["tokens"]
+        assert_close_states(out["dp_state"], want, TOL)
+        assert_close_states(out["pipe_state"], want, 0.0 if exact else TOL)
+        for key in ("dp_evaluate", "pipe_evaluate"):
+            assert out[key]["samples"] == metrics["samples"] and out[key]["accuracy"] == metrics["accuracy"]
+            assert abs(out[key]["loss"] - metrics["loss"]) <= (0.0 if exact and key == "pipe_evaluate" else 1e-5)
+        for got in (out["dp_records"][0], out["pipe_records"][0]):
+            assert got["accuracy"] == records[0]["accuracy"]
+            assert abs(got["eval_loss"] - records[0]["eval_loss"]) <= 1e-5 * records[0]["eval_loss"]
+        # the pipeline's loss: the mean of the last stage's per-token step losses, as one process
+        assert abs(out["pipe_records"][0]["loss"] - records[0]["loss"]) <= (0.0 if exact else 1e-6)
+        assert out["pipe_solve"].startswith("ValueError: solve_head() needs model.classifier")
+        assert "token labels (batch, T): no solve" in out["pipe_solve"]
+        assert out["pipe_unlabelled"] == "ValueError: evaluate() got no batches (or no labelled position)"
 
 
 @pytest.mark.slow

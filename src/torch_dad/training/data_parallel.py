@@ -1,9 +1,10 @@
 """Exact data parallelism for DAD on ``torch.distributed``: :class:`DataParallelTrainer`.
 
 Every rank holds the whole model and a shard of each batch. Each layer's local gradients are
-flattened into one buffer, scaled by ``local_rows / global_rows`` and all-reduced (sum) before
-that layer's in-place update, so a global batch of ``W * B`` rows gives the single-process
-update for those ``W * B`` rows. The all-reduce of layer ``k`` runs while layer ``k+1``
+flattened into one buffer, scaled by ``local_rows / global_rows`` (with token labels
+``(batch, T)``: ``local / global`` labelled tokens) and all-reduced (sum) before that layer's
+in-place update, so a global batch of ``W * B`` rows gives the single-process update for
+those ``W * B`` rows. The all-reduce of layer ``k`` runs while layer ``k+1``
 computes: layer ``k+1`` needs layer ``k``'s output under the *pre-update* weights, so the
 update can wait. Gram statistics are summed before ``solve_head``.
 
@@ -22,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ..functional import IGNORE_INDEX
 from ..nn.linear import DADModel
 from ..ridge import GramAccumulator, RidgeSolution
 from .distributed import (
@@ -41,6 +43,17 @@ __all__ = ["DataParallelTrainer"]
 def _is_distributed_loader(data: Any) -> bool:
     sampler = getattr(data, "sampler", None)
     return isinstance(sampler, torch.utils.data.distributed.DistributedSampler)
+
+
+def _shard_share(labels: Tensor, lo: int, hi: int) -> float:
+    """The weight of rows ``[lo, hi)``'s mean loss in the mean over all ``labels``: their share of the
+    rows, or, for token labels ``(batch, T)`` (a mean over labelled tokens), of the labelled tokens."""
+    if labels.dim() < 2:
+        return (hi - lo) / labels.shape[0]
+    labelled = labels != IGNORE_INDEX
+    mine, total = torch.stack([labelled[lo:hi].sum(), labelled.sum()]).tolist()
+    # no labelled token anywhere: every shard's gradients are zero, any share will do
+    return mine / total if total else (hi - lo) / labels.shape[0]
 
 
 class DataParallelTrainer(DADTrainer):
@@ -95,7 +108,9 @@ class DataParallelTrainer(DADTrainer):
         """One data-parallel step on this rank's shard; the update is the mean over the global batch.
 
         ``global_batch`` is the total rows over all ranks (default ``W * local rows``, i.e.
-        equal shards). Returns this shard's ``(logits, loss)``.
+        equal shards). With token labels ``(batch, T)`` the shard's weight is then its share of
+        the rows, exact when every row has as many labelled tokens (``fit`` weighs the tokens
+        themselves). Returns this shard's ``(logits, loss)``.
         """
         rows = inputs.shape[0] if isinstance(inputs, Tensor) and inputs.dim() > 0 else 0
         scale = self._shard_scale
@@ -120,7 +135,7 @@ class DataParallelTrainer(DADTrainer):
                 lo, hi = self.rank * rows // self.world_size, (self.rank + 1) * rows // self.world_size
                 if hi == lo:
                     continue
-                self._shard_scale = (hi - lo) / rows
+                self._shard_scale = _shard_share(labels, lo, hi)
                 yield inputs[lo:hi], labels[lo:hi]
             return
         if hasattr(data, "sampler") and isinstance(data, torch.utils.data.DataLoader):
@@ -178,7 +193,8 @@ class DataParallelTrainer(DADTrainer):
 
     @torch.no_grad()
     def evaluate(self, data: Any, *, batch_size: int = 1024, use_local_head: bool = False) -> dict[str, float]:
-        """Accuracy and mean cross-entropy over ``data``, each rank scoring its shards, summed over ranks."""
+        """Accuracy and mean cross-entropy over ``data``, each rank scoring its shards, summed over ranks
+        (``samples``: rows, or labelled tokens for token labels ``(batch, T)``, as on one process)."""
         fitting, self._fitting = self._fitting, False  # score every row, even a tail shorter than W
         try:
             local = super().evaluate(data, batch_size=batch_size, use_local_head=use_local_head)

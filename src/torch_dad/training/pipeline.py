@@ -25,7 +25,7 @@ from torch import Tensor
 
 from ..nn.linear import DADLinear, DADModel
 from ..ridge import GramAccumulator, RidgeSolution
-from .batches import reiterable
+from .batches import classification_metrics, reiterable
 from .checkpoint import FitProgress
 from .data_parallel import DataParallelTrainer
 from .distributed import broadcast, check_same_on_all_ranks, group_info
@@ -93,7 +93,24 @@ def partition_layers(costs: Sequence[float], num_stages: int) -> list[tuple[int,
 _DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float64]
 #: the most dimensions of an activation sent between stages (a (B, C, H, W) conv output has 4)
 _MAX_DIMS = 6
+#: the most dimensions of the labels sent along: (B,) class ids or (B, T) token ids
+_MAX_LABEL_DIMS = 2
 _END, _TRAIN, _FORWARD = 0.0, 1.0, 2.0
+
+
+def _shape_fields(shape: Sequence[int], limit: int, what: str) -> list[float]:
+    """``[ndim, *shape]`` padded with zeros to ``1 + limit`` numbers: one shape in a stage's header."""
+    if len(shape) > limit:
+        raise ValueError(f"{what} of shape {tuple(shape)} has more than {limit} dimensions")
+    return [float(len(shape)), *map(float, shape)] + [0.0] * (limit - len(shape))
+
+
+def _read_shape(fields: Sequence[float]) -> list[int]:
+    """The shape that :func:`_shape_fields` packed."""
+    return [int(d) for d in fields[1 : 1 + int(fields[0])]]
+
+
+_HEADER = 4 + 1 + _MAX_DIMS + 1 + _MAX_LABEL_DIMS  # kind, dtype, lr, amp; activation shape; label shape
 
 
 class Pipeline:
@@ -103,9 +120,9 @@ class Pipeline:
     on :func:`layer_costs`). Every rank builds the same model and ``DADTrainer``; rank 0's
     initial weights are copied to all. Stage 0 reads the data; activations and labels
     stream to the next stage with ``isend``/``irecv`` (at most ``max_in_flight`` batches
-    buffered per link); the classifier head, its Gram statistics and ``solve_head`` live
-    on the last stage. With NCCL, small headers travel over a gloo group so no rank waits
-    on a GPU to learn a batch's shape.
+    buffered per link), labels as class ids ``(B,)`` or token ids ``(B, T)``; the classifier
+    head, its Gram statistics and ``solve_head`` live on the last stage. With NCCL, small
+    headers travel over a gloo group so no rank waits on a GPU to learn a batch's shapes.
     """
 
     def __init__(self, trainer: DADTrainer, *, process_group: Any = None, balance: Sequence[int] | None = None,
@@ -166,13 +183,11 @@ class Pipeline:
     # -------------------------------------------------------------- point-to-point
     def _send(self, kind: float, h: Tensor | None, y: Tensor | None, lr: float, compute: torch.dtype | None) -> None:
         dst = self._global(self.stage + 1)
-        shape = list(h.shape) if h is not None else []
-        if len(shape) > _MAX_DIMS:
-            raise ValueError(f"a stage output of shape {tuple(shape)} has more than {_MAX_DIMS} dimensions")
         code = _DTYPES.index(h.dtype) if h is not None else 0
         amp = _DTYPES.index(compute) if compute is not None else -1
-        dims = [float(len(shape))] + shape + [0.0] * (_MAX_DIMS - len(shape))
-        header = torch.tensor([kind, code, lr, amp, *dims], dtype=torch.float64)
+        shapes = _shape_fields(list(h.shape) if h is not None else [], _MAX_DIMS, "a stage output")
+        shapes += _shape_fields(list(y.shape) if y is not None else [], _MAX_LABEL_DIMS, "labels")
+        header = torch.tensor([kind, code, lr, amp, *shapes], dtype=torch.float64)
         works = [dist.isend(header, dst, group=self._control)]
         keep: list[Any] = [header]
         if h is not None and y is not None:
@@ -192,51 +207,53 @@ class Pipeline:
         while self._sends:
             self._wait_oldest_send()
 
-    def _receive(self) -> tuple[float, Tensor | None, Tensor | None, float, torch.dtype | None]:
+    def _receive(self) -> tuple[float, Batch] | None:
+        """The previous stage's next ``(kind, batch)``, or ``None`` at the end of its stream."""
         src = self._global(self.stage - 1)
-        header = torch.empty(5 + _MAX_DIMS, dtype=torch.float64)
+        header = torch.empty(_HEADER, dtype=torch.float64)
         dist.recv(header, src, group=self._control)
-        kind, code, lr, amp, ndim, *dims = header.tolist()
-        compute = _DTYPES[int(amp)] if amp >= 0 else None
+        kind, code, lr, amp, *shapes = header.tolist()
         if kind == _END:
-            return kind, None, None, lr, compute
+            return None
         device = self.trainer.device
-        shape = [int(d) for d in dims[: int(ndim)]]
-        h = torch.empty(shape, dtype=_DTYPES[int(code)], device=device)
-        y = torch.empty(shape[0], dtype=torch.long, device=device)
+        h = torch.empty(_read_shape(shapes[: 1 + _MAX_DIMS]), dtype=_DTYPES[int(code)], device=device)
+        y = torch.empty(_read_shape(shapes[1 + _MAX_DIMS :]), dtype=torch.long, device=device)
         for work in (dist.irecv(h, src, group=self.process_group), dist.irecv(y, src, group=self.process_group)):
             if work is not None:  # None only on ranks outside the group, which never get here
                 work.wait()
-        return kind, h, y, lr, compute
+        return kind, Batch(h, y, lr, _DTYPES[int(amp)] if amp >= 0 else None)
 
     # -------------------------------------------------------------- streaming
-    def _stream(self, batches: Iterable[tuple[Tensor, Tensor]] | None, kind: float, lr: float | None,
-                on_output: Callable[[int, Tensor, Tensor, Any], None] | None) -> int:
-        """Push ``batches`` through every stage; returns the number of batches this stage handled."""
-        trainer = self.trainer
-        count = 0
+    def _outputs(self, batches: Iterable[tuple[Tensor, Tensor]] | None, kind: float,
+                 lr: float | None) -> Iterator[tuple[Tensor, Tensor, Any]]:
+        """Push ``batches`` through every stage, yielding this stage's ``(output, labels, result)`` per batch
+        (``result``: the last stage's ``(logits, loss)`` of a training step, else ``None``). Exhaust it:
+        its end ends the next stage's stream."""
         if self.is_first:
             if batches is None:
                 raise ValueError("stage 0 reads the data: pass the batches on rank 0")
             for inputs, labels in batches:
-                self._process(kind, trainer.prepare_batch(inputs, labels, lr), count, on_output)
-                count += 1
+                yield self._process(kind, self.trainer.prepare_batch(inputs, labels, lr))
         else:
-            while True:
-                kind_in, h, y_in, lr_in, compute = self._receive()
-                if kind_in == _END:
-                    break
-                assert h is not None and y_in is not None
-                self._process(kind_in, Batch(h, y_in, lr_in, compute), count, on_output)
-                count += 1
+            while (received := self._receive()) is not None:
+                yield self._process(*received)
         if not self.is_last:
             self._send(_END, None, None, 0.0, None)
         self._flush()
+
+    def _stream(self, batches: Iterable[tuple[Tensor, Tensor]] | None, kind: float, lr: float | None,
+                on_output: Callable[[int, Tensor, Tensor, Any], None] | None) -> int:
+        """:meth:`_outputs`, calling ``on_output(index, output, labels, result)`` for each; returns the
+        number of batches this stage handled."""
+        count = 0
+        for h, y, result in self._outputs(batches, kind, lr):
+            if on_output is not None:
+                on_output(count, h, y, result)
+            count += 1
         return count
 
     @torch.no_grad()
-    def _process(self, kind: float, batch: Batch, index: int,
-                 on_output: Callable[[int, Tensor, Tensor, Any], None] | None) -> None:
+    def _process(self, kind: float, batch: Batch) -> tuple[Tensor, Tensor, Any]:
         """Train this stage's layers on ``batch`` (or, for forward passes, run them), send the
         output on; only training rows reach the stage's layers' updates and the input sample."""
         result: Any = None
@@ -252,8 +269,7 @@ class Pipeline:
                 h = layer(h)
         if not self.is_last:
             self._send(kind, h, batch.y, batch.lr, batch.compute_dtype)
-        if on_output is not None:
-            on_output(index, h, batch.y, result)
+        return h, batch.y, result
 
     def run(self, batches: Iterable[tuple[Tensor, Tensor]] | None, lr: float | None = None,
             callback: Callable[[int, Tensor, Tensor, Any], None] | None = None) -> int:
@@ -371,37 +387,44 @@ class Pipeline:
         dist.broadcast_object_list(box, src=self._global(self.num_stages - 1), group=self._control)
         return box[0]
 
+    def _forward(self, data: Any, batch_size: int) -> Iterator[tuple[Tensor, Tensor]]:
+        """This stage's ``(output, labels)`` for each batch of rank 0's ``data``, streamed through the
+        stages in eval mode (no update; the rows never enter the input sample). Exhaust it on every rank."""
+        model = self.trainer.model
+        was_training = model.training
+        model.eval()
+        try:
+            for h, y, _ in self._outputs(self._stage0_batches(data, batch_size, False, None), _FORWARD, None):
+                yield h, y
+        finally:
+            model.train(was_training)
+
     @torch.no_grad()
     def evaluate(self, data: Any, *, batch_size: int = 1024) -> dict[str, float] | None:
         """Pipelined ``DADTrainer.evaluate`` (rank 0 passes the data, ``None`` elsewhere; every rank calls).
 
+        The last stage scores ``model.classifier`` (or the last layer's local head) with the metrics of
+        one process: per labelled token for token labels ``(batch, T)``, ``samples`` counting the tokens.
         Returns the metrics on every rank, or ``None`` on all ranks when rank 0 passed ``None``.
         """
-        has_data = self._from_first(data is not None)
-        if not has_data:
+        if not self._from_first(data is not None):
             return None
-        trainer = self.trainer
-        sums = torch.zeros(3, dtype=torch.float64, device=trainer.device)
-
-        def score(_: int, h: Tensor, y: Tensor, result: Any) -> None:
-            if not self.is_last:
-                return
-            classifier = trainer.model.get_classifier()
-            logits = classifier(h.flatten(1)) if classifier is not None else self.layers[-1].local_head(h)
-            sums[0] += (logits.argmax(1) == y).sum()
-            sums[1] += torch.nn.functional.cross_entropy(logits.float(), y, reduction="sum").double()
-            sums[2] += y.shape[0]
-
-        was_training = trainer.model.training
-        trainer.model.eval()
-        try:
-            self._stream(self._stage0_batches(data, batch_size, False, None), _FORWARD, None, score)
-        finally:
-            trainer.model.train(was_training)
-        values = self._from_last(sums.tolist())
-        if values[2] == 0:
-            raise ValueError("evaluate() got no batches")
-        return {"accuracy": values[0] / values[2], "loss": values[1] / values[2], "samples": values[2]}
+        outputs = self._forward(data, batch_size)
+        metrics: dict[str, float] | str | None = None
+        if self.is_last:
+            head, last = self.trainer.model.get_classifier(), self.layers[-1]
+            pairs = ((head(h.flatten(1)) if head is not None else last.local_head(h), y) for h, y in outputs)
+            try:
+                metrics = classification_metrics(pairs, self.trainer.device)
+            except ValueError as err:  # no batch or no labelled token: the same error on every rank
+                metrics = str(err)
+        else:
+            for _ in outputs:
+                pass
+        metrics = self._from_last(metrics)
+        if isinstance(metrics, str):
+            raise ValueError(metrics)
+        return metrics
 
     def _from_first(self, obj: Any) -> Any:
         box = [obj]
@@ -416,10 +439,11 @@ class Pipeline:
         With ``data`` (rank 0's ``(X, Y)`` or loader) the features are streamed through the
         stages with the current weights. Without it, stage 0's input sample is streamed the
         same way (then reset), or, with ``classifier_sample_size=0``, the last stage solves from
-        the Gram statistics it accumulated while training.
+        the Gram statistics it accumulated while training. A model without ``classifier`` (token
+        labels ``(batch, T)``) raises ``ValueError`` on every rank before anything is streamed.
         """
         trainer = self.trainer
-        classifier = trainer.require_classifier()
+        classifier = trainer.require_classifier()  # the same model on every rank: all raise or none
         from_sample = data is None and self._sampled
         if from_sample:
             sample = trainer.classifier_sample
@@ -432,13 +456,9 @@ class Pipeline:
         solution = None
         if streamed:
             stats = GramAccumulator(classifier.in_features, classifier.out_features, device=trainer.device)
-            was_training = trainer.model.training
-            trainer.model.eval()
-            try:
-                self._stream(self._stage0_batches(data, batch_size, False, None), _FORWARD, None,
-                             lambda _, h, y, __: stats.update(h.flatten(1), y) if self.is_last else None)
-            finally:
-                trainer.model.train(was_training)
+            for h, y in self._forward(data, batch_size):
+                if self.is_last:
+                    stats.update(h.flatten(1), y)
             if self.is_last:
                 solution = trainer.solve_head(lambda_reg, statistics=stats)
             if self._from_first(self.is_first and reiterable(data)):
@@ -453,18 +473,10 @@ class Pipeline:
         """Stream ``data`` once more and calibrate the solved classifier on the last stage's outputs,
         as :meth:`DADTrainer.solve_head` does on one process."""
         trainer, logits, labels = self.trainer, [], []
-
-        def keep(_: int, h: Tensor, y: Tensor, __: Any) -> None:
+        for h, y in self._forward(data, batch_size):
             if self.is_last and trainer.classifier is not None:
                 logits.append(trainer.classifier.linear(h.flatten(1)).float())
                 labels.append(y)
-
-        was_training = trainer.model.training
-        trainer.model.eval()
-        try:
-            self._stream(self._stage0_batches(data, batch_size, False, None), _FORWARD, None, keep)
-        finally:
-            trainer.model.train(was_training)
         if self.is_last and trainer.classifier is not None and logits:
             trainer.classifier.calibrate_logits(torch.cat(logits), torch.cat(labels))
 
