@@ -71,6 +71,28 @@ def median_time(fn: Callable[[], Any], *, warmup: int, repeats: int, sync: Calla
     return statistics.median(samples)
 
 
+class Timer:
+    """Wall seconds between marks: CUDA events on GPU (no host sync mid-stream), perf_counter on CPU."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+        self.marks: list[Any] = []
+
+    def mark(self) -> None:
+        if self.cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            self.marks.append(event)
+        else:
+            self.marks.append(time.perf_counter())
+
+    def seconds(self) -> list[float]:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
+        return [b - a for a, b in zip(self.marks, self.marks[1:])]
+
+
 class DADMLP(td.DADModel):
     """The quickstart model: DAD hidden layers + an ``nn.Linear`` classifier."""
 

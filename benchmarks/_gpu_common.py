@@ -178,23 +178,27 @@ class GraphedBackprop:
     (``weight_decay=0`` is Adam), under bf16 autocast with ``amp``. On CUDA the optimizer is fused and capturable
     with its lr a device tensor, and the step of a ``batch``-row batch is one CUDA graph; the capture's warm-up
     steps are undone (weights, buffers such as batch-norm statistics, optimizer state). Dropout then draws from
-    torch's graph-safe generator. Other batch sizes, and every step on CPU, run op by op."""
+    torch's graph-safe generator. Other batch sizes, every step on CPU, and every step with ``graph=False`` (the
+    eager baseline: fused AdamW, not capturable) run op by op. Inputs are ``(batch, *shape)`` of ``input_dtype``
+    (``torch.int64`` for token ids)."""
 
     def __init__(
         self, model: torch.nn.Module, shape: Sequence[int], batch: int, device: torch.device, *, lr: float,
         weight_decay: float = 0.0, smoothing: float = 0.0, amp: torch.dtype | None = None,
+        input_dtype: torch.dtype = torch.float32, graph: bool = True,
     ) -> None:
         self.model, self.amp, self.smoothing = model.to(device), amp, smoothing
         cuda = device.type == "cuda"
+        graphed = cuda and graph
         # a tensor lr so that the captured step reads the schedule's value at every replay
-        rate: float | torch.Tensor = torch.tensor(lr, device=device) if cuda else lr
+        rate: float | torch.Tensor = torch.tensor(lr, device=device) if graphed else lr
         self.opt = torch.optim.AdamW(
-            self.model.parameters(), lr=rate, weight_decay=weight_decay, fused=cuda, capturable=cuda
+            self.model.parameters(), lr=rate, weight_decay=weight_decay, fused=cuda, capturable=graphed
         )
         self.lr = lr
-        self.x = torch.zeros(batch, *shape, device=device)
+        self.x = torch.zeros(batch, *shape, dtype=input_dtype, device=device)
         self.y = torch.zeros(batch, dtype=torch.long, device=device)
-        self.replay = self._capture() if cuda else None
+        self.replay = self._capture() if graphed else None
 
     def _body(self, x: torch.Tensor, y: torch.Tensor) -> None:
         self.opt.zero_grad(set_to_none=False)

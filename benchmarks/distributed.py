@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 
 import torch_dad as td
-from _common import DADMLP, environment, record_path, run_config, write_run
+from _common import DADMLP, Timer, environment, record_path, run_config, write_run
 from conv import DADVGG
 from torch_dad.training import Batch, DataParallelTrainer, Pipeline
 from torch_dad.training.pipeline import partition_layers
@@ -59,28 +59,6 @@ def gpu_link() -> str:
         if cells and cells[0] == "GPU0" and len(cells) > 2:
             return cells[2]
     return "unknown"
-
-
-class Timer:
-    """Wall seconds between marks: CUDA events on GPU (no host sync mid-stream), perf_counter on CPU."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.cuda = device.type == "cuda"
-        self.marks: list[Any] = []
-
-    def mark(self) -> None:
-        if self.cuda:
-            event = torch.cuda.Event(enable_timing=True)
-            event.record()
-            self.marks.append(event)
-        else:
-            self.marks.append(time.perf_counter())
-
-    def seconds(self) -> list[float]:
-        if self.cuda:
-            torch.cuda.synchronize()
-            return [a.elapsed_time(b) / 1e3 for a, b in zip(self.marks, self.marks[1:])]
-        return [b - a for a, b in zip(self.marks, self.marks[1:])]
 
 
 def data_pool(batch: int, shape: tuple[int, ...], device: torch.device,
