@@ -5,14 +5,15 @@
 with ``"<pid> <step count>"`` after every step and, once ``fit`` returns, writes its final state to
 ``OUT/final-<rank>.safetensors``.
 
-``HOOK_RANK``/``HOOK_FILE``: the first time that rank replaces a file named ``HOOK_FILE`` (a shard or the
-manifest of one step) it writes its pid to ``OUT/inwrite-<rank>`` and stops between the temporary file and the
+``CHECKPOINT_EVERY`` overrides the steps between checkpoints. ``HOOK_RANK``/``HOOK_FILE``: the first time that
+rank replaces a file matching ``HOOK_FILE`` (a glob for a shard or the manifest of one step) it writes its pid to ``OUT/inwrite-<rank>`` and stops between the temporary file and the
 rename, so the test can kill it inside the write; ``OUT/hooked`` records that the hook has fired, so a
 restarted rank writes through.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import os
 import sys
 import time
@@ -46,7 +47,7 @@ def _hook(out: Path, rank: int) -> None:
     real_replace = os.replace
 
     def replace(src, dst, *args, **kwargs):  # type: ignore[no-untyped-def]
-        if str(dst).endswith(name) and not (out / "hooked").exists():
+        if fnmatch.fnmatch(str(dst), f"*/{name}") and not (out / "hooked").exists():
             (out / "hooked").touch()
             (out / f"inwrite-{rank}").write_text(str(os.getpid()))
             time.sleep(120)
@@ -77,7 +78,8 @@ def main() -> None:
         return call
 
     trainer.step = reporting(trainer.step, 0)  # type: ignore[method-assign]
-    options = dict(checkpoint_dir=folder, checkpoint_every=EVERY, resume=True) if folder != "-" else {}
+    every = int(os.environ.get("CHECKPOINT_EVERY", EVERY))
+    options = dict(checkpoint_dir=folder, checkpoint_every=every, resume=True) if folder != "-" else {}
     if mode == "data-parallel":
         records = trainer.fit((x, y), epochs=EPOCHS, eval=test, batch_size=BATCH, progress=True, **options)
     else:

@@ -70,8 +70,8 @@ def _kill_workers(out: Path) -> None:
             pass
 
 
-def _run(mode: str, world: int, folder: Path | str, out: Path) -> tuple[int, str]:
-    proc = _torchrun(mode, world, folder, out)
+def _run(mode: str, world: int, folder: Path | str, out: Path, env: dict[str, str] | None = None) -> tuple[int, str]:
+    proc = _torchrun(mode, world, folder, out, env=env)
     log = _wait(proc, out)
     return proc.returncode, log
 
@@ -153,10 +153,10 @@ def _kill_repeatedly(proc: subprocess.Popen, out: Path, world: int, rng: random.
 
 
 CASES = [  # mode, world, the write the hooked rank is killed inside
-    ("data-parallel", 2, 1, "step-000000008/rank-00001.safetensors"),
+    ("data-parallel", 2, 1, "step-000000008/rank-00001-*.safetensors"),
     ("data-parallel", 4, 0, "step-000000008/manifest.json"),
     ("pipeline", 2, 0, "step-000000008/manifest.json"),
-    ("pipeline", 4, 3, "step-000000008/rank-00003.safetensors"),
+    ("pipeline", 4, 3, "step-000000008/rank-00003-*.safetensors"),
 ]
 
 
@@ -200,7 +200,7 @@ def _copy(references, mode: str, world: int, tmp_path: Path) -> tuple[Path, list
 def test_damaged_newest_checkpoint_falls_back_to_the_previous(references, tmp_path, damage):
     mode, world = "pipeline", 2
     folder, (newest, previous) = _copy(references, mode, world, tmp_path)
-    shard = newest / "rank-00001.safetensors"
+    (shard,) = newest.glob("rank-00001-*.safetensors")
     if damage == "truncated":
         shard.write_bytes(shard.read_bytes()[:-100])
     elif damage == "altered":
@@ -212,7 +212,7 @@ def test_damaged_newest_checkpoint_falls_back_to_the_previous(references, tmp_pa
     elif damage == "missing-shard":
         shard.unlink()
     else:
-        shutil.copy(previous / shard.name, shard)
+        shutil.copy(next(previous.glob("rank-00001-*.safetensors")), shard)
     out = tmp_path / "out"
     rc, log = _run(mode, world, folder, out)
     assert rc == 0, log
@@ -238,3 +238,19 @@ def test_changed_layout_is_refused_naming_both(references, tmp_path):
 def test_a_folder_the_ranks_do_not_share_is_refused(tmp_path):
     rc, log = _run("data-parallel", 2, str(tmp_path / "rank-{rank}"), tmp_path / "out")
     assert rc != 0 and "is not shared between the ranks: rank 1 does not see" in log, log
+
+
+def test_a_due_step_that_ends_an_epoch_is_saved_twice_and_the_second_save_is_the_checkpoint(references, tmp_path):
+    """Every 5 steps with 15-step epochs: steps 15, 30 and 45 are saved mid-epoch, then again at the epoch's end
+    (its fit progress moved on); the manifest names the second save's shards and the first save's are gone."""
+    mode, world, folder = "pipeline", 2, tmp_path / "checkpoints"
+    rc, log = _run(mode, world, folder, tmp_path / "out", env={"CHECKPOINT_EVERY": "5"})
+    assert rc == 0, log
+    _assert_same_final(_final(tmp_path / "out", world), _final(references[mode, world][0], world))
+    for step_folder in folder.iterdir():
+        manifest = json.loads((step_folder / "manifest.json").read_text())
+        assert sorted(p.name for p in step_folder.glob("rank-*")) == sorted(e["file"] for e in manifest["shards"])
+    last = folder / "step-000000045"
+    for entry in json.loads((last / "manifest.json").read_text())["shards"]:
+        skeleton, _, digest = checkpoint.read_parts(last / entry["file"])
+        assert digest == entry["sha256"] and (skeleton["fit"]["epoch"], skeleton["fit"]["batches"]) == (3, 0)

@@ -1,6 +1,6 @@
 """Checkpoints of a run on several ranks: one shard per rank and a manifest written last.
 
-``folder/step-<step>/`` holds ``rank-<r>.safetensors`` for every rank ``r`` (a :mod:`checkpoint` file each:
+``folder/step-<step>/`` holds ``rank-<r>-<save>.safetensors`` for every rank ``r`` (a :mod:`checkpoint` file each:
 safetensors + JSON, verified by sha256, no pickle) and ``manifest.json``. Rank 0 writes the manifest only once
 every rank has written its shard; it names each shard with its sha256, the step and the run's layout (world
 size, and for a pipeline the stage split). A save copies the shard to host memory and writes it on a
@@ -75,6 +75,7 @@ class ShardedFolder:
         # one writer thread: shards and manifests reach the disk in the order they were saved
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch_dad-checkpoint")
         self._last: Future[None] | None = None
+        self._saves = 0
         self._check_shared()
 
     # ------------------------------------------------------------------ collectives
@@ -124,8 +125,11 @@ class ShardedFolder:
     def due(self, step: int) -> bool:
         return self.every is not None and step % self.every == 0
 
-    def _shard(self, rank: int) -> str:
-        return f"rank-{rank:05d}{checkpoint.SUFFIX}"
+    @staticmethod
+    def _shard(rank: int, save: int) -> str:
+        # the save's number in the name: a second save of the same step (a due step that ends an epoch)
+        # cannot be mistaken for the first while its files replace them
+        return f"rank-{rank:05d}-{save:06d}{checkpoint.SUFFIX}"
 
     def save(self, step: int, state: Any) -> Path:
         """Copy this rank's shard of ``state`` to host memory and write it on a background thread while
@@ -135,14 +139,13 @@ class ShardedFolder:
             self._last.result()  # a failed write raises here, on its rank: torchrun restarts the group
         target = self.folder / f"{_PREFIX}{step:09d}"
         target.mkdir(parents=True, exist_ok=True)
-        if self.rank == 0:
-            (target / MANIFEST).unlink(missing_ok=True)  # a rewrite of a step invalidates its old manifest first
+        self._saves += 1
         skeleton, tensors = checkpoint.flatten(state, lambda key: self.owner(key) in (None, self.rank), _snapshot)
         copied = None
         if any(t.is_pinned() for t in tensors.values()):
             copied = torch.cuda.Event()
             copied.record()
-        self._last = self._writer.submit(self._write, step, target, skeleton, tensors, copied)
+        self._last = self._writer.submit(self._write, step, self._saves, target, skeleton, tensors, copied)
         return target
 
     def flush(self) -> None:
@@ -155,27 +158,31 @@ class ShardedFolder:
                 problem = f"rank {self.rank} could not write its checkpoint shard: {exc!r}"
         self._raise_if_any(problem)
 
-    def _write(self, step: int, target: Path, skeleton: Any, tensors: dict[str, Tensor],
+    def _write(self, step: int, save: int, target: Path, skeleton: Any, tensors: dict[str, Tensor],
                copied: torch.cuda.Event | None) -> None:
         if copied is not None:
             copied.synchronize()  # the device-to-host copies of the snapshot have landed
-        checkpoint.write_flat(target / self._shard(self.rank), skeleton, tensors)
+        checkpoint.write_flat(target / self._shard(self.rank, save), skeleton, tensors)
         if self.rank != 0:
             return
-        shards = [{"rank": rank, "file": self._shard(rank), "sha256": self._wait_for_shard(target, rank)}
-                  for rank in range(self.world_size)]
+        files = [self._shard(rank, save) for rank in range(self.world_size)]
+        shards = [{"rank": rank, "file": name, "sha256": self._wait_for_shard(target / name)}
+                  for rank, name in enumerate(files)]
         manifest = {"format": FORMAT, "version": VERSION, "step": step, "layout": self.layout, "shards": shards}
         checkpoint.atomic_write(target / MANIFEST, json.dumps(manifest, indent=1).encode())
+        for shard in target.glob(f"rank-*{checkpoint.SUFFIX}"):  # an earlier save of the same step, not a later one
+            if int(shard.name[len("rank-00000-"):-len(checkpoint.SUFFIX)]) < save:
+                shard.unlink(missing_ok=True)
         self._rotate()
 
-    def _wait_for_shard(self, target: Path, rank: int) -> str:
-        """The sha256 that ``rank``'s shard in ``target`` declares, once its file is there (renamed into
-        place, so complete)."""
-        path = target / self._shard(rank)
+    @staticmethod
+    def _wait_for_shard(path: Path) -> str:
+        """The sha256 that the shard at ``path`` declares, once its file is there (renamed into place, so
+        complete)."""
         deadline = time.monotonic() + _SHARD_TIMEOUT
         while not path.is_file():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"rank {rank}'s shard {path} did not appear within {_SHARD_TIMEOUT:.0f} s")
+                raise TimeoutError(f"the shard {path} did not appear within {_SHARD_TIMEOUT:.0f} s")
             time.sleep(0.005)
         return checkpoint.declared_digest(path)
 
