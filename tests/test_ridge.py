@@ -229,8 +229,14 @@ torch.set_num_threads(1)  # per-thread buffers of BLAS/LAPACK would make the pea
 n, d, k = 4096, 12544, 10
 g = torch.Generator().manual_seed(0)
 labels = torch.randint(0, k, (n,), generator=g)
-unit = 1 if sys.platform == "darwin" else 1024  # ru_maxrss: bytes on macOS, KiB on Linux
-peak = lambda: resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
+def peak():
+    # Linux keeps ru_maxrss across exec (a child of a large pytest starts at its parent's peak); VmHWM is this
+    # process image's own high-water mark
+    try:
+        with open("/proc/self/status") as status:
+            return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmHWM:"))
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # bytes on macOS
 acc = GramAccumulator(d, k, keep_rows=True)
 start = peak()
 for i in range(0, n, 1024):  # the rows arrive in batches, as solve_head() recomputes them
