@@ -141,7 +141,7 @@ def _kill_repeatedly(proc: subprocess.Popen, out: Path, world: int, rng: random.
     while len(hits) < KILLS or not any("in-write" in hit for hit in hits):
         fresh = _wait_for(partial(_fresh_group, out, world, set(dead)), proc, "a restarted group")
         now = max((int(step) for _, step in fresh.values() if step.isdigit()), default=0)
-        victim, target = rng.randrange(world), min(now + rng.randint(2, 8), LAST_STEP - 2)
+        victim, target = rng.randrange(world), min(now + rng.randint(2, 8), LAST_STEP - 8)  # room to kill
         hooked_hit = any("in-write" in hit for hit in hits)
         ready = partial(_victim_ready, out, world, hooked_hit, victim, target)
         rank, pid, where = _wait_for(ready, proc, f"rank {victim} at step {target}")
