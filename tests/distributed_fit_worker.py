@@ -5,7 +5,7 @@
 with ``"<pid> <step count>"`` after every step and, once ``fit`` returns, writes its final state to
 ``OUT/final-<rank>.safetensors``.
 
-``CHECKPOINT_EVERY`` overrides the steps between checkpoints. ``HOOK_RANK``/``HOOK_FILE``: the first time that
+``DEVICE=cuda``: NCCL, one GPU per rank. ``CHECKPOINT_EVERY`` and ``KEEP_LAST`` override ``fit``'s. ``HOOK_RANK``/``HOOK_FILE``: the first time that
 rank replaces a file matching ``HOOK_FILE`` (a glob for a shard or the manifest of one step) it writes its pid to ``OUT/inwrite-<rank>`` and stops between the temporary file and the
 rename, so the test can kill it inside the write; ``OUT/hooked`` records that the hook has fired, so a
 restarted rank writes through.
@@ -59,14 +59,22 @@ def _hook(out: Path, rank: int) -> None:
 def main() -> None:
     mode, folder, out = sys.argv[1], sys.argv[2], Path(sys.argv[3])
     torch.set_num_threads(1)
-    dist.init_process_group("gloo")
+    device = torch.device("cpu")
+    if os.environ.get("DEVICE") == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", device_id=device)
+    else:
+        dist.init_process_group("gloo")
     rank = dist.get_rank()
     folder = folder.format(rank=rank)  # "{rank}" in the path: a folder per rank, not shared
     _hook(out, rank)
-    (x, y), test = data.synthetic(num_train=ROWS, num_test=40, num_features=12, num_classes=3, seed=5)
+    (x, y), (xt, yt) = data.synthetic(num_train=ROWS, num_test=40, num_features=12, num_classes=3, seed=5)
+    x, y, test = x.to(device), y.to(device), (xt.to(device), yt.to(device))
     torch.manual_seed(0)
     kwargs = dict(classifier_sample_size=50, dropout=0.1, lr=3e-3)
-    trainer = DataParallelTrainer(Net(), **kwargs) if mode == "data-parallel" else td.DADTrainer(Net(), **kwargs)
+    trainer = (DataParallelTrainer(Net(), device, **kwargs) if mode == "data-parallel"
+               else td.DADTrainer(Net(), device, **kwargs))
     pause = float(os.environ.get("STEP_SECONDS", "0"))
 
     def reporting(function, ahead):  # type: ignore[no-untyped-def]
@@ -79,7 +87,8 @@ def main() -> None:
 
     trainer.step = reporting(trainer.step, 0)  # type: ignore[method-assign]
     every = int(os.environ.get("CHECKPOINT_EVERY", EVERY))
-    options = dict(checkpoint_dir=folder, checkpoint_every=every, resume=True) if folder != "-" else {}
+    keep = int(os.environ.get("KEEP_LAST", "2"))
+    options = dict(checkpoint_dir=folder, checkpoint_every=every, keep_last=keep, resume=True) if folder != "-" else {}
     if mode == "data-parallel":
         records = trainer.fit((x, y), epochs=EPOCHS, eval=test, batch_size=BATCH, progress=True, **options)
     else:
