@@ -79,6 +79,9 @@ class DataParallelTrainer(DADTrainer):
     drew; ``classifier_sample_size=0`` solves from the streamed statistics instead, equal to the
     single-process solve, at the cost of one ``width x width`` GEMM per step (``docs/distributed.md``).
     The solved classifier is not calibrated here: each rank would fit its own scale.
+
+    At world size 1 nothing is reduced: the trainer is ``DADTrainer`` (its step stays on the engine's CUDA
+    graph, and ``solve_head`` calibrates), with this class's sharded checkpoints.
     """
 
     def __init__(self, model: DADModel, device: torch.device | str | None = None, *args: Any,
@@ -91,7 +94,8 @@ class DataParallelTrainer(DADTrainer):
         self.overlap = bool(overlap)
         broadcast(self.state_tensors(), 0, process_group)
         self._reducer = GradientAllReduce(process_group, blocking=not self.overlap)
-        self.set_reducers(self._reducer, lambda stats: all_reduce_statistics(stats, process_group))
+        if world > 1:  # one rank: nothing to reduce, and the step stays on the engine's CUDA graph
+            self.set_reducers(self._reducer, lambda stats: all_reduce_statistics(stats, process_group))
         # the window counts global rows; each rank decays by exp(-local/(window*local/global))
         # = exp(-global/window) per step, the single-process factor, even for uneven shards
         self._global_window = self.classifier_statistics.window if self.classifier_statistics is not None else None
