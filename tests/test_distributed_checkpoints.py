@@ -61,7 +61,7 @@ def _wait(proc: subprocess.Popen, out: Path, seconds: float = 240) -> str:
 
 
 def _kill_workers(out: Path) -> None:
-    """SIGKILL any worker of this run still alive (torchrun starts them in sessions of their own)."""
+    """SIGKILL any worker of this run still alive: torchrun starts them outside our process group, so killpg misses them."""
     for cmdline in Path("/proc").glob("[0-9]*/cmdline"):
         try:
             if str(out) in cmdline.read_bytes().decode(errors="replace") and WORKER.name in cmdline.read_text():
