@@ -1,5 +1,5 @@
 """What checkpointing costs a distributed ``fit``: ``DataParallelTrainer`` at world size 1 and a ``Pipeline`` of
-one stage, with ``checkpoint_every=500`` (plus the save at every epoch's end) against no checkpoints.
+one stage, with ``checkpoint_every=500`` (plus the save at the end of ``fit``) against no checkpoints.
 
 Model: the quickstart MNIST net (784-1024-512-256-10, the trainers' defaults), MNIST-shaped synthetic rows
 (60,000 per epoch, batch 256: 235 steps an epoch), ``--steps`` steps. Each run is a fresh process (NCCL on a
@@ -143,7 +143,7 @@ def save_formats(rows: int) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--steps", type=int, default=20000)
     parser.add_argument("--every", type=int, default=500)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--modes", nargs="+", choices=("data-parallel", "pipeline"), default=["data-parallel", "pipeline"])

@@ -26,7 +26,7 @@ import torch_dad as td
 from torch_dad import data
 from torch_dad.training import DataParallelTrainer, Pipeline, checkpoint
 
-EPOCHS, ROWS, BATCH, EVERY = 3, 240, 16, 4  # 15 steps an epoch; checkpoints every 4 steps and at epoch ends
+EPOCHS, ROWS, BATCH, EVERY = 3, 240, 16, 4  # 15 steps an epoch; checkpoints every 4 steps and at the end
 
 
 class Net(td.DADModel):

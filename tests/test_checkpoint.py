@@ -169,7 +169,12 @@ def test_fit_resumes_mid_epoch_bitwise(tmp_path, straight, at_step):
     assert_same_state(resumed, reference)
     assert without_time(records) == without_time(reference_records)
     assert without_time(resumed.history) == without_time(reference.history)
-    assert saved_steps(tmp_path) == [36, 39]  # keep_last=2: the newest step checkpoint and the final epoch end
+    assert saved_steps(tmp_path) == [36, 39]  # keep_last=2: the newest step checkpoint and the end of fit
+
+
+def test_a_step_interval_saves_due_steps_and_the_end_not_epoch_ends(tmp_path):
+    fit(make_trainer(), checkpoint_dir=tmp_path, checkpoint_every=4, keep_last=100)
+    assert saved_steps(tmp_path) == [4, 8, 12, 16, 20, 24, 28, 32, 36, 39]  # epochs end at 13 and 26: not saved
 
 
 def test_fit_resumes_an_iterable_by_skipping_consumed_batches(tmp_path):

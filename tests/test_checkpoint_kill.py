@@ -23,7 +23,7 @@ from torch_dad.training import checkpoint
 pytest.importorskip("safetensors")
 pytestmark = [pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs POSIX SIGKILL"), pytest.mark.slow]
 
-EPOCHS, BATCHES, EVERY = 3, 40, 7  # 120 steps; checkpoints at multiples of 7 and at the epoch ends
+EPOCHS, BATCHES, EVERY = 3, 40, 7  # 120 steps; checkpoints at multiples of 7 and at the end
 
 # The child trains; it prints the step count after every step so the parent can kill it at a chosen step. With
 # HOOK_STEP set, the write of that step's checkpoint prints "in-write" and stops between its temporary file and
@@ -157,7 +157,7 @@ def test_fit_killed_repeatedly_resumes_bitwise(tmp_path):
             target = rng.randint(done + 1, min(done + 25, EPOCHS * BATCHES - 1))
             _kill_at_step(script, folder, tmp_path / "out", target, rng)
         kills += 1
-    # the very last write (the final epoch end) is killed too
+    # the very last write (the end of fit) is killed too
     _kill_in_write(script, folder, tmp_path / "out", EPOCHS * BATCHES)
     kills += 1
     resumed, straight = tmp_path / "resumed.safetensors", tmp_path / "straight.safetensors"

@@ -241,8 +241,8 @@ def test_a_folder_the_ranks_do_not_share_is_refused(tmp_path):
 
 
 def test_a_due_step_that_ends_an_epoch_is_saved_twice_and_the_second_save_is_the_checkpoint(references, tmp_path):
-    """Every 5 steps with 15-step epochs: steps 15, 30 and 45 are saved mid-epoch, then again at the epoch's end
-    (its fit progress moved on); the manifest names the second save's shards and the first save's are gone."""
+    """Every 5 steps with 15-step epochs: step 45 is due and ends the fit, so it is saved as due, then again at
+    the end (its fit progress moved on); the manifest names the second save's shards and the first save's are gone."""
     mode, world, folder = "pipeline", 2, tmp_path / "checkpoints"
     rc, log = _run(mode, world, folder, tmp_path / "out", env={"CHECKPOINT_EVERY": "5"})
     assert rc == 0, log

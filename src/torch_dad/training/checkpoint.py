@@ -328,7 +328,7 @@ def check_folder(value: object, name: str = "checkpoint_dir") -> Path:
 class CheckpointFolder:
     """The checkpoints of one training run: ``folder/checkpoint-<step>.safetensors``, newest ``keep_last`` kept.
 
-    ``every``: :meth:`due` is true every that many steps (``None``: never; the caller saves at epoch ends).
+    ``every``: :meth:`due` is true every that many steps (``None``: never; the caller then saves at epoch ends).
     """
 
     def __init__(self, folder: Path, every: int | None, keep_last: int) -> None:

@@ -16,7 +16,7 @@ from .._checks import check_bool, check_positive_int
 from . import checkpoint
 from .checkpoint import FitProgress
 
-__all__ = ["RunFolder", "check_fit_arguments", "start_fit", "train_epoch"]
+__all__ = ["RunFolder", "check_fit_arguments", "epoch_end_saved", "start_fit", "train_epoch"]
 
 
 class RunFolder(Protocol):
@@ -35,6 +35,12 @@ class RunFolder(Protocol):
 
 
 Folder = TypeVar("Folder", bound=RunFolder)
+
+
+def epoch_end_saved(folder: RunFolder, epoch: int, epochs: int) -> bool:
+    """Whether ``fit`` saves after epoch ``epoch``: at every epoch end without ``checkpoint_every``, else
+    only at the last (the due steps are saved inside the epochs)."""
+    return folder.every is None or epoch == epochs - 1
 
 
 def check_fit_arguments(

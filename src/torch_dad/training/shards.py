@@ -135,8 +135,10 @@ class ShardedFolder:
         """Copy this rank's shard of ``state`` to host memory and write it on a background thread while
         training goes on; rank 0's thread then waits for every rank's shard and writes the manifest. A kill
         before the manifest leaves the previous checkpoint as the newest complete one."""
-        if self._last is not None and self._last.done():
-            self._last.result()  # a failed write raises here, on its rank: torchrun restarts the group
+        if self._last is not None:
+            # one save in flight at most, so host memory stays bounded; a failed write raises here, on its
+            # rank, and torchrun restarts the group
+            self._last.result()
         target = self.folder / f"{_PREFIX}{step:09d}"
         target.mkdir(parents=True, exist_ok=True)
         self._saves += 1

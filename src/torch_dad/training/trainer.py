@@ -25,7 +25,7 @@ from .batches import as_batch_pair, classification_metrics, iterate_batches, pre
 from .checkpoint import CheckpointFolder
 from .classifier import OutputClassifier
 from .eager import EagerRunner
-from .fit import RunFolder, check_fit_arguments, start_fit, train_epoch
+from .fit import RunFolder, check_fit_arguments, epoch_end_saved, start_fit, train_epoch
 from .options import EngineOptions
 from .step import Batch, Dropout, GradientReducer, RunningLoss, StepOutput, StepPlan, StepRunner, progress_bar
 
@@ -489,7 +489,8 @@ class DADTrainer:
         step's learning rate; ``seed`` draws the data order (``None``: from torch's global generator).
 
         With ``checkpoint_dir`` the whole training state is written there every ``checkpoint_every``
-        steps and at each epoch's end, keeping the newest ``keep_last``. ``resume=True`` continues from
+        steps and at the end of ``fit`` (without ``checkpoint_every``: at each epoch's end), keeping the
+        newest ``keep_last``. ``resume=True`` continues from
         the newest intact checkpoint there, mid-epoch included, and says from which file, step and
         epoch (none: it starts from the beginning); on CPU the result is bitwise that of an
         uninterrupted run. An iterable ``train`` must then yield the same batches in the same order.
@@ -517,7 +518,7 @@ class DADTrainer:
                 bar.close()
             self.history.append(record)
             run.next_epoch(generator.get_state())
-            if folder is not None:
+            if folder is not None and epoch_end_saved(folder, epoch, epochs):
                 folder.save(self.step_count, run.checkpoint(self.state_dict()))
         if folder is not None:
             folder.flush()
