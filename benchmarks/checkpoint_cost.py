@@ -2,10 +2,11 @@
 one stage, with ``checkpoint_every=500`` (plus the save at the end of ``fit``) against no checkpoints.
 
 Model: the quickstart MNIST net (784-1024-512-256-10, the trainers' defaults), MNIST-shaped synthetic rows
-(60,000 per epoch, batch 256: 235 steps an epoch), ``--steps`` steps. Each run is a fresh process (NCCL on a
-GPU, gloo on CPU, one rank); the time is ``fit``'s wall time from call to return, so it includes every save's
-work on the training thread and the wait for the last one. Runs with and without checkpoints alternate;
-the cost is the median over ``--repeats`` pairs of ``(with - without) / without``.
+(60,000 per epoch, batch 256: 235 steps an epoch), ``--steps`` steps per ``fit``. Each mode runs in a fresh
+process (NCCL on a GPU, gloo on CPU, one rank), where fits without and with checkpoints alternate, so that a
+difference between processes does not count as cost; the time is ``fit``'s wall time from call to return, so it
+includes every save's work on the training thread and the wait for the last one. The cost is the median over
+``--pairs`` pairs of ``(with - without) / without``.
 
 The record also compares one save of the same state written the two ways a user could pick: this
 library's shard (safetensors + JSON, on the calling thread) and ``torch.distributed.checkpoint.save``.
@@ -59,8 +60,9 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def one_run(mode: str, every: int, steps: int, rows: int, folder: str) -> dict[str, Any]:
-    """One ``fit`` in this process after a 10-step warm-up ``fit``: ``{seconds, steps}``."""
+def one_mode(mode: str, every: int, steps: int, rows: int, pairs: int) -> dict[str, Any]:
+    """``pairs`` fits of ``steps`` steps without and with checkpoints, alternating (the order flips every
+    pair), in this process after a 10-step warm-up ``fit``: each fit's seconds, and the cost per pair."""
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     _init(device)
     torch.manual_seed(0)
@@ -69,23 +71,23 @@ def one_run(mode: str, every: int, steps: int, rows: int, folder: str) -> dict[s
     epochs = -(-steps // -(-rows // 256))
     model = DADMLP([784, 1024, 512, 256])
     trainer = DataParallelTrainer(model, device) if mode == "data-parallel" else td.DADTrainer(model, device)
-    options = dict(checkpoint_dir=folder, checkpoint_every=every) if every else {}
-    warm = (x[:2560], y[:2560])
-    if mode == "data-parallel":
-        trainer.fit(warm, progress=False)  # warm-up: kernels, allocator, collectives
-        _sync(device)
-        start = time.perf_counter()
-        trainer.fit((x, y), epochs=epochs, progress=False, **options)
-    else:
-        pipe = Pipeline(trainer)
-        pipe.fit(warm, progress=False)
-        _sync(device)
-        start = time.perf_counter()
-        pipe.fit((x, y), epochs=epochs, progress=False, **options)
-    _sync(device)
-    seconds = time.perf_counter() - start
+    runner: Any = trainer if mode == "data-parallel" else Pipeline(trainer)
+    runner.fit((x[:2560], y[:2560]), progress=False)  # warm-up: kernels, allocator, collectives
+    seconds: dict[int, list[float]] = {0: [], every: []}
+    for pair in range(pairs):
+        for interval in (0, every) if pair % 2 == 0 else (every, 0):
+            with tempfile.TemporaryDirectory() as folder:
+                options = dict(checkpoint_dir=folder, checkpoint_every=interval) if interval else {}
+                _sync(device)
+                start, first = time.perf_counter(), trainer.step_count
+                runner.fit((x, y), epochs=epochs, progress=False, **options)
+                _sync(device)
+                seconds[interval].append(time.perf_counter() - start)
     dist.destroy_process_group()
-    return {"seconds": seconds, "steps": trainer.step_count - 10}
+    costs = [(w - o) / o for o, w in zip(seconds[0], seconds[every])]
+    return {"mode": mode, "steps": trainer.step_count - first, "seconds_without": statistics.median(seconds[0]),
+            "seconds_with": statistics.median(seconds[every]), "cost_percent": round(100 * statistics.median(costs), 2),
+            "pairs": [[round(o, 4), round(w, 4)] for o, w in zip(seconds[0], seconds[every])]}
 
 
 def _training_speed_during(save: Any) -> float:
@@ -143,38 +145,25 @@ def save_formats(rows: int) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=20000)
+    parser.add_argument("--steps", type=int, default=10000, help="steps per fit")
     parser.add_argument("--every", type=int, default=500)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--pairs", type=int, default=5, help="fits without and with checkpoints, alternating")
     parser.add_argument("--modes", nargs="+", choices=("data-parallel", "pipeline"), default=["data-parallel", "pipeline"])
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=None)
-    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: one run, JSON on stdout
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: one mode, JSON on stdout
     args = parser.parse_args()
     rows = 2560 if args.smoke else ROWS_PER_EPOCH
-    steps, repeats = (25, 1) if args.smoke else (args.steps, args.repeats)
-    if args.one:
-        mode, every, folder = json.loads(args.one)
-        print(json.dumps(one_run(mode, every, steps, rows, folder)))
+    steps, pairs, every = (25, 1, 10) if args.smoke else (args.steps, args.pairs, args.every)
+    if args.one:  # one mode in this (fresh) process
+        print(json.dumps(one_mode(args.one, every, steps, rows, pairs)))
         return
     results = []
     for mode in args.modes:
-        pairs = []
-        for _ in range(repeats):
-            pair = {}
-            for every in (0, 10 if args.smoke else args.every):
-                with tempfile.TemporaryDirectory() as folder:
-                    command = [sys.executable, __file__, "--one", json.dumps([mode, every, folder]),
-                               *(["--smoke"] if args.smoke else []), "--steps", str(steps)]
-                    out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-                    pair[every] = json.loads(out.strip().splitlines()[-1])
-            pairs.append(pair)
-        without = [p[0]["seconds"] for p in pairs]
-        with_saves = [p[max(p)]["seconds"] for p in pairs]
-        cost = statistics.median((w - o) / o for w, o in zip(with_saves, without))
-        results.append({"mode": mode, "steps": pairs[0][0]["steps"], "seconds_without": statistics.median(without),
-                        "seconds_with": statistics.median(with_saves), "cost_percent": round(100 * cost, 2),
-                        "pairs": [[round(o, 4), round(w, 4)] for o, w in zip(without, with_saves)]})
+        command = [sys.executable, __file__, "--one", mode, "--steps", str(steps), "--pairs", str(pairs),
+                   "--every", str(every), *(["--smoke"] if args.smoke else [])]
+        out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+        results.append(json.loads(out.strip().splitlines()[-1]))
         print(json.dumps(results[-1]))
     formats = save_formats(rows)
     print(json.dumps(formats))
