@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import math
 import subprocess
@@ -227,28 +228,29 @@ def backprop_residual_stack(depth: int, channels: int, size: int, classes: int) 
 
 MEMORY_BATCHES = (256, 1024)  # the VGG-style net
 STACK_DEPTHS, STACK_CHANNELS, STACK_BATCH = (8, 16, 32), 64, 256
+#: both memory layouts, since cuDNN's bf16 convolutions on Hopper run channels-last and convert other inputs
+LAYOUTS = ("contiguous", "channels_last")
 
 
 def memory_mode(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Step time and total memory, each system in a fresh process with its default settings (bf16 compute
     over fp32 weights): the full-width VGG-style net at batch 256 and 1024, and the residual stack at
-    depths 8, 16 and 32 (64 channels, 14 x 14, batch 256)."""
+    depths 8, 16 and 32 (64 channels, 14 x 14, batch 256); each in both memory layouts (``LAYOUTS``)."""
     cuda = torch.cuda.is_available() and not args.smoke
     batches = MEMORY_BATCHES if cuda else (8,)
     depths = STACK_DEPTHS if cuda else (1, 2)
     jobs = [("vgg8b", 0, b) for b in batches] + [("residual", d, STACK_BATCH if cuda else 8) for d in depths]
     records = []
-    for net, depth, batch in jobs:
-        for system in ("dad", "backprop"):
-            job = json.dumps([net, depth, batch, system])
-            if cuda:  # a fresh process: no allocator cache or graph pool of another system counts
-                command = [sys.executable, __file__, "--memory-job", job]
-                out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-                record = json.loads(out.strip().splitlines()[-1])
-            else:
-                record = memory_job(json.loads(job), smoke=True)
-            print(record, flush=True)
-            records.append(record)
+    for (net, depth, batch), layout, system in itertools.product(jobs, LAYOUTS, ("dad", "backprop")):
+        job = json.dumps([net, depth, batch, system, layout])
+        if cuda:  # a fresh process: no allocator cache or graph pool of another system counts
+            command = [sys.executable, __file__, "--memory-job", job]
+            out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
+            record = json.loads(out.strip().splitlines()[-1])
+        else:
+            record = memory_job(json.loads(job), smoke=True)
+        print(record, flush=True)
+        records.append(record)
     return records
 
 
@@ -259,21 +261,23 @@ def memory_job(job: list[Any], smoke: bool = False) -> dict[str, Any]:
     ``total_mib``: peak allocated plus what CUDA-graph pools hold beyond it (:func:`graph_pool_slack`), the
     memory the step needs; ``reserved_mib``: the allocator's peak reservation; ``static_mib``: allocated
     between steps (weights, optimizer state, kept buffers)."""
-    net, depth, batch, system = job
+    net, depth, batch, system, layout = job
     device = torch.device("cpu" if smoke else "cuda")
+    memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
     scale, channels = (32, 4) if smoke else (1, STACK_CHANNELS)
     torch.manual_seed(0)
-    x = torch.randn(batch, 1, 28, 28, device=device)
+    x = torch.randn(batch, 1, 28, 28, device=device).to(memory_format=memory_format)
     y = torch.randint(0, 10, (batch,), device=device)
     amp = None if smoke else torch.bfloat16
     if system == "dad":
         model = DADVGG(1, 28, scale, 10, 4, 0.0) if net == "vgg8b" else DADResidualStack(depth, channels, 28, 10)
+        model = model.to(memory_format=memory_format)
         trainer = td.DADTrainer(model, device, lr=1e-3, amp_dtype=amp)
         step: Any = functools.partial(trainer.step, x, y)
     else:
         model = backprop_vgg(1, 28, scale, 10) if net == "vgg8b" else backprop_residual_stack(depth, channels, 28, 10)
-        step = _backprop_step(model.to(device), x, y, amp)
-    record: dict[str, Any] = {"system": system, "net": net, "depth": depth, "batch": batch,
+        step = _backprop_step(model.to(device, memory_format=memory_format), x, y, amp)
+    record: dict[str, Any] = {"system": system, "net": net, "depth": depth, "batch": batch, "layout": layout,
                               "amp": "bf16" if amp else None}
     if smoke:
         step()

@@ -52,6 +52,10 @@ from .step import Batch, Dropout, GradientReducer, LayerLoop, RunningLoss, StepO
 
 __all__ = ["FusedStep", "unsupported_reason", "uses_local_error_kernel"]
 
+#: gradients of local layers held for one batched AdamW launch before it runs mid-step: one launch per
+#: layer costs small blocks more than their update; holding all of them grows with depth
+HELD_GRADIENT_BYTES = 16 * 2**20
+
 
 def unsupported_reason(model: DADModel, config: OptimizerConfig) -> str | None:
     """Why the fused step cannot train ``model`` with ``config``, or ``None`` if it can.
@@ -414,19 +418,18 @@ class _Run(LayerLoop):
 
     def _local_layer(self, layer: Any, a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """A ``DADConv2d``, ``DADBlock`` or other local layer: its own ``local_gradients`` (torch ops
-        on the main stream, capturable), then AdamW on all its trained tensors: at once, so its
-        gradients are freed before the next layer runs, or under data parallelism at the end of the
-        step, in the one ``torch._fused_adamw_`` launch shared with the batched small updates (after
-        their all-reduce)."""
+        on the main stream, capturable), then AdamW on all its trained tensors, batched with the other
+        small updates into one ``torch._fused_adamw_`` launch: at the end of the step (under data
+        parallelism after their all-reduce), or earlier once the held gradients pass
+        ``HELD_GRADIENT_BYTES``, so that what a step holds does not grow with depth."""
         result, grads = layer.local_gradients(a, self.batch.y, self.batch.compute_dtype, backend="triton")
         layer.update_running_statistics()
         params, state = layer.trained_tensors(), layer.optim_state
         moments = state.moments("exp_avg"), state.moments("exp_avg_sq")
         update = _Update([p.data for p in params], grads, moments[0], moments[1], [None] * len(params), _tensor(state.step))
-        if self.reducer is None:
-            self._fused_adamw(update.params, update.grads, update.exp_avg, update.exp_avg_sq, [update.step] * len(params))
-        else:
-            self._collect_small(update)
+        self._collect_small(update)
+        if self.reducer is None and sum(g.numel() * g.element_size() for g in self.small_grads) > HELD_GRADIENT_BYTES:
+            self._apply_small()
         return result.output, result.logits.float(), result.loss.float()
 
     def _rule_layer(self, layer: DADLinear, a: Tensor, w: Tensor | None, b: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
@@ -534,16 +537,19 @@ class _Run(LayerLoop):
                 engine.adamw(block)
         return grad
 
-    def _fused_adamw(self, params: list[Tensor], grads: list[Tensor], exp_avg: list[Tensor],
-                     exp_avg_sq: list[Tensor], steps: list[Tensor]) -> None:
-        """``torch._fused_adamw_`` on any number of tensors (their steps already counted), at the engine's lr."""
+    def _apply_small(self) -> None:
+        """The collected small updates (local layers, local heads, the classifier) in one
+        ``torch._fused_adamw_`` launch (their steps already counted); their gradients are then freed."""
+        if not self.small_params:
+            return
         config = self.engine.config
-        lr = self.engine.lr_tensor if params[0].is_cuda else self.engine.lr_value
+        lr = self.engine.lr_tensor if self.small_params[0].is_cuda else self.engine.lr_value
         torch._fused_adamw_(
-            params, grads, exp_avg, exp_avg_sq, [], steps, amsgrad=False, lr=lr,  # type: ignore[arg-type]
-            beta1=config.betas[0], beta2=config.betas[1], weight_decay=config.weight_decay, eps=config.eps,
-            maximize=False,
+            self.small_params, self.small_grads, self.small_exp_avg, self.small_exp_avg_sq, [], self.small_steps,
+            amsgrad=False, lr=lr, beta1=config.betas[0], beta2=config.betas[1],  # type: ignore[arg-type]
+            weight_decay=config.weight_decay, eps=config.eps, maximize=False,
         )
+        self.small_params, self.small_grads, self.small_exp_avg, self.small_exp_avg_sq, self.small_steps = [], [], [], [], []
 
     def _collect_small(self, update: _Update) -> None:
         self.small_params += update.params
@@ -583,9 +589,7 @@ class _Run(LayerLoop):
         if self.reducer is not None:
             self.reducer(self.small_grads)  # every local head and the classifier: one small blocking all-reduce
         super().finish(loss)
-        if self.small_params:  # the local heads and the classifier together, in one launch
-            self._fused_adamw(self.small_params, self.small_grads, self.small_exp_avg, self.small_exp_avg_sq,
-                              self.small_steps)
+        self._apply_small()
         if self.overlap and self.main is not None:
             # join only the side streams this step forked: waiting on one that holds no captured
             # work is an error under capture (a model of DADBlocks alone forks none)
