@@ -54,7 +54,7 @@ __all__ = ["FusedStep", "unsupported_reason", "uses_local_error_kernel"]
 
 #: gradients of local layers held for one batched AdamW launch before it runs mid-step: one launch per
 #: layer costs small blocks more than their update; holding all of them grows with depth
-HELD_GRADIENT_BYTES = 16 * 2**20
+HELD_GRADIENT_BYTES = 2 * 2**20
 
 
 def unsupported_reason(model: DADModel, config: OptimizerConfig) -> str | None:

@@ -49,15 +49,6 @@ def _step_of(path: Path) -> int | None:
     return int(digits) if name.startswith(_PREFIX) and digits.isdigit() else None
 
 
-def _snapshot(tensor: Tensor) -> Tensor:
-    """A host copy of ``tensor`` that training cannot change: from a GPU, an asynchronous copy into pinned
-    memory (the writer thread waits for it), so the training thread does not wait for the transfer."""
-    if tensor.device.type != "cuda":
-        return tensor.detach().clone(memory_format=torch.contiguous_format).cpu()
-    host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-    return host.copy_(tensor.detach(), non_blocking=True)
-
-
 class ShardedFolder:
     """The checkpoints of one run on the ranks of ``group``; every method is called by every rank together.
 
@@ -76,6 +67,7 @@ class ShardedFolder:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch_dad-checkpoint")
         self._last: Future[None] | None = None
         self._saves = 0
+        self._host: dict[str, Tensor] = {}  # per state key, the host buffer each save's snapshot reuses
         self._check_shared()
 
     # ------------------------------------------------------------------ collectives
@@ -142,13 +134,24 @@ class ShardedFolder:
         target = self.folder / f"{_PREFIX}{step:09d}"
         target.mkdir(parents=True, exist_ok=True)
         self._saves += 1
-        skeleton, tensors = checkpoint.flatten(state, lambda key: self.owner(key) in (None, self.rank), _snapshot)
+        skeleton, live = checkpoint.flatten(state, lambda key: self.owner(key) in (None, self.rank), lambda t: t)
+        tensors = {key: self._snapshot(key, tensor) for key, tensor in live.items()}
         copied = None
-        if any(t.is_pinned() for t in tensors.values()):
+        if any(t.is_cuda for t in live.values()):
             copied = torch.cuda.Event()
             copied.record()
         self._last = self._writer.submit(self._write, step, self._saves, target, skeleton, tensors, copied)
         return target
+
+    def _snapshot(self, key: str, tensor: Tensor) -> Tensor:
+        """A host copy of ``tensor`` that training cannot change, in this key's buffer from the previous
+        save (whose write is complete): from a GPU an asynchronous copy into pinned memory, which the
+        writer thread waits for, so the training thread neither waits for the transfer nor allocates."""
+        host = self._host.get(key)
+        if host is None or host.shape != tensor.shape or host.dtype != tensor.dtype:
+            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
+            self._host[key] = host
+        return host.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
 
     def flush(self) -> None:
         """Wait until the last save is complete on every rank (the end of ``fit``)."""
