@@ -145,9 +145,9 @@ def save_formats(rows: int) -> dict[str, Any]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--steps", type=int, default=10000, help="steps per fit")
+    parser.add_argument("--steps", type=int, default=20000, help="steps per fit")
     parser.add_argument("--every", type=int, default=500)
-    parser.add_argument("--pairs", type=int, default=5, help="fits without and with checkpoints, alternating")
+    parser.add_argument("--pairs", type=int, default=3, help="fits without and with checkpoints, alternating")
     parser.add_argument("--modes", nargs="+", choices=("data-parallel", "pipeline"), default=["data-parallel", "pipeline"])
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=None)

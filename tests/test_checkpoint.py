@@ -458,6 +458,14 @@ def test_shard_files_read_back_with_safetensors_for_every_dtype_and_shape(tmp_pa
     assert skeleton == {"x": 1} and declared == digest == checkpoint.declared_digest(path)
     with pytest.raises(TypeError, match="complex64 has no safetensors code"):
         checkpoint.write_flat(tmp_path / "bad.safetensors", {}, {"c": torch.zeros(2, dtype=torch.complex64)})
+    packed = checkpoint.PackedTensors(tensors)
+    assert packed.matches(tensors) and not packed.matches({**tensors, "i8": torch.zeros(3, dtype=torch.int8)})
+    # a non-contiguous source, packed into the same bytes
+    assert not packed.fill({**tensors, "f64": tensors["f64"].T.contiguous().T})
+    assert checkpoint.write_flat(tmp_path / "packed.safetensors", {"x": 1}, packed) == digest
+    assert (tmp_path / "packed.safetensors").read_bytes() == path.read_bytes()
+    with pytest.raises(TypeError, match="complex64 has no safetensors code"):
+        checkpoint.PackedTensors({"c": torch.zeros(2, dtype=torch.complex64)})
 
 
 def test_fit_checkpoints_refuse_a_custom_gradient_reducer(tmp_path):

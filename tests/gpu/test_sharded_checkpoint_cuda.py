@@ -47,3 +47,21 @@ def test_resumed_run_ends_where_the_uninterrupted_one_does(tmp_path, mode):
             for name in TIMINGS:
                 record.pop(name, None)
     assert [r["epoch"] for r in whole["records"]] == [r["epoch"] for r in resumed["records"]]
+
+
+def test_packed_snapshot_of_a_gpu_state_writes_the_file_of_its_host_copy(tmp_path):
+    """One device-to-host copy of mixed dtypes and devices, odd sizes, a non-contiguous tensor: the same file,
+    byte for byte, as the tensors copied to the host one by one."""
+    generator = torch.Generator().manual_seed(0)
+    host = {
+        "w": torch.randn(37, 11, generator=generator), "b": torch.randn(5, generator=generator).to(torch.bfloat16),
+        "t": torch.randn(9, 4, generator=generator).T, "step": torch.tensor(3.0), "i8": torch.arange(3, dtype=torch.int8),
+        "mask": torch.tensor([True, False]), "f64": torch.randn(3, generator=generator, dtype=torch.float64),
+    }
+    live = {key: (t if key == "i8" else t.cuda()) for key, t in host.items()}  # one tensor stays on the CPU
+    packed = checkpoint.PackedTensors(live)
+    assert packed.fill(live) and packed.data.is_pinned()
+    torch.cuda.synchronize()
+    digest = checkpoint.write_flat(tmp_path / "packed.safetensors", {}, packed)
+    assert checkpoint.write_flat(tmp_path / "host.safetensors", {}, {k: t.contiguous() for k, t in host.items()}) == digest
+    assert (tmp_path / "packed.safetensors").read_bytes() == (tmp_path / "host.safetensors").read_bytes()

@@ -38,6 +38,7 @@ __all__ = [
     "CheckpointFolder",
     "declared_digest",
     "FitProgress",
+    "PackedTensors",
     "flatten",
     "load_or_roll_back",
     "mismatches",
@@ -160,14 +161,64 @@ def mismatches(expected: Any, found: Any, limit: int = 8) -> list[str]:
     return problems[:limit] + ([f"and {len(problems) - limit} more"] if len(problems) > limit else [])
 
 
-def _digest(document: str, tensors: Mapping[str, Tensor]) -> str:
+#: one tensor of a file: ``(key, dtype, shape, its bytes)``, in the file's (sorted key) order
+Entry = tuple[str, torch.dtype, tuple[int, ...], Any]
+
+
+def _entries(tensors: Mapping[str, Tensor]) -> list[Entry]:
+    """The entries of contiguous CPU ``tensors``, their bytes without a copy."""
+    return [(key, tensors[key].dtype, tuple(tensors[key].shape), _bytes(tensors[key])) for key in sorted(tensors)]
+
+
+def _bytes(tensor: Tensor) -> Any:
+    return tensor.reshape(-1).view(torch.uint8).numpy().data
+
+
+def _digest(document: str, entries: list[Entry]) -> str:
     """sha256 of ``document`` and of each tensor's key, dtype, shape and bytes, in sorted key order."""
     digest = hashlib.sha256(document.encode())
-    for key in sorted(tensors):
-        tensor = tensors[key]
-        digest.update(f"\0{key}\0{tensor.dtype}\0{tuple(tensor.shape)}\0".encode())
-        digest.update(tensor.reshape(-1).view(torch.uint8).numpy().data)
+    for key, dtype, shape, data in entries:
+        digest.update(f"\0{key}\0{dtype}\0{shape}\0".encode())
+        digest.update(data)
     return digest.hexdigest()
+
+
+class PackedTensors:
+    """Host tensors laid out back to back in sorted key order in one buffer (pinned for a GPU state): the data
+    section of their safetensors file as it is, filled from a live state in one device-to-host copy and written
+    with one hash update per tensor and one write, so that a background write barely holds the GIL."""
+
+    def __init__(self, like: Mapping[str, Tensor]) -> None:
+        self.specs = [(key, like[key].dtype, tuple(like[key].shape), like[key].numel() * like[key].element_size())
+                      for key in sorted(like)]
+        for key, dtype, _, _ in self.specs:
+            if dtype not in _SAFETENSORS_DTYPES:
+                raise TypeError(f"checkpoint state {key}: dtype {dtype} has no safetensors code")
+        self.data = torch.empty(sum(n for *_, n in self.specs), dtype=torch.uint8,
+                                pin_memory=any(t.is_cuda for t in like.values()))
+        whole, offset, self.entries = self.data.numpy().data, 0, []
+        for key, dtype, shape, size in self.specs:
+            self.entries.append((key, dtype, shape, whole[offset : offset + size]))
+            offset += size
+
+    def matches(self, tensors: Mapping[str, Tensor]) -> bool:
+        """Whether ``tensors`` have this buffer's keys, dtypes and shapes."""
+        return [(k, t.dtype, tuple(t.shape)) for k, t in sorted(tensors.items())] == [s[:3] for s in self.specs]
+
+    def fill(self, tensors: Mapping[str, Tensor]) -> bool:
+        """Copy ``tensors`` in; ``True`` if that is an asynchronous copy from a GPU, which the reader of
+        :attr:`data` must wait for (a CUDA event recorded after this call)."""
+        parts = [tensors[key].detach().reshape(-1).view(torch.uint8) for key, *_ in self.specs]
+        device = next((p.device for p in parts if p.is_cuda), None)
+        if device is None:
+            offset = 0
+            for part in parts:
+                self.data[offset : offset + part.numel()].copy_(part)
+                offset += part.numel()
+            return False
+        packed = torch.cat([p.to(device, non_blocking=True) for p in parts])  # one buffer on the GPU, one transfer
+        self.data.copy_(packed, non_blocking=True)
+        return True
 
 
 # ---------------------------------------------------------------------------------------- files
@@ -215,11 +266,19 @@ def write(path: str | os.PathLike[str], state: Any, keep: Callable[[str], bool] 
     return write_flat(path, *flatten(state, keep))
 
 
-def write_flat(path: Path, skeleton: Any, tensors: Mapping[str, Tensor]) -> str:
-    """:func:`write` of a state already split by :func:`flatten` (CPU tensors); returns the sha256."""
+def write_flat(path: Path, skeleton: Any, tensors: Mapping[str, Tensor] | PackedTensors) -> str:
+    """:func:`write` of a state already split by :func:`flatten` (CPU tensors, or packed); returns the sha256."""
     document = json.dumps({"format": FORMAT, "version": VERSION, "state": skeleton})
-    digest = _digest(document, tensors)
-    atomic_write(path, _safetensors_chunks(tensors, {"torch_dad": document, "sha256": digest}))
+    if isinstance(tensors, PackedTensors):
+        entries, data = tensors.entries, [tensors.data.numpy().data]
+    else:
+        for key, tensor in tensors.items():
+            if tensor.dtype not in _SAFETENSORS_DTYPES:
+                raise TypeError(f"checkpoint state {key}: dtype {tensor.dtype} has no safetensors code")
+        entries = _entries(tensors)
+        data = [entry[3] for entry in entries]
+    digest = _digest(document, entries)
+    atomic_write(path, [_safetensors_header(entries, {"torch_dad": document, "sha256": digest}), *data])
     return digest
 
 
@@ -229,23 +288,19 @@ _SAFETENSORS_DTYPES = {
 }
 
 
-def _safetensors_chunks(tensors: Mapping[str, Tensor], metadata: dict[str, str]) -> list[Any]:
-    """The safetensors file of ``tensors`` (contiguous CPU tensors) as chunks to write: the header, then each
-    tensor's bytes without a copy. ``safetensors.torch.save`` builds the whole file in memory while holding
-    the GIL, which stalls a training thread while a background thread saves; writing chunks releases it."""
-    entries, chunks, offset = {}, [], 0
-    for key in sorted(tensors):
-        tensor = tensors[key]
-        if tensor.dtype not in _SAFETENSORS_DTYPES:
-            raise TypeError(f"checkpoint state {key}: dtype {tensor.dtype} has no safetensors code")
-        data = tensor.reshape(-1).view(torch.uint8).numpy().data
-        entries[key] = {"dtype": _SAFETENSORS_DTYPES[tensor.dtype], "shape": list(tensor.shape),
-                        "data_offsets": [offset, offset + data.nbytes]}
-        chunks.append(data)
+def _safetensors_header(entries: list[Entry], metadata: dict[str, str]) -> bytes:
+    """The safetensors header (8-byte length, JSON) of ``entries``' bytes laid out back to back. Written before
+    the tensors' own bytes, without a copy: ``safetensors.torch.save`` builds the whole file in memory while
+    holding the GIL, which stalls a training thread while a background thread saves."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    offset = 0
+    for key, dtype, shape, data in entries:
+        header[key] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape),
+                       "data_offsets": [offset, offset + data.nbytes]}
         offset += data.nbytes
-    header = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
-    header += b" " * (-len(header) % 8)  # the data starts 8-byte aligned
-    return [struct.pack("<Q", len(header)) + header, *chunks]
+    encoded = json.dumps(header, separators=(",", ":")).encode()
+    encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned
+    return struct.pack("<Q", len(encoded)) + encoded
 
 
 def _metadata(data: bytes) -> dict[str, str]:
@@ -282,7 +337,7 @@ def read_parts(path: str | os.PathLike[str]) -> tuple[Any, dict[str, Tensor], st
         raise
     except Exception as exc:  # any parse failure means a damaged file: safetensors, json and struct errors alike
         raise CheckpointError(f"checkpoint {path} is truncated or corrupted: {exc}") from exc
-    if _digest(metadata["torch_dad"], tensors) != metadata["sha256"]:
+    if _digest(metadata["torch_dad"], _entries(tensors)) != metadata["sha256"]:
         raise CheckpointError(f"checkpoint {path} is corrupted: its sha256 does not match its contents")
     if (
         not isinstance(document, dict)

@@ -67,7 +67,8 @@ class ShardedFolder:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch_dad-checkpoint")
         self._last: Future[None] | None = None
         self._saves = 0
-        self._host: dict[str, Tensor] = {}  # per state key, the host buffer each save's snapshot reuses
+        # the host copy each save fills: reused, since a save first waits for the previous write
+        self._host: checkpoint.PackedTensors | None = None
         self._check_shared()
 
     # ------------------------------------------------------------------ collectives
@@ -135,23 +136,14 @@ class ShardedFolder:
         target.mkdir(parents=True, exist_ok=True)
         self._saves += 1
         skeleton, live = checkpoint.flatten(state, lambda key: self.owner(key) in (None, self.rank), lambda t: t)
-        tensors = {key: self._snapshot(key, tensor) for key, tensor in live.items()}
+        if self._host is None or not self._host.matches(live):
+            self._host = checkpoint.PackedTensors(live)
         copied = None
-        if any(t.is_cuda for t in live.values()):
+        if self._host.fill(live):  # from a GPU: the writer thread waits for the transfer, not this one
             copied = torch.cuda.Event()
             copied.record()
-        self._last = self._writer.submit(self._write, step, self._saves, target, skeleton, tensors, copied)
+        self._last = self._writer.submit(self._write, step, self._saves, target, skeleton, self._host, copied)
         return target
-
-    def _snapshot(self, key: str, tensor: Tensor) -> Tensor:
-        """A host copy of ``tensor`` that training cannot change, in this key's buffer from the previous
-        save (whose write is complete): from a GPU an asynchronous copy into pinned memory, which the
-        writer thread waits for, so the training thread neither waits for the transfer nor allocates."""
-        host = self._host.get(key)
-        if host is None or host.shape != tensor.shape or host.dtype != tensor.dtype:
-            host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=tensor.is_cuda)
-            self._host[key] = host
-        return host.copy_(tensor.detach(), non_blocking=tensor.is_cuda)
 
     def flush(self) -> None:
         """Wait until the last save is complete on every rank (the end of ``fit``)."""
@@ -163,7 +155,7 @@ class ShardedFolder:
                 problem = f"rank {self.rank} could not write its checkpoint shard: {exc!r}"
         self._raise_if_any(problem)
 
-    def _write(self, step: int, save: int, target: Path, skeleton: Any, tensors: dict[str, Tensor],
+    def _write(self, step: int, save: int, target: Path, skeleton: Any, tensors: checkpoint.PackedTensors,
                copied: torch.cuda.Event | None) -> None:
         if copied is not None:
             copied.synchronize()  # the device-to-host copies of the snapshot have landed
