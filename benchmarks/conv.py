@@ -24,6 +24,7 @@ graph. Time: median of 20 steps. Memory is total: peak allocated plus what the g
     python benchmarks/conv.py --grids 1 2 4 --width-scale 16 --train-limit 20000 --threads 1
     python benchmarks/conv.py --dataset fmnist --systems dad backprop --epochs 10   # GPU
     python benchmarks/conv.py --memory                               # GPU: time and peak memory
+    python benchmarks/conv.py --memory --profile                     # GPU: and the kernel time by kind
 """
 
 from __future__ import annotations
@@ -244,7 +245,7 @@ def memory_mode(args: argparse.Namespace) -> list[dict[str, Any]]:
     for (net, depth, batch), layout, system in itertools.product(jobs, LAYOUTS, ("dad", "backprop")):
         job = json.dumps([net, depth, batch, system, layout])
         if cuda:  # a fresh process: no allocator cache or graph pool of another system counts
-            command = [sys.executable, __file__, "--memory-job", job]
+            command = [sys.executable, __file__, "--memory-job", job, *(["--profile"] if args.profile else [])]
             out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
             record = json.loads(out.strip().splitlines()[-1])
         else:
@@ -254,13 +255,14 @@ def memory_mode(args: argparse.Namespace) -> list[dict[str, Any]]:
     return records
 
 
-def memory_job(job: list[Any], smoke: bool = False) -> dict[str, Any]:
+def memory_job(job: list[Any], smoke: bool = False, profile: bool = False) -> dict[str, Any]:
     """One system's step (DAD: ``DADTrainer`` defaults, its CUDA graph on a GPU; backprop: forward, backward
     and fused AdamW in one CUDA graph) on one net: ``step_ms`` (median of 20 after warm-up) and memory.
 
     ``total_mib``: peak allocated plus what CUDA-graph pools hold beyond it (:func:`graph_pool_slack`), the
     memory the step needs; ``reserved_mib``: the allocator's peak reservation; ``static_mib``: allocated
-    between steps (weights, optimizer state, kept buffers)."""
+    between steps (weights, optimizer state, kept buffers). ``profile``: ``kernel_ms`` too, the step's GPU time
+    split as :func:`kernel_ms` does."""
     net, depth, batch, system, layout = job
     device = torch.device("cpu" if smoke else "cuda")
     memory_format = torch.channels_last if layout == "channels_last" else torch.contiguous_format
@@ -291,11 +293,44 @@ def memory_job(job: list[Any], smoke: bool = False) -> dict[str, Any]:
     peak = torch.cuda.max_memory_allocated()
     record.update(total_mib=(peak + graph_pool_slack()) / 2**20, reserved_mib=torch.cuda.max_memory_reserved() / 2**20,
                   static_mib=static / 2**20, above_static_mib=(peak - static) / 2**20)
+    if profile:  # after the memory figures: the uncaptured step allocates its own
+        if system == "dad":
+            uncaptured: Any = functools.partial(td.DADTrainer(model, device, amp_dtype=amp, backend="triton").step, x, y)
+        else:
+            uncaptured = _backprop_step(model, x, y, amp, graphed=False)
+        record["kernel_ms"] = kernel_ms(uncaptured)
     return record
 
 
-def _backprop_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, amp: torch.dtype | None) -> Any:
-    """Tuned backprop: forward, backward and fused AdamW, captured in one CUDA graph on a GPU."""
+#: kernel-name fragments of each share of a conv step's GPU time (cuDNN's and ATen's names), first match wins
+KERNEL_SHARES = (("data gradient", ("dgrad",)), ("weight gradient", ("wgrad",)),
+                 ("layout copies", ("nchwToNhwc", "nhwcToNchw")), ("convolution forward", ("fprop", "implicit_gemm")),
+                 ("AdamW", ("adam", "multi_tensor_apply")))
+
+
+def kernel_ms(step: Any, steps: int = 10) -> dict[str, float]:
+    """GPU kernel time per step of ``step`` (uncaptured, so each kernel is seen), by :data:`KERNEL_SHARES`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(3):
+        step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    shares: dict[str, float] = {}
+    for event in prof.events():
+        if event.device_type.name != "CUDA":
+            continue
+        name = next((share for share, parts in KERNEL_SHARES if any(p in event.name for p in parts)), "other")
+        shares[name] = shares.get(name, 0.0) + event.device_time / 1e3 / steps
+    return {"total": round(sum(shares.values()), 3), **{k: round(v, 3) for k, v in sorted(shares.items())}}
+
+
+def _backprop_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, amp: torch.dtype | None,
+                   graphed: bool = True) -> Any:
+    """Tuned backprop: forward, backward and fused AdamW, captured in one CUDA graph on a GPU (``graphed``)."""
     cuda = x.is_cuda
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=cuda, capturable=cuda)
 
@@ -307,7 +342,7 @@ def _backprop_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, amp
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
 
-    return capture(step) if cuda else step
+    return capture(step) if cuda and graphed else step
 
 
 def main() -> None:
@@ -325,10 +360,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=0, help="torch.set_num_threads (0: torch's default)")
     parser.add_argument("--memory", action="store_true", help="CUDA: step time and total memory, fresh processes")
     parser.add_argument("--memory-job", default=None, help=argparse.SUPPRESS)  # internal: one system, JSON out
+    parser.add_argument("--profile", action="store_true", help="with --memory: each step's GPU kernel time by kind")
     parser.add_argument("--smoke", action="store_true", help="seconds on synthetic data, for CI")
     args = parser.parse_args()
     if args.memory_job:
-        print(json.dumps(memory_job(json.loads(args.memory_job))))
+        print(json.dumps(memory_job(json.loads(args.memory_job), profile=args.profile)))
         return
     config = run_config(args, parser)
     if args.threads:
