@@ -398,6 +398,26 @@ class _IdentityReducer:
         pass
 
 
+@pytest.mark.parametrize("pool", [None, "max", "avg"])
+def test_a_channels_last_conv_layer_keeps_the_layout_and_the_values(pool):
+    """Input and weights channels-last (``model.to(memory_format=torch.channels_last)``): the output the next
+    layer reads stays channels-last, and output, loss and gradients are those of the contiguous layer."""
+    torch.manual_seed(0)
+    layer = td.DADConv2d(3, 8, 3, padding=1, num_classes=4, pool=pool, normalize="batchnorm")
+    channels_last = td.DADConv2d(3, 8, 3, padding=1, num_classes=4, pool=pool, normalize="batchnorm")
+    channels_last.load_state_dict(layer.state_dict())
+    channels_last = channels_last.to(memory_format=torch.channels_last)
+    x, y = torch.randn(4, 3, 10, 10), torch.tensor([0, 1, 2, 3])
+    x_cl = x.to(memory_format=torch.channels_last)
+    assert channels_last(x_cl).is_contiguous(memory_format=torch.channels_last)
+    assert relative_error(channels_last(x_cl), layer(x)) <= 1e-5
+    (result, grads), (result_cl, grads_cl) = layer.local_gradients(x, y), channels_last.local_gradients(x_cl, y)
+    assert result_cl.output.is_contiguous(memory_format=torch.channels_last)
+    assert relative_error(result_cl.loss, result.loss) <= 1e-5
+    for g, g_cl in zip(grads, grads_cl):
+        assert g_cl.shape == g.shape and relative_error(g_cl, g) <= 1e-4
+
+
 @pytest.mark.parametrize("name", sorted(MODELS))
 @pytest.mark.parametrize("amp,tol", [(None, 1e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("reducer,held_bytes", [(False, None), (False, 0), (True, None)])

@@ -63,3 +63,16 @@ def test_kernels_match_float64_oracle(shape, kind):  # type: ignore[no-untyped-d
     assert torch.equal(out.double().cpu(), want_out)
     assert torch.equal(arg.cpu(), want_arg)
     assert torch.equal(d_h.double().cpu(), want_d_h)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_a_channels_last_input_gives_a_channels_last_output(dtype):  # type: ignore[no-untyped-def]
+    """As torch's pooling does: the next layer then reads one layout; values, codes and backward unchanged."""
+    h = make_input((2, 8, 10, 6), dtype, "relu", DEVICE)
+    out, arg = max_pool2x2(h, backend="triton")
+    out_cl, arg_cl = max_pool2x2(h.to(memory_format=torch.channels_last), backend="triton")
+    assert out_cl.is_contiguous(memory_format=torch.channels_last) and not out_cl.is_contiguous()
+    assert torch.equal(out_cl, out) and torch.equal(arg_cl, arg)
+    d_out = torch.randn(out.shape, device=DEVICE).to(dtype)
+    assert torch.equal(max_pool2x2_backward(d_out.to(memory_format=torch.channels_last), arg_cl, h.shape, backend="triton"),
+                       max_pool2x2_backward(d_out, arg, h.shape, backend="triton"))

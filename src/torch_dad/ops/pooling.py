@@ -120,8 +120,16 @@ def max_pool2x2(h: Tensor, *, backend: str = "auto") -> tuple[Tensor, Tensor]:
         out = source.new_empty(out_shape)
         arg = torch.empty(out_shape, dtype=torch.uint8, device=h.device)
         _kernels().launch_max_pool(source, out, arg)
-        return out, arg
+        # a channels-last input gives a channels-last output, as torch's pooling does, so the next
+        # layer's convolutions and elementwise ops do not mix layouts
+        return out.contiguous(memory_format=_memory_format(h)), arg
     return _max_pool2x2_torch(h)
+
+
+def _memory_format(x: Tensor) -> torch.memory_format:
+    """``torch.channels_last`` for a channels-last (and not also contiguous) 4-d ``x``, else contiguous."""
+    cl = x.is_contiguous(memory_format=torch.channels_last) and not x.is_contiguous()
+    return torch.channels_last if cl else torch.contiguous_format
 
 
 def max_pool2x2_backward(d_out: Tensor, arg: Tensor, h_shape: Sequence[int], *, backend: str = "auto") -> Tensor:
