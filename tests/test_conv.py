@@ -551,8 +551,11 @@ def test_grid_pool_matches_adaptive_average_pool_and_its_adjoint(shape, grid, dt
     (want_dx,) = torch.autograd.grad(want, x64, d_pooled)
     x = x64.detach().to(dtype)
     tol = {torch.float64: 1e-12, torch.float32: 1e-6, torch.bfloat16: 2e-2}[dtype]
-    got = grid_pool(x, grid)
-    got_dx = grid_pool_backward(d_pooled.to(dtype), x, grid)
-    assert got.dtype == dtype and got_dx.shape == x.shape
-    assert relative_error(got.double(), want.detach()) <= tol
-    assert relative_error(got_dx.double(), want_dx) <= tol
+    for layout in (torch.contiguous_format, torch.channels_last):  # channels-last: read and written in place
+        x = x.contiguous(memory_format=layout)
+        got = grid_pool(x, grid)
+        got_dx = grid_pool_backward(d_pooled.to(dtype), x, grid)
+        assert got.dtype == dtype and got_dx.shape == x.shape
+        assert got_dx.is_contiguous(memory_format=layout)
+        assert relative_error(got.double(), want.detach()) <= tol
+        assert relative_error(got_dx.double(), want_dx) <= tol

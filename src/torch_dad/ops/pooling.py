@@ -70,19 +70,25 @@ def _wide(dtype: torch.dtype) -> torch.dtype:
 
 def grid_pool(x: Tensor, grid: int) -> Tensor:
     """``adaptive_avg_pool2d(x, grid)`` of an (N, C, H, W) ``x``: one product with the windows, then
-    the division by their areas, ``(x.reshape(N * C, H * W) @ S.T) / area``."""
+    the division by their areas, ``(x.reshape(N * C, H * W) @ S.T) / area`` (channels-last: ``S @ x`` per
+    row over ``(H * W, C)``, read in place)."""
     n, c, height, width = x.shape
     windows, area = _windows(height, width, grid, x.dtype, x.device)
-    summed = x.reshape(n * c, height * width) @ windows.T
+    if _memory_format(x) == torch.channels_last:
+        summed = (windows @ x.permute(0, 2, 3, 1).reshape(n, height * width, c)).transpose(1, 2)
+    else:
+        summed = x.reshape(n * c, height * width) @ windows.T
     return (summed / area.to(_wide(x.dtype))).to(x.dtype).reshape(n, c, grid, grid)
 
 
 def grid_pool_backward(d_pooled: Tensor, x: Tensor, grid: int) -> Tensor:
-    """The adjoint of :func:`grid_pool` at ``x``'s shape: ``(d_pooled / area) @ S``."""
+    """The adjoint of :func:`grid_pool` at ``x``'s shape and memory format: ``(d_pooled / area) @ S``."""
     n, c, height, width = x.shape
     windows, area = _windows(height, width, grid, x.dtype, x.device)
-    scaled = (d_pooled.reshape(n * c, grid * grid) / area.to(_wide(d_pooled.dtype))).to(x.dtype)
-    return (scaled @ windows).reshape(n, c, height, width)
+    scaled = (d_pooled.reshape(n, c, grid * grid) / area.to(_wide(d_pooled.dtype))).to(x.dtype)
+    if _memory_format(x) == torch.channels_last:  # (N, H * W, C) rows: the (N, C, H, W) channels-last layout
+        return (windows.T @ scaled.transpose(1, 2)).reshape(n, height, width, c).permute(0, 3, 1, 2)
+    return (scaled.reshape(n * c, grid * grid) @ windows).reshape(n, c, height, width)
 
 
 def _check_pooled(name: str, tensor: object) -> Tensor:
