@@ -74,5 +74,6 @@ def test_a_channels_last_input_gives_a_channels_last_output(dtype):  # type: ign
     assert out_cl.is_contiguous(memory_format=torch.channels_last) and not out_cl.is_contiguous()
     assert torch.equal(out_cl, out) and torch.equal(arg_cl, arg)
     d_out = torch.randn(out.shape, device=DEVICE).to(dtype)
-    assert torch.equal(max_pool2x2_backward(d_out.to(memory_format=torch.channels_last), arg_cl, h.shape, backend="triton"),
-                       max_pool2x2_backward(d_out, arg, h.shape, backend="triton"))
+    d_h_cl = max_pool2x2_backward(d_out.to(memory_format=torch.channels_last), arg_cl, h.shape, backend="triton")
+    assert d_h_cl.is_contiguous(memory_format=torch.channels_last)
+    assert torch.equal(d_h_cl, max_pool2x2_backward(d_out, arg, h.shape, backend="triton"))

@@ -146,7 +146,7 @@ def max_pool2x2_backward(d_out: Tensor, arg: Tensor, h_shape: Sequence[int], *, 
     if d_out.dtype in _KERNEL_DTYPES and use_triton(d_out, backend):
         d_h = d_out.new_empty(shape)
         _kernels().launch_max_pool_backward(d_out.contiguous(), arg.contiguous(), d_h)
-        return d_h
+        return d_h.contiguous(memory_format=_memory_format(d_out))  # in d_out's layout, as torch's backward
     return _max_pool2x2_backward_torch(d_out, arg, shape)
 
 
