@@ -11,7 +11,7 @@ Both give the model that single-process ``DADTrainer.fit`` gives for the same gl
 (see docs/distributed.md). Only rank 0 prints and writes ``--save``.
 
 With ``--checkpoint-dir`` (a folder every rank sees) each rank writes its shard every
-``--checkpoint-every`` steps and at each epoch's end, and a restarted run resumes from the newest
+``--checkpoint-every`` steps and at the end, and a restarted run resumes from the newest
 complete checkpoint. To survive a killed worker, let torchrun restart the group::
 
     TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 torchrun --standalone --nproc_per_node=2 --max-restarts=3 \
