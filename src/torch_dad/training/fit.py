@@ -16,7 +16,7 @@ from .._checks import check_bool, check_positive_int
 from . import checkpoint
 from .checkpoint import FitProgress
 
-__all__ = ["RunFolder", "check_fit_arguments", "epoch_end_saved", "start_fit", "train_epoch"]
+__all__ = ["RunFolder", "check_fit_arguments", "end_epoch", "epoch_end_saved", "start_fit", "train_epoch"]
 
 
 class RunFolder(Protocol):
@@ -41,6 +41,14 @@ def epoch_end_saved(folder: RunFolder, epoch: int, epochs: int) -> bool:
     """Whether ``fit`` saves after epoch ``epoch``: at every epoch end without ``checkpoint_every``, else
     only at the last (the due steps are saved inside the epochs)."""
     return folder.every is None or epoch == epochs - 1
+
+
+def end_epoch(run: FitProgress, generator: torch.Generator, folder: RunFolder | None, epoch: int, epochs: int,
+              step_count: int, state_dict: Callable[[], dict[str, Any]]) -> None:
+    """After epoch ``epoch``'s record: move ``run`` to the next epoch, then save if :func:`epoch_end_saved`."""
+    run.next_epoch(generator.get_state())
+    if folder is not None and epoch_end_saved(folder, epoch, epochs):
+        folder.save(step_count, run.checkpoint(state_dict()))
 
 
 def check_fit_arguments(

@@ -29,7 +29,7 @@ from .batches import classification_metrics, reiterable
 from .checkpoint import FitProgress
 from .data_parallel import DataParallelTrainer
 from .distributed import broadcast, check_same_on_all_ranks, group_info
-from .fit import check_fit_arguments, epoch_end_saved, start_fit
+from .fit import check_fit_arguments, end_epoch, start_fit
 from .shards import ShardedFolder
 from .step import Batch, progress_bar
 from .trainer import DADTrainer
@@ -320,9 +320,7 @@ class Pipeline:
             if metrics is not None:
                 record["accuracy"], record["eval_loss"] = metrics["accuracy"], metrics["loss"]
             trainer.history.append(self._from_last(record))
-            run.next_epoch(generator.get_state())
-            if folder is not None and epoch_end_saved(folder, epoch, epochs):
-                folder.save(trainer.step_count, run.checkpoint(trainer.state_dict()))
+            end_epoch(run, generator, folder, epoch, epochs, trainer.step_count, trainer.state_dict)
         if folder is not None:
             folder.flush()
         return trainer.history[run.history_start :]

@@ -25,7 +25,7 @@ from .batches import as_batch_pair, classification_metrics, iterate_batches, pre
 from .checkpoint import CheckpointFolder
 from .classifier import OutputClassifier
 from .eager import EagerRunner
-from .fit import RunFolder, check_fit_arguments, epoch_end_saved, start_fit, train_epoch
+from .fit import RunFolder, check_fit_arguments, end_epoch, start_fit, train_epoch
 from .options import EngineOptions
 from .step import Batch, Dropout, GradientReducer, RunningLoss, StepOutput, StepPlan, StepRunner, progress_bar
 
@@ -517,9 +517,7 @@ class DADTrainer:
             if hasattr(bar, "close"):
                 bar.close()
             self.history.append(record)
-            run.next_epoch(generator.get_state())
-            if folder is not None and epoch_end_saved(folder, epoch, epochs):
-                folder.save(self.step_count, run.checkpoint(self.state_dict()))
+            end_epoch(run, generator, folder, epoch, epochs, self.step_count, self.state_dict)
         if folder is not None:
             folder.flush()
         return self.history[run.history_start :]
