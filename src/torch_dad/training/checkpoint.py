@@ -186,14 +186,13 @@ def _digest(document: str, entries: list[Entry]) -> str:
 class PackedTensors:
     """Host tensors laid out back to back in sorted key order in one buffer (pinned for a GPU state): the data
     section of their safetensors file as it is, filled from a live state in one device-to-host copy and written
-    with one hash update per tensor and one write, so that a background write barely holds the GIL."""
+    with one hash update per tensor and one write call."""
 
     def __init__(self, like: Mapping[str, Tensor]) -> None:
         self.specs = [(key, like[key].dtype, tuple(like[key].shape), like[key].numel() * like[key].element_size())
                       for key in sorted(like)]
         for key, dtype, _, _ in self.specs:
-            if dtype not in _SAFETENSORS_DTYPES:
-                raise TypeError(f"checkpoint state {key}: dtype {dtype} has no safetensors code")
+            _check_dtype(key, dtype)
         self.data = torch.empty(sum(n for *_, n in self.specs), dtype=torch.uint8,
                                 pin_memory=any(t.is_cuda for t in like.values()))
         whole, offset, self.entries = self.data.numpy().data, 0, []
@@ -273,8 +272,7 @@ def write_flat(path: Path, skeleton: Any, tensors: Mapping[str, Tensor] | Packed
         entries, data = tensors.entries, [tensors.data.numpy().data]
     else:
         for key, tensor in tensors.items():
-            if tensor.dtype not in _SAFETENSORS_DTYPES:
-                raise TypeError(f"checkpoint state {key}: dtype {tensor.dtype} has no safetensors code")
+            _check_dtype(key, tensor.dtype)
         entries = _entries(tensors)
         data = [entry[3] for entry in entries]
     digest = _digest(document, entries)
@@ -286,6 +284,11 @@ _SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16", torch.int64: "I64",
     torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL",
 }
+
+
+def _check_dtype(key: str, dtype: torch.dtype) -> None:
+    if dtype not in _SAFETENSORS_DTYPES:
+        raise TypeError(f"checkpoint state {key}: dtype {dtype} has no safetensors code")
 
 
 def _safetensors_header(entries: list[Entry], metadata: dict[str, str]) -> bytes:
