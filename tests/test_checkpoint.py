@@ -3,6 +3,7 @@ mismatch errors, and ``fit(checkpoint_dir=..., resume=True)`` resuming bitwise m
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pickle
 import subprocess
@@ -428,12 +429,33 @@ def test_history_in_the_file_is_json(tmp_path):
     raw = (tmp_path / "checkpoint-000000013.safetensors").read_bytes()
     header = json.loads(raw[8 : 8 + int.from_bytes(raw[:8], "little")])
     document = json.loads(header["__metadata__"]["torch_dad"])
-    assert document["format"] == "torch_dad.checkpoint" and document["version"] == 1
+    assert document["format"] == "torch_dad.checkpoint" and document["version"] == 2
     assert document["state"]["trainer"]["history"][0]["loss"] == trainer.history[0]["loss"]
     assert document["state"]["fit"]["epoch"] == 1 and document["state"]["fit"]["batches"] == 0
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         checkpoint.read(tmp_path / "checkpoint-000000013.safetensors")
+
+
+def test_a_version_1_file_still_loads_and_its_digest_still_guards_it(tmp_path):
+    """Files whose digest interleaves each tensor's description and bytes (format version 1) verify and load."""
+    safetensors_torch = pytest.importorskip("safetensors.torch")
+    tensors = {"b": torch.arange(3.0), "a": torch.ones(2, 2, dtype=torch.float64)}
+    state = {"w": {"__tensor__": "a"}, "v": {"__tensor__": "b"}, "n": 3}
+    document = json.dumps({"format": "torch_dad.checkpoint", "version": 1, "state": state})
+    digest = hashlib.sha256(document.encode())
+    for key in sorted(tensors):
+        digest.update(f"\0{key}\0{tensors[key].dtype}\0{tuple(tensors[key].shape)}\0".encode())
+        digest.update(tensors[key].numpy().tobytes())
+    raw = safetensors_torch.save(tensors, metadata={"torch_dad": document, "sha256": digest.hexdigest()})
+    (tmp_path / "v1.safetensors").write_bytes(raw)
+    loaded = checkpoint.read(tmp_path / "v1.safetensors")
+    assert loaded["n"] == 3 and torch.equal(loaded["w"], tensors["a"]) and torch.equal(loaded["v"], tensors["b"])
+    altered = bytearray(raw)
+    altered[-1] ^= 1
+    (tmp_path / "altered.safetensors").write_bytes(bytes(altered))
+    with pytest.raises(checkpoint.CheckpointError, match="sha256 does not match"):
+        checkpoint.read(tmp_path / "altered.safetensors")
 
 
 def test_shard_files_read_back_with_safetensors_for_every_dtype_and_shape(tmp_path):

@@ -32,6 +32,7 @@ the fp32 summation order of the atomically added gradients.
 
 from __future__ import annotations
 
+from collections import deque
 from contextlib import nullcontext
 from dataclasses import dataclass
 from functools import partial
@@ -55,6 +56,9 @@ __all__ = ["FusedStep", "unsupported_reason", "uses_local_error_kernel"]
 #: gradients of local layers held for one batched AdamW launch before it runs mid-step: one launch per
 #: layer costs small blocks more than their update; holding all of them grows with depth
 HELD_GRADIENT_BYTES = 2 * 2**20
+#: layers whose side-stream tensors a captured step holds before the main stream waits for their side work and
+#: drops them: holding every layer's until the end of the step made the graph's pool grow with depth
+KEPT_LAYERS = 1
 
 
 def unsupported_reason(model: DADModel, config: OptimizerConfig) -> str | None:
@@ -351,6 +355,10 @@ class _Run(LayerLoop):
         self.small_exp_avg_sq: list[Tensor] = []
         self.small_steps: list[Tensor] = []
         self.keep: list[Tensor] = []
+        #: per earlier layer: events on the side streams after its work, and the tensors that work reads
+        self.kept: deque[tuple[list[torch.cuda.Event], list[Tensor]]] = deque()
+        #: the side streams this step forked (error stream included), for the events of :meth:`_release_kept`
+        self.forked_streams: list[torch.cuda.Stream] = []
         self.sample_stream: torch.cuda.Stream | None = None
 
     def begin(self) -> None:
@@ -384,6 +392,7 @@ class _Run(LayerLoop):
 
     def layer_step(self, index: int, layer: Any, a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Layer ``index``: forward, local error, then its updates (on the side stream under overlap)."""
+        self._release_kept()
         if not isinstance(layer, DADLinear):
             return self._local_layer(layer, a)
         if a.dim() > 2:  # a convolution's or block's output, read as rows
@@ -399,6 +408,7 @@ class _Run(LayerLoop):
         layer.update_running_statistics()  # batch norm: on the main stream, which made the statistics
         if self.error_stream is not None and self.main is not None:
             self.error_stream.wait_stream(self.main)
+            self._fork("error", self.error_stream)
             self.keep += [h, *(saved or ())[1:]]
             with torch.cuda.stream(self.error_stream):
                 err = layer.step_error(h, z, saved, self.batch.y, backend="triton")
@@ -407,7 +417,7 @@ class _Run(LayerLoop):
         side = self.engine.stream("gemm") if self.overlap and self.main is not None else None
         if side is not None and self.main is not None:
             side.wait_stream(self.main)
-            self.forked.add("gemm")
+            self._fork("gemm", side)
             if self.error_stream is not None:
                 side.wait_stream(self.error_stream)
             self.keep += [a, err.d_z, err.grad_bias, *err.head_grads]
@@ -446,7 +456,7 @@ class _Run(LayerLoop):
         side = self.engine.stream("gemm") if self.overlap and self.main is not None else None
         if side is not None:
             side.wait_stream(torch.cuda.current_stream())
-            self.forked.add("gemm")
+            self._fork("gemm", side)
             self.keep += grads
         with torch.cuda.stream(side) if side is not None else nullcontext():
             self._launch_update(_Update([p.data for p in params[:nb]], grads[:nb], exp_avg[:nb], exp_avg_sq[:nb], shadow, step))
@@ -500,7 +510,7 @@ class _Run(LayerLoop):
             # at background priority, so it yields to the next forward
             stream = engine.stream("background")
             stream.wait_stream(torch.cuda.current_stream())
-            self.forked.add("background")
+            self._fork("background", stream)
             self.keep += update.grads
             with torch.cuda.stream(stream):
                 engine.adamw(update)
@@ -529,13 +539,36 @@ class _Run(LayerLoop):
             )
             if side is not None and background is not None:
                 background.wait_stream(side)
-                self.forked.add("background")
+                self._fork("background", background)
                 self.keep.append(grad)
                 with torch.cuda.stream(background):
                     engine.adamw(block)
             else:
                 engine.adamw(block)
         return grad
+
+    def _release_kept(self) -> None:
+        """Under overlap, before a layer: mark the side streams' work so far with events, holding the tensors it
+        reads; once more than ``KEPT_LAYERS`` layers are held, the main stream waits for the oldest one's events
+        and drops its tensors, which the allocator may then hand to the main stream again."""
+        if not self.overlap or self.main is None or not self.keep:
+            return
+        events = []
+        for stream in self.forked_streams:
+            event = torch.cuda.Event()
+            event.record(stream)
+            events.append(event)
+        self.kept.append((events, self.keep))
+        self.keep = []
+        while len(self.kept) > KEPT_LAYERS:
+            for event in self.kept.popleft()[0]:
+                self.main.wait_event(event)
+
+    def _fork(self, name: str, stream: torch.cuda.Stream) -> None:
+        """Note that ``stream`` (side stream ``name``) took work from the main stream in this step."""
+        self.forked.add(name)
+        if all(stream is not s for s in self.forked_streams):
+            self.forked_streams.append(stream)
 
     def _apply_small(self) -> None:
         """The collected small updates (local layers, local heads, the classifier) in one
@@ -600,3 +633,4 @@ class _Run(LayerLoop):
         if self.sample_stream is not None:
             torch.cuda.current_stream().wait_stream(self.sample_stream)
         self.keep.clear()
+        self.kept.clear()

@@ -133,7 +133,6 @@ class ShardedFolder:
             # rank, and torchrun restarts the group
             self._last.result()
         target = self.folder / f"{_PREFIX}{step:09d}"
-        target.mkdir(parents=True, exist_ok=True)
         self._saves += 1
         skeleton, live = checkpoint.flatten(state, lambda key: self.owner(key) in (None, self.rank), lambda t: t)
         if self._host is None or not self._host.matches(live):
@@ -157,6 +156,7 @@ class ShardedFolder:
 
     def _write(self, step: int, save: int, target: Path, skeleton: Any, tensors: checkpoint.PackedTensors,
                copied: torch.cuda.Event | None) -> None:
+        target.mkdir(parents=True, exist_ok=True)
         if copied is not None:
             copied.synchronize()  # the device-to-host copies of the snapshot have landed
         checkpoint.write_flat(target / self._shard(self.rank, save), skeleton, tensors)
