@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from typing import Any
 
@@ -199,6 +200,7 @@ class DADBlock(LocalLayer):
         workspace: dict[str, Tensor] | None = None,
         *,
         backend: str = "torch",
+        output_ready: Callable[[], object] | None = None,
     ) -> tuple[LocalStepResult, list[Tensor]]:
         """``(LocalStepResult(out.detach(), loss, logits), grads)`` with
         ``grads = torch.autograd.grad(CE(local_head(module(x)), y), trained_tensors())`` (zeros for
@@ -209,6 +211,9 @@ class DADBlock(LocalLayer):
         (:meth:`~torch_dad.nn.sequence_heads.TokenHead.step` on the output's rows in the compute dtype;
         ``backend="triton"`` lets a fused head run its kernels), then ``torch.autograd.grad(out, block
         parameters, dL/d out)``; ``logits`` are ``(batch, T, classes)``, ``(batch, T, 0)`` for a head that never forms them.
+
+        ``output_ready()``, if given, is called once the output's kernels are queued and before the head's and
+        the gradients' are (the engine marks there when the next layer may start).
         """
         params = self.trained_tensors()
         master = params[0].dtype
@@ -221,10 +226,12 @@ class DADBlock(LocalLayer):
         if self._unchecked_width is not None:
             self.check_width(x)
         if isinstance(self.head, TokenHead):
-            return self._token_gradients(x, target, autocast, compute_dtype or master, backend)
+            return self._token_gradients(x, target, autocast, compute_dtype or master, backend, output_ready)
         with torch.enable_grad():
             with autocast:
                 out = self.block(x)
+                if output_ready is not None:
+                    output_ready()
                 logits = self.head(out)
             wide = logits if logits.dtype in (torch.float32, torch.float64) else logits.float()
             loss = nn.functional.cross_entropy(wide, target, label_smoothing=self.label_smoothing)
@@ -233,13 +240,16 @@ class DADBlock(LocalLayer):
         return LocalStepResult(out.detach(), loss.detach(), logits.detach()), grads_list
 
     def _token_gradients(
-        self, x: Tensor, target: Tensor, autocast: Any, dtype: torch.dtype, backend: str
+        self, x: Tensor, target: Tensor, autocast: Any, dtype: torch.dtype, backend: str,
+        output_ready: Callable[[], object] | None,
     ) -> tuple[LocalStepResult, list[Tensor]]:
         """:meth:`local_gradients` with a token-level head (labels ``(batch, T)``)."""
         head = self.head
         assert isinstance(head, TokenHead)
         with torch.enable_grad(), autocast:
             out = self.block(x)
+        if output_ready is not None:
+            output_ready()
         check_token_layout(target, tuple(out.shape[:-1]), head.ignore_index, "labels")
         rows = out.detach().reshape(-1, out.shape[-1]).to(dtype)
         step = head.step(rows, target.reshape(-1), backend=backend)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -186,6 +187,7 @@ class DADConv2d(BatchNormLayer):
         workspace: dict[str, Tensor] | None = None,
         *,
         backend: str = "torch",
+        output_ready: Callable[[], object] | None = None,
     ) -> tuple[LocalStepResult, list[Tensor]]:
         """The layer's output, local loss and closed-form gradients, without updating anything.
 
@@ -197,7 +199,8 @@ class DADConv2d(BatchNormLayer):
         [norm_weight, norm_bias]``), in the master dtype. Under ``normalize="batchnorm"`` the batch
         statistics are kept for the update to fold into the running ones. No host syncs, no
         data-dependent shapes: the fused engine captures it. ``workspace`` and ``backend`` are accepted
-        for the trainer's protocol and unused (the max pool picks its own kernel).
+        for the trainer's protocol and unused (the max pool picks its own kernel). ``output_ready()``, if
+        given, is called once the output's kernels are queued, before the head's and the gradients'.
         """
         dtype = compute_dtype or self.weight.dtype
         a = inputs.to(dtype)
@@ -214,6 +217,8 @@ class DADConv2d(BatchNormLayer):
         pre_activation = None if reads_output else z
         del z
         out, arg = self._pool(h)
+        if output_ready is not None:
+            output_ready()
         result, d_out, head_grads = self._head_error(out, target)
         d_h = self._unpool(d_out, h, arg)
         del out, arg, d_out

@@ -187,10 +187,10 @@ class FusedStep:
 
     # ------------------------------------------------------------------ scheduling choices
     def stream(self, role: str) -> torch.cuda.Stream:
-        """The side stream for ``role`` ("gemm", "background", "critical", "sample" or "capture"),
+        """The side stream for ``role`` ("gemm", "background", "error", "sample", "capture", "local-0" or "local-1"),
         made once, at the priority ``STREAM_PRIORITIES`` gives its role when priorities are on."""
         if role not in self._streams:
-            priority_role = "critical" if role in ("capture", "error") else role
+            priority_role = "critical" if role in ("capture", "error", "local-0", "local-1") else role
             priority = STREAM_PRIORITIES[priority_role] if self.stream_priorities() else 0
             self._streams[role] = torch.cuda.Stream(device=self.device, priority=priority)
         return self._streams[role]
@@ -360,6 +360,8 @@ class _Run(LayerLoop):
         #: the side streams this step forked (error stream included), for the events of :meth:`_release_kept`
         self.forked_streams: list[torch.cuda.Stream] = []
         self.sample_stream: torch.cuda.Stream | None = None
+        #: local layers stepped so far under overlap: which of the two side streams takes the next
+        self.local_turn = 0
 
     def begin(self) -> None:
         steps = [_tensor(layer.optim_state.step) for layer in self.layers]
@@ -427,20 +429,46 @@ class _Run(LayerLoop):
         return h, err.logits, err.loss
 
     def _local_layer(self, layer: Any, a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-        """A ``DADConv2d``, ``DADBlock`` or other local layer: its own ``local_gradients`` (torch ops
-        on the main stream, capturable), then AdamW on all its trained tensors, batched with the other
-        small updates into one ``torch._fused_adamw_`` launch: at the end of the step (under data
-        parallelism after their all-reduce), or earlier once the held gradients pass
+        """A ``DADConv2d``, ``DADBlock`` or other local layer: its own ``local_gradients`` (torch ops,
+        capturable), then AdamW on all its trained tensors. Under overlap without a reducer both run on a side
+        stream beside the next layer (:meth:`_local_layer_beside`); otherwise on the main stream, the AdamW
+        batched with the other small updates into one ``torch._fused_adamw_`` launch: at the end of the step
+        (under data parallelism after their all-reduce), or earlier once the held gradients pass
         ``HELD_GRADIENT_BYTES``, so that what a step holds does not grow with depth."""
+        if self.overlap and self.main is not None and self.reducer is None:
+            return self._local_layer_beside(layer, a, self.main)
         result, grads = layer.local_gradients(a, self.batch.y, self.batch.compute_dtype, backend="triton")
         layer.update_running_statistics()
-        params, state = layer.trained_tensors(), layer.optim_state
-        moments = state.moments("exp_avg"), state.moments("exp_avg_sq")
-        update = _Update([p.data for p in params], grads, moments[0], moments[1], [None] * len(params), _tensor(state.step))
-        self._collect_small(update)
+        self._collect_small(self._local_update(layer, grads))
         if self.reducer is None and sum(g.numel() * g.element_size() for g in self.small_grads) > HELD_GRADIENT_BYTES:
             self._apply_small()
         return result.output, result.logits.float(), result.loss.float()
+
+    def _local_layer_beside(self, layer: Any, a: Tensor, main: torch.cuda.Stream) -> tuple[Tensor, Tensor, Tensor]:
+        """:meth:`_local_layer` under overlap: the layer's whole step and its AdamW on one of two side streams,
+        taken in turn; the main stream waits only for its output, so its gradients and update run beside the next
+        layer's forward."""
+        role = f"local-{self.local_turn % 2}"
+        self.local_turn += 1
+        stream, ready = self.engine.stream(role), torch.cuda.Event()
+        stream.wait_stream(main)
+        self._fork(role, stream)
+        self.keep.append(a)
+        with torch.cuda.stream(stream):
+            result, grads = layer.local_gradients(a, self.batch.y, self.batch.compute_dtype, backend="triton",
+                                                  output_ready=ready.record)
+            layer.update_running_statistics()
+            self.engine.adamw(self._local_update(layer, grads))
+            logits, loss = result.logits.float(), result.loss.float()
+        main.wait_event(ready)
+        return result.output, logits, loss
+
+    @staticmethod
+    def _local_update(layer: Any, grads: list[Tensor]) -> _Update:
+        """AdamW of a local layer's trained tensors with ``grads``."""
+        params, state = layer.trained_tensors(), layer.optim_state
+        moments = state.moments("exp_avg"), state.moments("exp_avg_sq")
+        return _Update([p.data for p in params], grads, moments[0], moments[1], [None] * len(params), _tensor(state.step))
 
     def _rule_layer(self, layer: DADLinear, a: Tensor, w: Tensor | None, b: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
         """A layer the local-error kernel does not cover: its own ``local_gradients`` (torch ops,
@@ -621,6 +649,10 @@ class _Run(LayerLoop):
             self._join_error_stream()
         if self.reducer is not None:
             self.reducer(self.small_grads)  # every local head and the classifier: one small blocking all-reduce
+        if self.main is not None:
+            # a local layer's loss and logits come from its side stream (without a classifier, the step's own)
+            for role in ("local-0", "local-1")[: self.local_turn]:
+                self.main.wait_stream(self.engine.stream(role))
         super().finish(loss)
         self._apply_small()
         if self.overlap and self.main is not None:
