@@ -207,3 +207,18 @@ def test_fit_rejects_a_bad_batch_size_before_training(batch_size):
         trainer.fit(data, batch_size=batch_size, progress=False)
     assert trainer.step_count == 0
     assert all(torch.equal(v, trainer_state(trainer)[k]) for k, v in before.items())
+
+
+@pytest.mark.parametrize(
+    ("options", "error", "message"),
+    [
+        ({"local_layers_beside": "no"}, TypeError, r"EngineOptions\(local_layers_beside='no'\): must be True or False"),
+        ({"overlap": 1}, TypeError, r"EngineOptions\(overlap=1\): must be True or False"),
+        ({"max_graphs": 0}, ValueError, r"EngineOptions\(max_graphs=0\): must be a positive int"),
+    ],
+)
+def test_engine_options_name_the_bad_field(options, error, message):
+    from torch_dad.training import EngineOptions
+
+    with pytest.raises(error, match=message):
+        EngineOptions(**options)

@@ -8,6 +8,7 @@ import torch
 import torch_dad as td
 from tests.conftest import relative_error
 from tests.gpu.conftest import DEVICE, requires_cuda, requires_kernels
+from torch_dad.training import EngineOptions
 
 pytestmark = requires_kernels
 
@@ -46,13 +47,14 @@ class ConvNet(td.DADModel):
 
 def _pair(
     backend: str, amp: torch.dtype | None, normalize: str | None = None, dense: bool = True, smoothing: float = 0.0,
-    dropout: float = 0.0,
+    dropout: float = 0.0, beside: bool = True,
 ) -> tuple[td.DADTrainer, td.DADTrainer]:
     torch.manual_seed(3)
     ref, new = ConvNet(normalize, dense, smoothing), ConvNet(normalize, dense, smoothing)
     new.load_state_dict(ref.state_dict())
     options = {"device": DEVICE, "amp_dtype": amp, "on_nonfinite": "ignore", "dropout": dropout, "dropout_seed": 5}
-    fused = td.DADTrainer(new, backend=backend, **options)
+    engine_options = EngineOptions(local_layers_beside=beside)
+    fused = td.DADTrainer(new, backend=backend, engine_options=engine_options, **options)
     assert fused.uses_engine
     return td.DADTrainer(ref, backend="eager", **options), fused
 
@@ -70,6 +72,15 @@ def test_conv_and_block_model_matches_eager(
     backend: str, amp: torch.dtype | None, normalize: str | None, dense: bool
 ) -> None:
     _check_matches_eager(backend, amp, normalize, *_pair(backend, amp, normalize, dense))
+
+
+@pytest.mark.slow
+@requires_cuda
+@pytest.mark.parametrize("amp", AMPS)
+@pytest.mark.parametrize("dense", [True, False])
+def test_local_layers_on_the_main_stream_match_eager(amp: torch.dtype | None, dense: bool) -> None:
+    """``EngineOptions(local_layers_beside=False)``: the captured step keeps local layers on the main stream."""
+    _check_matches_eager("cuda-graph", amp, "batchnorm", *_pair("cuda-graph", amp, "batchnorm", dense, beside=False))
 
 
 @pytest.mark.slow

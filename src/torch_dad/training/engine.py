@@ -431,12 +431,13 @@ class _Run(LayerLoop):
 
     def _local_layer(self, layer: Any, a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """A ``DADConv2d``, ``DADBlock`` or other local layer: its own ``local_gradients`` (torch ops,
-        capturable), then AdamW on all its trained tensors. Under overlap without a reducer both run on a side
-        stream beside the next layer (:meth:`_local_layer_beside`); otherwise on the main stream, the AdamW
+        capturable), then AdamW on all its trained tensors. Under overlap without a reducer (and with
+        ``local_layers_beside``) both run on a side stream beside the next layer (:meth:`_local_layer_beside`);
+        otherwise on the main stream, the AdamW
         batched with the other small updates into one ``torch._fused_adamw_`` launch: at the end of the step
         (under data parallelism after their all-reduce), or earlier once the held gradients pass
         ``HELD_GRADIENT_BYTES``, so that what a step holds does not grow with depth."""
-        if self.overlap and self.main is not None and self.reducer is None:
+        if self.overlap and self.main is not None and self.reducer is None and self.engine.options.local_layers_beside:
             return self._local_layer_beside(layer, a, self.main)
         result, grads = layer.local_gradients(a, self.batch.y, self.batch.compute_dtype, backend="triton")
         layer.update_running_statistics()
