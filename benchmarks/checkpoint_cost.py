@@ -108,10 +108,27 @@ def _training_speed_during(save: Any) -> float:
     return round(count / (time.perf_counter() - start) / alone, 3)
 
 
+_PROCESS_WRITE = """
+import hashlib, os, sys
+data = open(sys.argv[1], "rb").read()
+hashlib.sha256(data).hexdigest()
+with open(sys.argv[1] + ".copy", "wb") as handle:
+    handle.write(data)
+    handle.flush()
+    os.fsync(handle.fileno())
+"""
+
+
+def _write_in_a_process(path: Path) -> None:
+    """Hash and write ``path``'s bytes in a child process (this thread only waits)."""
+    subprocess.run([sys.executable, "-c", _PROCESS_WRITE, str(path)], check=True)
+
+
 def save_formats(rows: int) -> dict[str, Any]:
     """One synchronous save of the quickstart trainer's state, shard file vs ``dcp.save`` (ms), and the
     training thread's speed while a background thread serializes with ``safetensors.torch.save`` (the
-    whole file built in memory) or writes the shard's chunks (what a distributed save does)."""
+    whole file built in memory), writes the shard's chunks (what a distributed save does), waits for a child
+    process that hashes and writes the same bytes, or sleeps (the measurement's own cost)."""
     import safetensors.torch
     import torch.distributed.checkpoint as dcp
 
@@ -137,6 +154,9 @@ def save_formats(rows: int) -> dict[str, Any]:
                 lambda: checkpoint.atomic_write(target, safetensors.torch.save(tensors, metadata=metadata))),
             "speed_during_chunked_write": _training_speed_during(
                 lambda: checkpoint.write_flat(target, {}, tensors)),
+            # the same bytes hashed and written by another process: what the GIL, not the machine, costs
+            "speed_during_process_write": _training_speed_during(lambda: _write_in_a_process(target)),
+            "speed_during_sleep": _training_speed_during(lambda: time.sleep(0.05)),
         }
     megabytes = sum(t.numel() * t.element_size() for t in tensors.values()) / 2**20
     return {"state_mib": round(megabytes, 1), **{f"{k}_ms": round(1e3 * statistics.median(v[1:]), 2)
