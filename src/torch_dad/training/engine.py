@@ -20,8 +20,9 @@ from above. The scheduling choices are :class:`EngineOptions`
 (``docs/design-engine.md`` has the numbers and the commands).
 
 A ``DADConv2d`` or ``DADBlock`` runs its own ``local_gradients`` in the step (torch ops, captured
-with the rest), and AdamW on all its tensors joins the one ``torch._fused_adamw_`` launch at the end
-of the step; a :class:`DADLinear` after it reads its output flattened.
+with the rest), then one ``torch._fused_adamw_`` launch over its tensors; under ``"cuda-graph"`` both run
+on a side stream beside the next layer's forward (``EngineOptions.local_layers_beside``), otherwise its
+AdamW is batched with its neighbours'. A :class:`DADLinear` after it reads its output flattened.
 
 Semantics match the eager step: outputs and losses come from the pre-update weights, every
 layer's optimizer state and step counter advance as in :mod:`torch_dad.optim`, the classifier
@@ -329,8 +330,8 @@ class _Run(LayerLoop):
     own forward and local error (:meth:`DADLinear.step_forward` / ``step_error``), then the weight
     gradient and AdamW placed on streams; then the classifier, the batched small updates and the
     stream joins. With ``overlap`` (inside a capture) the updates run on side streams; ``keep``
-    holds every tensor a side stream reads, so the allocator does not hand its memory to the main
-    stream while it is still read."""
+    holds every tensor a side stream reads, so the allocator does not hand its memory to another
+    stream while it is still read, until :meth:`_release_kept` has the main stream wait for that work."""
 
     def __init__(
         self, engine: FusedStep, batch: Batch, plan: StepPlan, reducer: GradientReducer | None, overlap: bool
