@@ -44,6 +44,7 @@ import torch
 import torch_dad as td
 from _common import graph_pool_slack, median_time, run_config, write_run
 from _gpu_common import capture
+from torch_dad.training import EngineOptions
 
 VGG8B: tuple[int | str, ...] = (128, 256, "M", 256, 512, "M", 512, "M", 512, "M")
 DENSE = 1024
@@ -231,18 +232,21 @@ MEMORY_BATCHES = (256, 1024)  # the VGG-style net
 STACK_DEPTHS, STACK_CHANNELS, STACK_BATCH = (8, 16, 32), 64, 256
 #: both memory layouts, since cuDNN's bf16 convolutions on Hopper run channels-last and convert other inputs
 LAYOUTS = ("contiguous", "channels_last")
+#: ``dad-lean``: ``EngineOptions(local_layers_beside=False)``, the local steps on the main stream
+MEMORY_SYSTEMS = ("dad", "dad-lean", "backprop")
 
 
 def memory_mode(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Step time and total memory, each system in a fresh process with its default settings (bf16 compute
-    over fp32 weights): the full-width VGG-style net at batch 256 and 1024, and the residual stack at
-    depths 8, 16 and 32 (64 channels, 14 x 14, batch 256); each in both memory layouts (``LAYOUTS``)."""
+    """Step time and total memory, each system of ``MEMORY_SYSTEMS`` in a fresh process with its default
+    settings (bf16 compute over fp32 weights): the full-width VGG-style net at batch 256 and 1024, and the
+    residual stack at depths 8, 16 and 32 (64 channels, 14 x 14, batch 256); each in both memory layouts
+    (``LAYOUTS``)."""
     cuda = torch.cuda.is_available() and not args.smoke
     batches = MEMORY_BATCHES if cuda else (8,)
     depths = STACK_DEPTHS if cuda else (1, 2)
     jobs = [("vgg8b", 0, b) for b in batches] + [("residual", d, STACK_BATCH if cuda else 8) for d in depths]
     records = []
-    for (net, depth, batch), layout, system in itertools.product(jobs, LAYOUTS, ("dad", "backprop")):
+    for (net, depth, batch), layout, system in itertools.product(jobs, LAYOUTS, MEMORY_SYSTEMS):
         job = json.dumps([net, depth, batch, system, layout])
         if cuda:  # a fresh process: no allocator cache or graph pool of another system counts
             command = [sys.executable, __file__, "--memory-job", job, *(["--profile"] if args.profile else [])]
@@ -271,10 +275,12 @@ def memory_job(job: list[Any], smoke: bool = False, profile: bool = False) -> di
     x = torch.randn(batch, 1, 28, 28, device=device).to(memory_format=memory_format)
     y = torch.randint(0, 10, (batch,), device=device)
     amp = None if smoke else torch.bfloat16
-    if system == "dad":
+    if system.startswith("dad"):
         model = DADVGG(1, 28, scale, 10, 4, 0.0) if net == "vgg8b" else DADResidualStack(depth, channels, 28, 10)
         model = model.to(memory_format=memory_format)
-        trainer = td.DADTrainer(model, device, lr=1e-3, amp_dtype=amp)
+        # engine options need the engine, which a CPU smoke run does not take
+        lean = {"engine_options": EngineOptions(local_layers_beside=False)} if system == "dad-lean" and not smoke else {}
+        trainer = td.DADTrainer(model, device, lr=1e-3, amp_dtype=amp, **lean)
         step: Any = functools.partial(trainer.step, x, y)
     else:
         model = backprop_vgg(1, 28, scale, 10) if net == "vgg8b" else backprop_residual_stack(depth, channels, 28, 10)
@@ -294,7 +300,7 @@ def memory_job(job: list[Any], smoke: bool = False, profile: bool = False) -> di
     record.update(total_mib=(peak + graph_pool_slack()) / 2**20, reserved_mib=torch.cuda.max_memory_reserved() / 2**20,
                   static_mib=static / 2**20, above_static_mib=(peak - static) / 2**20)
     if profile:  # after the memory figures: the uncaptured step allocates its own
-        if system == "dad":
+        if system.startswith("dad"):
             uncaptured: Any = functools.partial(td.DADTrainer(model, device, amp_dtype=amp, backend="triton").step, x, y)
         else:
             uncaptured = _backprop_step(model, x, y, amp, graphed=False)

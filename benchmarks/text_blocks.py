@@ -15,6 +15,7 @@ decay 0.01, each (system, lr) in a fresh process so that its memory is its own:
   defaults (``backend="auto"``: the CUDA-graph step on CUDA); the classifier trained online with the blocks. Test
   accuracy of the trained classifier, after ``solve_head()`` (the closed-form classifier from the trainer's input
   sample) and of the last block's local head; the row's ``accuracy`` is the better of the first two (``readout``).
+- ``dad-lean``: the same with ``EngineOptions(local_layers_beside=False)``: each block's step on the main stream.
 - ``backprop-graphed``: the same modules end to end, forward, backward and fused AdamW in one CUDA graph.
 - ``backprop-eager``: the same step op by op under ``torch.autocast``, fused AdamW.
 
@@ -52,8 +53,9 @@ import torch_dad as td
 from _common import Timer, graph_pool_slack, run_config, write_run
 from _gpu_common import GraphedBackprop
 from torch_dad import data
+from torch_dad.training import EngineOptions
 
-SYSTEMS = ("dad", "backprop-graphed", "backprop-eager")
+SYSTEMS = ("dad", "dad-lean", "backprop-graphed", "backprop-eager")
 CLASSES = 20
 Step = Callable[[Tensor, Tensor], Any]
 
@@ -176,9 +178,12 @@ def train(step: Step, docs: dict[str, Any], args: argparse.Namespace, device: to
 
 
 def run_dad(model: TextBlocks, lr: float, docs: dict[str, Any], args: argparse.Namespace,
-            device: torch.device) -> dict[str, Any]:
-    """``DADTrainer`` with its defaults (bf16 on CUDA); accuracy of the trained and of the solved classifier."""
-    trainer = td.DADTrainer(model, device, lr=lr, amp_dtype=torch.bfloat16 if device.type == "cuda" else None)
+            device: torch.device, lean: bool = False) -> dict[str, Any]:
+    """``DADTrainer`` with its defaults (bf16 on CUDA; ``lean``: ``EngineOptions(local_layers_beside=False)``);
+    accuracy of the trained and of the solved classifier."""
+    cuda = device.type == "cuda"
+    options = {"engine_options": EngineOptions(local_layers_beside=False)} if lean and cuda else {}
+    trainer = td.DADTrainer(model, device, lr=lr, amp_dtype=torch.bfloat16 if cuda else None, **options)
     record = {"engine": trainer.uses_engine, **train(trainer.step, docs, args, device)}
     test = (docs["x_test"], docs["y_test"])
     record["accuracy_trained_classifier"] = trainer.evaluate(test)["accuracy"]
@@ -213,8 +218,8 @@ def worker(args: argparse.Namespace) -> None:
     model = TextBlocks(args.vocab, args.width, args.heads, args.ffn, args.seq, args.blocks)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
-    if job["system"] == "dad":
-        record = run_dad(model, job["lr"], docs, args, device)
+    if job["system"].startswith("dad"):
+        record = run_dad(model, job["lr"], docs, args, device, lean=job["system"] == "dad-lean")
     else:
         record = run_backprop(job["system"], model, job["lr"], docs, args, device)
     row = {"system": job["system"], "lr": job["lr"], **record, "padding_share": round(docs["padding_share"], 4)}
