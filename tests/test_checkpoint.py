@@ -497,3 +497,27 @@ def test_fit_checkpoints_refuse_a_custom_gradient_reducer(tmp_path):
     with pytest.raises(ValueError, match="use DataParallelTrainer"):
         fit(trainer, checkpoint_dir=tmp_path / "run")
     assert trainer.step_count == 0 and not (tmp_path / "run").exists()
+
+
+def test_flatten_splits_tensors_from_json_and_names_what_it_cannot_hold():
+    """One pass: each tensor under its dotted key, a placeholder in the skeleton, leaf records copied (a later
+    change to the live history does not reach a skeleton a writer thread still serializes)."""
+    weight, step = torch.ones(2, 3), torch.tensor(4)
+    history = [{"loss": 0.5, "epoch": 1}, {"loss": 0.25, "epoch": 2}]
+    state = {"model": {"w": weight, "pair": (step, None)}, "history": history, "name": "x"}
+    skeleton, tensors = checkpoint.flatten(state, copy=lambda t: t)
+    assert set(tensors) == {"model.w", "model.pair.0"} and tensors["model.w"] is weight
+    assert skeleton["model"] == {"w": {"__tensor__": "model.w"}, "pair": [{"__tensor__": "model.pair.0"}, None]}
+    history[0]["loss"] = 9.0
+    assert skeleton["history"] == [{"loss": 0.5, "epoch": 1}, {"loss": 0.25, "epoch": 2}]
+    restored = checkpoint.unflatten(skeleton, tensors)
+    assert restored["model"]["w"] is weight and restored["model"]["pair"] == [step, None] and restored["name"] == "x"
+    assert checkpoint.flatten(state, keep=lambda key: key == "model.w")[1].keys() == {"model.w"}
+    with pytest.raises(ValueError, match="two tensors flatten to the key 'a.b'; rename one"):
+        checkpoint.flatten({"a.b": weight, "a": {"b": step}})
+    with pytest.raises(TypeError, match="checkpoint state a.0: set is neither a tensor nor JSON"):
+        checkpoint.flatten({"a": [{1, 2}]})
+    with pytest.raises(TypeError, match=r"checkpoint state a: key 3 must be a str other than '__tensor__'"):
+        checkpoint.flatten({"a": {3: 1.0}})
+    with pytest.raises(TypeError, match=r"checkpoint state <root>: key '__tensor__' must be a str"):
+        checkpoint.flatten({"__tensor__": weight})

@@ -25,7 +25,7 @@ import os
 import re
 import struct
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,33 +75,35 @@ def _safetensors() -> Any:
 
 
 # ---------------------------------------------------------------------------------------- state <-> tensors + JSON
-def _walk(tree: Any, path: tuple[str, ...]) -> Iterator[tuple[str, Tensor]]:
-    """``(flat key, tensor)`` for every tensor in ``tree``; raises ``TypeError`` on anything JSON cannot hold."""
+_JSON_SCALARS = (bool, int, float, str, type(None))
+
+
+def _split(tree: Any, path: str, tensors: dict[str, Tensor]) -> Any:
+    """``tree`` with every tensor replaced by ``{TENSOR_TAG: flat key}`` (tuples become lists), adding each tensor
+    to ``tensors`` under its key; ``TypeError`` on anything JSON cannot hold. One pass, scalars first: a long
+    history is walked at every save."""
+    if isinstance(tree, _JSON_SCALARS):
+        return tree
     if isinstance(tree, Tensor):
-        yield ".".join(path), tree
-    elif isinstance(tree, Mapping):
+        if path in tensors:
+            raise ValueError(f"checkpoint state: two tensors flatten to the key {path!r}; rename one")
+        tensors[path] = tree
+        return {TENSOR_TAG: path}
+    prefix = f"{path}." if path else ""
+    if isinstance(tree, Mapping):
+        if all(isinstance(value, _JSON_SCALARS) for value in tree.values()) and all(
+            isinstance(key, str) and key != TENSOR_TAG for key in tree
+        ):
+            return dict(tree)  # a leaf record, such as a history entry
+        skeleton = {}
         for key, value in tree.items():
             if not isinstance(key, str) or key == TENSOR_TAG:
-                raise TypeError(
-                    f"checkpoint state {'.'.join(path) or '<root>'}: key {key!r} must be a str other than {TENSOR_TAG!r}"
-                )
-            yield from _walk(value, (*path, key))
-    elif isinstance(tree, (list, tuple)):
-        for index, value in enumerate(tree):
-            yield from _walk(value, (*path, str(index)))
-    elif tree is not None and not isinstance(tree, (bool, int, float, str)):
-        raise TypeError(f"checkpoint state {'.'.join(path)}: {type(tree).__name__} is neither a tensor nor JSON")
-
-
-def _skeleton(tree: Any, path: tuple[str, ...]) -> Any:
-    """``tree`` with every tensor replaced by ``{TENSOR_TAG: flat key}`` (tuples become lists)."""
-    if isinstance(tree, Tensor):
-        return {TENSOR_TAG: ".".join(path)}
-    if isinstance(tree, Mapping):
-        return {key: _skeleton(value, (*path, key)) for key, value in tree.items()}
+                raise TypeError(f"checkpoint state {path or '<root>'}: key {key!r} must be a str other than {TENSOR_TAG!r}")
+            skeleton[key] = _split(value, prefix + key, tensors)
+        return skeleton
     if isinstance(tree, (list, tuple)):
-        return [_skeleton(value, (*path, str(i))) for i, value in enumerate(tree)]
-    return tree
+        return [_split(value, f"{prefix}{index}", tensors) for index, value in enumerate(tree)]
+    raise TypeError(f"checkpoint state {path}: {type(tree).__name__} is neither a tensor nor JSON")
 
 
 def to_host(tensor: Tensor) -> Tensor:
@@ -114,13 +116,9 @@ def flatten(tree: Any, keep: Callable[[str], bool] | None = None,
     """``(skeleton, tensors)``: ``tensors`` maps each tensor's dotted path (those ``keep`` accepts, default all)
     to ``copy(tensor)`` (a contiguous CPU copy), ``skeleton`` is ``tree`` with placeholders instead (see
     :func:`unflatten`)."""
-    tensors: dict[str, Tensor] = {}
-    for key, tensor in _walk(tree, ()):
-        if key in tensors:
-            raise ValueError(f"checkpoint state: two tensors flatten to the key {key!r}; rename one")
-        if keep is None or keep(key):
-            tensors[key] = copy(tensor)
-    return _skeleton(tree, ()), tensors
+    found: dict[str, Tensor] = {}
+    skeleton = _split(tree, "", found)
+    return skeleton, {key: copy(tensor) for key, tensor in found.items() if keep is None or keep(key)}
 
 
 def unflatten(skeleton: Any, tensors: Mapping[str, Tensor]) -> Any:
@@ -147,7 +145,10 @@ def load_or_roll_back(current: Any, load: Callable[[Any], None], state: Any) -> 
 def mismatches(expected: Any, found: Any, limit: int = 8) -> list[str]:
     """Where the tensors of ``found`` (a checkpoint's state) differ from ``expected`` (the live state) in
     presence, shape or dtype, e.g. ``"model.l1.weight: checkpoint (512, 784), model (256, 784)"``."""
-    ours, theirs = dict(_walk(expected, ())), dict(_walk(found, ()))
+    ours: dict[str, Tensor] = {}
+    theirs: dict[str, Tensor] = {}
+    _split(expected, "", ours)
+    _split(found, "", theirs)
     problems = []
     for key, a in ours.items():  # in the live state's order: a model's first layer first
         b = theirs.get(key)
