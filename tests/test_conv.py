@@ -302,6 +302,33 @@ def test_block_gradients_are_autograd_inside_the_block():
     assert torch.allclose(result.logits, logits.detach())
 
 
+def _calls_once_with_the_output(layer, x, y):  # type: ignore[no-untyped-def]
+    """``local_gradients`` with an ``output_ready`` that counts its calls: one, and the results equal those of a
+    call without it."""
+    seen = []
+    with torch.no_grad():
+        plain, plain_grads = layer.local_gradients(x, y)
+        result, grads = layer.local_gradients(x, y, output_ready=lambda: seen.append(len(seen)))
+    assert seen == [0]
+    assert torch.equal(result.output, plain.output) and torch.equal(result.loss, plain.loss)
+    assert all(torch.equal(a, b) for a, b in zip(grads, plain_grads))
+
+
+@pytest.mark.parametrize("kind", ["conv", "block", "token block"])
+def test_local_gradients_announce_their_output_once(kind):
+    """The engine's cue to start the next layer beside this one's gradients (``output_ready``)."""
+    torch.manual_seed(0)
+    x, y = torch.randn(3, 5, 8, 8, dtype=torch.float64), torch.randint(0, CLASSES, (3,))
+    if kind == "conv":
+        layer = td.DADConv2d(5, 4, 3, padding=1, num_classes=CLASSES, pool="max").double()
+    elif kind == "block":
+        layer = td.DADBlock(Residual(5), num_classes=CLASSES, head_features=5).double()
+    else:
+        layer = td.DADBlock(torch.nn.Linear(6, 6), num_classes=CLASSES, head_features=6, local_head="full").double()
+        x, y = torch.randn(3, 4, 6, dtype=torch.float64), torch.randint(0, CLASSES, (3, 4))
+    _calls_once_with_the_output(layer, x, y)
+
+
 def test_block_transformer_layer_and_bad_arguments():
     encoder = torch.nn.TransformerEncoderLayer(8, 2, dim_feedforward=16, dropout=0.0, batch_first=True)
     block = td.DADBlock(encoder, num_classes=CLASSES, head_features=8, feature_dim=-1)
