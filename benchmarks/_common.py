@@ -182,6 +182,29 @@ def cuda_kernel_times(prof: Any) -> dict[str, list[float]]:
     return kernels
 
 
+def kernel_ms_by_kind(step: Callable[[], Any], kinds: Sequence[tuple[str, Sequence[str]]], steps: int,
+                      total: str = "total") -> dict[str, float]:
+    """GPU kernel time per call of ``step`` (ms, ``steps`` calls under ``torch.profiler``) by kind: the first of
+    ``kinds`` (``(kind, name fragments)``) one of whose fragments the lower-cased kernel name contains, else
+    ``"other"``; ``total`` names their sum (the busy time, launch gaps excluded)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step()
+        torch.cuda.synchronize()
+    lowered = [(kind, [part.lower() for part in parts]) for kind, parts in kinds]
+    times: dict[str, float] = {}
+    for event in prof.key_averages():
+        us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
+        if us <= 0:
+            continue
+        name = event.key.lower()
+        kind = next((k for k, parts in lowered if any(p in name for p in parts)), "other")
+        times[kind] = times.get(kind, 0.0) + us / 1e3 / steps
+    return {total: round(sum(times.values()), 3), **{k: round(v, 3) for k, v in sorted(times.items())}}
+
+
 def record_path(name: str, *, smoke: bool = False, out: str | Path | None = None) -> Path:
     """Where ``name``'s runs go: ``out`` if given, else ``results/<name>.json``, or under ``--smoke`` a file
     of the same name in the temporary directory (smoke runs never touch ``results/``)."""

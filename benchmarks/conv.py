@@ -42,7 +42,7 @@ from typing import Any
 import torch
 
 import torch_dad as td
-from _common import graph_pool_slack, median_time, run_config, write_run
+from _common import graph_pool_slack, kernel_ms_by_kind, median_time, run_config, write_run
 from _gpu_common import capture
 from torch_dad.training import EngineOptions
 
@@ -316,22 +316,10 @@ KERNEL_SHARES = (("data gradient", ("dgrad",)), ("weight gradient", ("wgrad",)),
 
 def kernel_ms(step: Any, steps: int = 10) -> dict[str, float]:
     """GPU kernel time per step of ``step`` (uncaptured, so each kernel is seen), by :data:`KERNEL_SHARES`."""
-    from torch.profiler import ProfilerActivity, profile
-
     for _ in range(3):
         step()
     torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    shares: dict[str, float] = {}
-    for event in prof.events():
-        if event.device_type.name != "CUDA":
-            continue
-        name = next((share for share, parts in KERNEL_SHARES if any(p in event.name for p in parts)), "other")
-        shares[name] = shares.get(name, 0.0) + event.device_time / 1e3 / steps
-    return {"total": round(sum(shares.values()), 3), **{k: round(v, 3) for k, v in sorted(shares.items())}}
+    return kernel_ms_by_kind(step, KERNEL_SHARES, steps)
 
 
 def _backprop_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, amp: torch.dtype | None,

@@ -51,7 +51,16 @@ from typing import Any
 
 import torch
 
-from _common import RESULTS, cuda_step_memory, environment, graph_pool_slack, read_runs, run_config, write_run
+from _common import (
+    RESULTS,
+    cuda_step_memory,
+    environment,
+    graph_pool_slack,
+    kernel_ms_by_kind,
+    read_runs,
+    run_config,
+    write_run,
+)
 from torch_dad.nn.lm_head import DADLMHead
 from torch_dad.ops.linear_cross_entropy import resolve_backend
 
@@ -329,22 +338,7 @@ KERNEL_CATEGORIES = (
 def kernel_profile(step: Step, steps: int = 3) -> dict[str, float]:
     """CUDA kernel time per step by category (``KERNEL_CATEGORIES``), in ms, over ``steps`` steps
     under ``torch.profiler``; ``kernels_total`` is their sum (the step's busy time, launch gaps excluded)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
-            step()
-        torch.cuda.synchronize()
-    totals: dict[str, float] = {}
-    for event in prof.key_averages():
-        us = getattr(event, "self_device_time_total", None) or getattr(event, "self_cuda_time_total", 0.0)
-        if us <= 0:
-            continue
-        name = event.key.lower()
-        category = next((c for c, parts in KERNEL_CATEGORIES if any(p in name for p in parts)), "other")
-        totals[category] = totals.get(category, 0.0) + us / 1e3 / steps
-    totals["kernels_total"] = sum(totals.values())
-    return {k: round(v, 3) for k, v in totals.items()}
+    return kernel_ms_by_kind(step, KERNEL_CATEGORIES, steps, total="kernels_total")
 
 
 def run_system(name: str, build: Callable[[], Any], data: Data, device: torch.device, warmup: int, repeats: int,
