@@ -461,7 +461,8 @@ class _Run(LayerLoop):
             result, grads = layer.local_gradients(a, self.batch.y, self.batch.compute_dtype, backend="triton",
                                                   output_ready=ready.record)
             layer.update_running_statistics()
-            self._fused_adamw(self._local_update(layer, grads))
+            update = self._local_update(layer, grads)
+            self._fused_adamw(update.params, update.grads, update.exp_avg, update.exp_avg_sq, [update.step] * len(grads))
             logits, loss = result.logits.float(), result.loss.float()
         main.wait_event(ready)
         return result.output, logits, loss
@@ -606,19 +607,16 @@ class _Run(LayerLoop):
         ``torch._fused_adamw_`` launch (their steps already counted); their gradients are then freed."""
         if not self.small_params:
             return
-        small = _Update(self.small_params, self.small_grads, self.small_exp_avg, self.small_exp_avg_sq, [], self.small_steps[0])
-        self._fused_adamw(small, self.small_steps)
+        self._fused_adamw(self.small_params, self.small_grads, self.small_exp_avg, self.small_exp_avg_sq, self.small_steps)
         self.small_params, self.small_grads, self.small_exp_avg, self.small_exp_avg_sq, self.small_steps = [], [], [], [], []
 
-    def _fused_adamw(self, update: _Update, steps: list[Tensor] | None = None) -> None:
-        """One ``torch._fused_adamw_`` launch over ``update``'s tensors (no low-precision copies); ``steps``: one
-        step counter per tensor, else ``update.step`` for all."""
+    def _fused_adamw(self, params: list[Tensor], grads: list[Tensor], exp_avg: list[Tensor], exp_avg_sq: list[Tensor],
+                     steps: list[Tensor]) -> None:
+        """One ``torch._fused_adamw_`` launch (no low-precision copies), one step counter per tensor."""
         config = self.engine.config
-        lr = self.engine.lr_tensor if update.params[0].is_cuda else self.engine.lr_value
+        lr = self.engine.lr_tensor if params[0].is_cuda else self.engine.lr_value
         torch._fused_adamw_(
-            update.params, update.grads, update.exp_avg, update.exp_avg_sq, [],
-            steps if steps is not None else [update.step] * len(update.params),
-            amsgrad=False, lr=lr, beta1=config.betas[0], beta2=config.betas[1],  # type: ignore[arg-type]
+            params, grads, exp_avg, exp_avg_sq, [], steps, amsgrad=False, lr=lr, beta1=config.betas[0], beta2=config.betas[1],  # type: ignore[arg-type]
             weight_decay=config.weight_decay, eps=config.eps, maximize=False,
         )
 
