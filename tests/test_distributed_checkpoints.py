@@ -123,12 +123,18 @@ def _fresh_group(out: Path, world: int, dead: set[int]) -> dict[int, tuple[int, 
     return status if len(status) == world and not {pid for pid, _ in status.values()} & dead else None
 
 
+def _held_pid(out: Path, rank: int) -> int:
+    """The pid of ``rank``'s process held inside the hooked write (0 if none, or not yet written)."""
+    path = out / f"inwrite-{rank}"
+    return int(path.read_text() or 0) if path.exists() else 0
+
+
 def _victim_ready(out: Path, world: int, hooked_hit: bool, victim: int, target: int) -> tuple[int, int, str] | None:
     """``(rank, pid, where)`` to kill now: a rank held inside a write, else ``victim`` once at ``target``."""
-    if (out / "hooked").exists() and not hooked_hit:  # the hooked rank is inside (or entering) its write
-        held = [rank for rank in range(world) if (out / f"inwrite-{rank}").exists()]
-        return (held[0], int((out / f"inwrite-{held[0]}").read_text() or 0), "in-write") if held else None
     status = _status(out, world)
+    if (out / "hooked").exists() and not hooked_hit:  # the hooked rank is inside (or entering) its write
+        held = [rank for rank in range(world) if _held_pid(out, rank)]
+        return (held[0], _held_pid(out, held[0]), "in-write") if held else None
     pid, step = status.get(victim, (0, "0"))
     return (victim, pid, f"step {step}") if step.isdigit() and int(step) >= target else None
 
@@ -146,6 +152,8 @@ def _kill_repeatedly(proc: subprocess.Popen, out: Path, world: int, rng: random.
         ready = partial(_victim_ready, out, world, hooked_hit, victim, target)
         rank, pid, where = _wait_for(ready, proc, f"rank {victim} at step {target}")
         time.sleep(rng.uniform(0, 0.01))
+        if pid == _held_pid(out, rank):  # a random victim that the hook holds: this kill is the in-write one
+            where = "in-write"
         dead |= {p for p, _ in _status(out, world).values()}
         os.kill(pid, signal.SIGKILL)
         hits.append(f"rank {rank} {where}")
