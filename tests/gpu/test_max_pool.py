@@ -65,15 +65,20 @@ def test_kernels_match_float64_oracle(shape, kind):  # type: ignore[no-untyped-d
     assert torch.equal(d_h.double().cpu(), want_d_h)
 
 
+@pytest.mark.parametrize("shape", [(2, 8, 10, 6), (3, 5, 7, 9)])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_a_channels_last_input_gives_a_channels_last_output(dtype):  # type: ignore[no-untyped-def]
-    """As torch's pooling does: the next layer then reads one layout; values, codes and backward unchanged."""
-    h = make_input((2, 8, 10, 6), dtype, "relu", DEVICE)
+def test_a_channels_last_input_gives_a_channels_last_output(dtype, shape):  # type: ignore[no-untyped-def]
+    """As torch's pooling does, read in place: the next layer then reads one layout; values, codes and backward
+    equal the contiguous kernel's, odd edges included, and a code of the other layout still gives the same d_h."""
+    h = make_input(shape, dtype, "relu", DEVICE)
     out, arg = max_pool2x2(h, backend="triton")
     out_cl, arg_cl = max_pool2x2(h.to(memory_format=torch.channels_last), backend="triton")
     assert out_cl.is_contiguous(memory_format=torch.channels_last) and not out_cl.is_contiguous()
     assert torch.equal(out_cl, out) and torch.equal(arg_cl, arg)
     d_out = torch.randn(out.shape, device=DEVICE).to(dtype)
-    d_h_cl = max_pool2x2_backward(d_out.to(memory_format=torch.channels_last), arg_cl, h.shape, backend="triton")
-    assert d_h_cl.is_contiguous(memory_format=torch.channels_last)
-    assert torch.equal(d_h_cl, max_pool2x2_backward(d_out, arg, h.shape, backend="triton"))
+    want = max_pool2x2_backward(d_out, arg, h.shape, backend="triton")
+    for code in (arg_cl, arg):
+        d_h_cl = max_pool2x2_backward(d_out.to(memory_format=torch.channels_last), code, h.shape, backend="triton")
+        assert d_h_cl.is_contiguous(memory_format=torch.channels_last)
+        assert torch.equal(d_h_cl, want)
+    assert torch.equal(max_pool2x2_backward(d_out, arg_cl, h.shape, backend="triton"), want)

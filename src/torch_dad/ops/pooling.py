@@ -122,13 +122,14 @@ def max_pool2x2(h: Tensor, *, backend: str = "auto") -> tuple[Tensor, Tensor]:
     if 0 in out_shape:  # aten refuses an empty output; here it is just empty
         return h.new_empty(out_shape), torch.empty(out_shape, dtype=torch.uint8, device=h.device)
     if h.dtype in _KERNEL_DTYPES and use_triton(h, backend):
-        source = h.contiguous()
-        out = source.new_empty(out_shape)
-        arg = torch.empty(out_shape, dtype=torch.uint8, device=h.device)
-        _kernels().launch_max_pool(source, out, arg)
-        # a channels-last input gives a channels-last output, as torch's pooling does, so the next
-        # layer's convolutions and elementwise ops do not mix layouts
-        return out.contiguous(memory_format=_memory_format(h)), arg
+        # a channels-last input is read in place and gives a channels-last output, as torch's pooling does,
+        # so the next layer's convolutions and elementwise ops do not mix layouts
+        layout = _memory_format(h)
+        source = h.contiguous(memory_format=layout)
+        out = torch.empty(out_shape, dtype=h.dtype, device=h.device, memory_format=layout)
+        arg = torch.empty(out_shape, dtype=torch.uint8, device=h.device, memory_format=layout)
+        _kernels().launch_max_pool(source, out, arg, layout == torch.channels_last)
+        return out, arg
     return _max_pool2x2_torch(h)
 
 
@@ -144,9 +145,11 @@ def max_pool2x2_backward(d_out: Tensor, arg: Tensor, h_shape: Sequence[int], *, 
     if d_out.numel() == 0:
         return d_out.new_zeros(shape)
     if d_out.dtype in _KERNEL_DTYPES and use_triton(d_out, backend):
-        d_h = d_out.new_empty(shape)
-        _kernels().launch_max_pool_backward(d_out.contiguous(), arg.contiguous(), d_h)
-        return d_h.contiguous(memory_format=_memory_format(d_out))  # in d_out's layout, as torch's backward
+        layout = _memory_format(d_out)  # d_h comes in d_out's layout, as torch's backward gives it
+        d_h = torch.empty(shape, dtype=d_out.dtype, device=d_out.device, memory_format=layout)
+        _kernels().launch_max_pool_backward(d_out.contiguous(memory_format=layout),
+                                            arg.contiguous(memory_format=layout), d_h, layout == torch.channels_last)
+        return d_h
     return _max_pool2x2_backward_torch(d_out, arg, shape)
 
 

@@ -272,11 +272,9 @@ class FusedStep:
         entry = self._graphs.get(key)
         if entry is None:
             if key not in self._seen:
-                # first sight of a shape: run uncaptured (compiles the Triton kernels, warms cuBLAS);
                 # a shape seen twice is captured, so a ragged last batch costs no capture
                 self._seen.add(key)
-                logits, loss, features = _Run(self, batch, plan, reducer, overlap=False).train()
-                return StepOutput(logits, loss, features, True)
+                return self._warm_up(batch, plan)
             entry = self._capture(key, batch, plan)
         graph, static_x, static_y, out_logits, out_loss, out_features = entry
         static_x.copy_(batch.x)
@@ -295,11 +293,23 @@ class FusedStep:
             self.dropout.step.fill_(dropout.step)
         self._dropout_step_mirror = dropout.step + 1
 
+    def _warm_up(self, batch: Batch, plan: StepPlan) -> StepOutput:
+        """The first step of a shape: uncaptured (it compiles the Triton kernels), on the streams its capture
+        will use, since cuBLAS keeps a workspace per stream and those made here then serve the graph too."""
+        current, stream = torch.cuda.current_stream(), self.stream("capture")
+        stream.wait_stream(current)
+        with torch.cuda.stream(stream):
+            logits, loss, features = _Run(self, batch, plan, None, overlap=self.options.overlap).train()
+        current.wait_stream(stream)
+        for tensor in (logits, loss, features):
+            tensor.record_stream(current)  # made on the capture stream, read and freed on this one
+        return StepOutput(logits, loss, features, True)
+
     def _capture(self, key: tuple[Any, ...], batch: Batch, plan: StepPlan) -> tuple[Any, ...]:
         if len(self._graphs) >= self.options.max_graphs:
             self._graphs.clear()
         self.stream("gemm")
-        capture_stream = self.stream("capture") if self.stream_priorities() else None
+        capture_stream = self.stream("capture")
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         # the input buffer holds the dtype the first layer reads: its copy_ is also the cast
