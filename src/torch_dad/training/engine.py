@@ -61,6 +61,8 @@ HELD_GRADIENT_BYTES = 2 * 2**20
 #: drops them: holding every layer's until the end of the step made the graph's pool grow with depth, and one
 #: layer made the main stream wait for side work it could have run beside (4% of the deep MLP's step)
 KEPT_LAYERS = 2
+#: side streams that conv and block layers' local steps take in turn under overlap (docs/design-engine.md)
+LOCAL_STREAMS = 2
 
 
 def unsupported_reason(model: DADModel, config: OptimizerConfig) -> str | None:
@@ -189,10 +191,11 @@ class FusedStep:
 
     # ------------------------------------------------------------------ scheduling choices
     def stream(self, role: str) -> torch.cuda.Stream:
-        """The side stream for ``role`` ("gemm", "background", "error", "sample", "capture", "local-0" or "local-1"),
+        """The side stream for ``role`` ("gemm", "background", "error", "sample", "capture", or "local-<i>" for
+        ``i < LOCAL_STREAMS``),
         made once, at the priority ``STREAM_PRIORITIES`` gives its role when priorities are on."""
         if role not in self._streams:
-            priority_role = "critical" if role in ("capture", "error", "local-0", "local-1") else role
+            priority_role = "critical" if role in ("capture", "error") or role.startswith("local-") else role
             priority = STREAM_PRIORITIES[priority_role] if self.stream_priorities() else 0
             self._streams[role] = torch.cuda.Stream(device=self.device, priority=priority)
         return self._streams[role]
@@ -372,7 +375,7 @@ class _Run(LayerLoop):
         #: the side streams this step forked (error stream included), for the events of :meth:`_release_kept`
         self.forked_streams: list[torch.cuda.Stream] = []
         self.sample_stream: torch.cuda.Stream | None = None
-        #: local layers stepped so far under overlap: which of the two side streams takes the next
+        #: local layers stepped so far under overlap: which of the ``LOCAL_STREAMS`` side streams takes the next
         self.local_turn = 0
 
     def begin(self) -> None:
@@ -458,10 +461,10 @@ class _Run(LayerLoop):
         return result.output, result.logits.float(), result.loss.float()
 
     def _local_layer_beside(self, layer: Any, a: Tensor, main: torch.cuda.Stream) -> tuple[Tensor, Tensor, Tensor]:
-        """:meth:`_local_layer` under overlap: the layer's whole step and its AdamW on one of two side streams,
+        """:meth:`_local_layer` under overlap: the layer's whole step and its AdamW on one of ``LOCAL_STREAMS`` side streams,
         taken in turn; the main stream waits only for its output, so its gradients and update run beside the next
         layer's forward."""
-        role = f"local-{self.local_turn % 2}"
+        role = f"local-{self.local_turn % LOCAL_STREAMS}"
         self.local_turn += 1
         stream, ready = self.engine.stream(role), torch.cuda.Event()
         stream.wait_stream(main)
@@ -669,7 +672,7 @@ class _Run(LayerLoop):
             self.reducer(self.small_grads)  # every local head and the classifier: one small blocking all-reduce
         if self.main is not None:
             # a local layer's loss and logits come from its side stream (without a classifier, the step's own)
-            for role in ("local-0", "local-1")[: self.local_turn]:
+            for role in (f"local-{i}" for i in range(min(self.local_turn, LOCAL_STREAMS))):
                 self.main.wait_stream(self.engine.stream(role))
         super().finish(loss)
         self._apply_small()
