@@ -234,19 +234,21 @@ STACK_DEPTHS, STACK_CHANNELS, STACK_BATCH = (8, 16, 32), 64, 256
 LAYOUTS = ("contiguous", "channels_last")
 #: ``dad-lean``: ``EngineOptions(local_layers_beside=False)``, the local steps on the main stream
 MEMORY_SYSTEMS = ("dad", "dad-lean", "backprop")
+MEMORY_NETS = ("vgg8b", "residual")
 
 
 def memory_mode(args: argparse.Namespace) -> list[dict[str, Any]]:
     """Step time and total memory, each system of ``MEMORY_SYSTEMS`` in a fresh process with its default
     settings (bf16 compute over fp32 weights): the full-width VGG-style net at batch 256 and 1024, and the
     residual stack at depths 8, 16 and 32 (64 channels, 14 x 14, batch 256); each in the memory layouts
-    ``args.layouts`` (default: both of ``LAYOUTS``)."""
+    ``args.layouts`` (default: both of ``LAYOUTS``); ``args.nets`` and ``args.memory_systems`` pick a part."""
     cuda = torch.cuda.is_available() and not args.smoke
     batches = MEMORY_BATCHES if cuda else (8,)
     depths = STACK_DEPTHS if cuda else (1, 2)
     jobs = [("vgg8b", 0, b) for b in batches] + [("residual", d, STACK_BATCH if cuda else 8) for d in depths]
+    jobs = [job for job in jobs if job[0] in args.nets]
     records = []
-    for (net, depth, batch), layout, system in itertools.product(jobs, args.layouts, MEMORY_SYSTEMS):
+    for (net, depth, batch), layout, system in itertools.product(jobs, args.layouts, args.memory_systems):
         job = json.dumps([net, depth, batch, system, layout])
         if cuda:  # a fresh process: no allocator cache or graph pool of another system counts
             command = [sys.executable, __file__, "--memory-job", job, *(["--profile"] if args.profile else [])]
@@ -356,6 +358,9 @@ def main() -> None:
     parser.add_argument("--memory-job", default=None, help=argparse.SUPPRESS)  # internal: one system, JSON out
     parser.add_argument("--profile", action="store_true", help="with --memory: each step's GPU kernel time by kind")
     parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS), help="with --memory")
+    parser.add_argument("--nets", nargs="+", choices=MEMORY_NETS, default=list(MEMORY_NETS), help="with --memory")
+    parser.add_argument("--memory-systems", nargs="+", choices=MEMORY_SYSTEMS, default=list(MEMORY_SYSTEMS),
+                        help="with --memory")
     parser.add_argument("--smoke", action="store_true", help="seconds on synthetic data, for CI")
     args = parser.parse_args()
     if args.memory_job:

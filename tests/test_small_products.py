@@ -36,10 +36,22 @@ def test_the_broadcast_product_and_its_gradients_match_float64(shape, dtype):  #
     _close(b.grad, b64.grad, dtype)  # type: ignore[arg-type]
 
 
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+def test_the_broadcast_linear_matches_float64_and_gives_the_weight_a_gradient_in_its_layout(dtype):  # type: ignore[no-untyped-def]
+    torch.manual_seed(1)
+    x = torch.randn(9, 17, dtype=dtype)
+    weight = torch.randn(5, 17, dtype=dtype, requires_grad=True)
+    out = small_products.broadcast_linear(x, weight)
+    _close(out, x.double() @ weight.detach().double().T, dtype)
+    out.sum().backward()
+    assert weight.grad is not None and weight.grad.stride() == weight.stride()  # torch._fused_adamw_ needs it
+    _close(weight.grad, x.double().sum(0).expand(5, 17), dtype)
+
+
 def test_linear_adds_the_bias_and_promotes_like_a_product():  # type: ignore[no-untyped-def]
     x = torch.randn(5, 6, dtype=torch.bfloat16)
     weight, bias = torch.randn(3, 6), torch.randn(3)
-    got = small_products.broadcast_matmul(x, weight.T) + bias
+    got = small_products.broadcast_linear(x, weight) + bias
     want = x.double() @ weight.double().T + bias.double()
     assert got.dtype == torch.float32
     _close(got, want, torch.float32)

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["SMALL_PRODUCT", "broadcast_matmul", "linear", "matmul"]
+__all__ = ["SMALL_PRODUCT", "broadcast_linear", "broadcast_matmul", "linear", "matmul"]
 
 #: multiply-adds up to which a CUDA product runs as a broadcast product and a sum (its float32
 #: temporary is at most 4 MiB)
@@ -32,11 +32,19 @@ def broadcast_matmul(a: Tensor, b: Tensor) -> Tensor:
     return (a.to(wide)[:, :, None] * b.to(wide)[None, :, :]).sum(1).to(dtype)
 
 
+def broadcast_linear(x: Tensor, weight: Tensor) -> Tensor:
+    """``x @ weight.T`` as ``(x[:, None] * weight[None]).sum(2)``, like :func:`broadcast_matmul`; autograd
+    gives ``weight`` a gradient in its own layout (fused optimizers need that)."""
+    dtype = torch.promote_types(x.dtype, weight.dtype)
+    wide = torch.promote_types(dtype, torch.float32)
+    return (x.to(wide)[:, None, :] * weight.to(wide)[None, :, :]).sum(2).to(dtype)
+
+
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     """``x @ weight.T + bias`` of 2-d ``x`` (m, in) and ``weight`` (out, in), in their promoted dtype."""
     if not _small(x, weight.shape[0]):
         return torch.nn.functional.linear(x, weight, bias)
-    out = broadcast_matmul(x, weight.T)
+    out = broadcast_linear(x, weight)
     return out if bias is None else out + bias.to(out.dtype)
 
 
