@@ -276,3 +276,36 @@ def write_run(
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps({"benchmark": name, "runs": runs}, indent=1) + "\n")
     return path
+
+
+def pyplot() -> Any | None:
+    """``matplotlib.pyplot`` on the file-only Agg backend, or ``None`` without matplotlib (the ``plot`` extra):
+    a benchmark then writes its record and no plot."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    return plt
+
+
+def plot_path(record: Path) -> Path:
+    """Where the plot of the record at ``record`` goes: beside it, ``<name>.png``."""
+    return record.with_suffix(".png")
+
+
+def run_title(run: dict[str, Any]) -> str:
+    """A plot's subtitle: the run's device and torch version."""
+    env = run["environment"]
+    return f"{env.get('device', '?')}, torch {env.get('torch', '?')}"
+
+
+def draw_record(name: str, plot: Callable[[list[dict[str, Any]], Path], bool], *, smoke: bool = False,
+                out: str | Path | None = None) -> Path | None:
+    """Draw ``name``'s record (every run of it, :func:`read_runs`) with ``plot(runs, png_path)``: the PNG's
+    path, or ``None`` when ``plot`` drew nothing (no matplotlib, or no run it plots)."""
+    record = record_path(name, smoke=smoke, out=out)
+    path = plot_path(record)
+    return path if plot(read_runs(record), path) else None

@@ -15,20 +15,17 @@ from typing import Any
 
 import torch
 
-from _common import RESULTS, environment, read_runs, record_path, run_config, write_run
+from _common import draw_record, environment, pyplot, run_config, run_title, write_run
 from _gpu_common import backprop_graphed, cuda_sync, dad_system, make_data, time_steps
 
 
-def plot(run: dict[str, Any], path: Path) -> bool:
-    """Two panels of one run: img/s and peak MiB against depth, one line per system. ``False`` without
-    matplotlib."""
-    try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
+def plot(runs: list[dict[str, Any]], path: Path) -> bool:
+    """Two panels of the record's last run: img/s and peak MiB against depth, one line per system. ``False``
+    without matplotlib."""
+    plt = pyplot()
+    if plt is None or not runs:
         return False
+    run = runs[-1]
     records = run["results"]
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for system in sorted({r["system"] for r in records}):
@@ -43,10 +40,10 @@ def plot(run: dict[str, Any], path: Path) -> bool:
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    env = run["environment"]
-    fig.suptitle(f"B={records[0]['batch']}, bf16, {env['device']}, torch {env['torch']}")
+    fig.suptitle(f"B={records[0]['batch']}, bf16, {run_title(run)}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
+    plt.close(fig)
     return True
 
 
@@ -57,7 +54,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="record path (default results/gpu_scaling.json)")
     args = parser.parse_args()
     if args.plot_only:
-        print("plot:", plot(read_runs(record_path("gpu_scaling", out=args.out))[-1], RESULTS / "gpu_scaling.png"))
+        print("plot:", draw_record("gpu_scaling", plot, out=args.out))
         return
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
@@ -89,8 +86,8 @@ def main() -> None:
             del fn
     path = write_run("gpu_scaling", records, config=run_config(args, parser, exclude=["plot_only"]), smoke=args.smoke,
                      out=args.out, env=env)
-    if not args.smoke and args.out is None:
-        print("plot:", plot(read_runs(path)[-1], RESULTS / "gpu_scaling.png"))
+    if not args.smoke:  # a CPU smoke run has no memory figures to draw
+        print("plot:", draw_record("gpu_scaling", plot, out=args.out))
     print(f"-> {path}")
 
 
