@@ -30,7 +30,8 @@ Peak memory of one step above what is allocated before it (after the warm-up, so
 lazily created moments count as static state): on CPU from the allocator events that
 ``torch.profiler`` records (``profile_memory=True``), summed in time order; on CUDA
 ``max_memory_allocated()`` minus ``memory_allocated()`` before the step. Static state
-(parameters, optimizer moments) is reported separately.
+(parameters, optimizer moments) is reported separately. A real run also draws the record into
+``results/autograd_overhead.png`` (``--plot-only`` redraws it from the JSON).
 
     python benchmarks/autograd_overhead.py                 # CPU, about 2 minutes on 1 thread
     python benchmarks/autograd_overhead.py --device cuda   # GPU, fp32 + bf16 autocast
@@ -42,13 +43,14 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 import torch_dad as td
-from _common import environment, median_time, run_config, write_run
+from _common import draw_record, environment, median_time, pyplot, run_config, run_title, write_run
 
 SYSTEMS = ("linear+adamw", "linear+adamw-fused", "dad-inplace", "dad-grad", "dad-inplace-late")
 TRITON_SYSTEM = "dad-inplace-triton"
@@ -223,6 +225,48 @@ def measure(
     return records
 
 
+def plot(runs: list[dict[str, Any]], path: Path) -> bool:
+    """Two panels over every run's workloads and dtypes: each system's step time and step peak memory as a
+    multiple of ``linear+adamw-fused`` (the line at 1)."""
+    plt = pyplot()
+    cells = _cells(runs)
+    if plt is None or not cells:
+        return False
+    names = [s for s in (*SYSTEMS, TRITON_SYSTEM) if s != "linear+adamw-fused"]
+    drawn = [s for s in names if any(s in cell for _, cell in cells)]
+    width = 0.8 / len(drawn)
+    fig, axes = plt.subplots(2, 1, figsize=(max(8.0, 1.3 * len(cells)), 7), sharex=True)
+    for k, system in enumerate(drawn):
+        index = [i for i, (_, cell) in enumerate(cells) if system in cell]
+        for ax, key in zip(axes, ("time_vs_fused_adamw", "peak_vs_fused_adamw")):
+            ax.bar([i + (k - (len(drawn) - 1) / 2) * width for i in index], [cells[i][1][system][key] for i in index],
+                   width, label=system, color="tab:gray" if system == "linear+adamw" else f"C{names.index(system)}")
+    for ax, label in zip(axes, ("step time (x baseline)", "step peak memory (x baseline)")):
+        ax.axhline(1.0, color="black", lw=0.8, ls="--")
+        ax.set_ylabel(label)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0].legend(fontsize=8, ncol=len(drawn), loc="upper left")
+    axes[0].margins(y=0.15)  # room for the legend
+    axes[1].set_xticks(range(len(cells)), [label for label, _ in cells], fontsize=8)
+    titles = "; ".join(dict.fromkeys(run_title(run) for run in runs))
+    fig.suptitle(f"DADAutogradLinear against nn.Linear + fused AdamW (baseline, dashed at 1)\n{titles}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _cells(runs: list[dict[str, Any]]) -> list[tuple[str, dict[str, dict[str, Any]]]]:
+    """``(label, {system: row})`` per run, workload and dtype, the label naming the device."""
+    cells: dict[str, dict[str, dict[str, Any]]] = {}
+    for run in runs:
+        device = run["environment"].get("device", "?")
+        device = "CPU" if device.startswith("cpu") else device.removeprefix("NVIDIA ")
+        for row in run["results"]:
+            cells.setdefault(f"{row['workload']}\n{row['dtype']}\n{device}", {})[row["system"]] = row
+    return list(cells.items())
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true")
@@ -230,7 +274,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="CPU threads (1: the shared 2-core box)")
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS))
+    parser.add_argument("--plot-only", action="store_true", help="redraw results/autograd_overhead.png from the record")
     args = parser.parse_args()
+    if args.plot_only:
+        print("plot:", draw_record("autograd_overhead", plot))
+        return
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda asked for but CUDA is not available")
@@ -255,7 +303,10 @@ def main() -> None:
                     f"  static {r['static_bytes'] / 2**20:7.2f} MiB  loss {r['final_loss']:.4f}"
                 )
             records += rows
-    print("wrote", write_run("autograd_overhead", records, config=run_config(args, parser), smoke=args.smoke, env=env))
+    config = run_config(args, parser, exclude=["plot_only"])
+    print("wrote", write_run("autograd_overhead", records, config=config, smoke=args.smoke, env=env))
+    if not args.smoke:
+        print("plot:", draw_record("autograd_overhead", plot))
 
 
 if __name__ == "__main__":

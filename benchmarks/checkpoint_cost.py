@@ -10,6 +10,7 @@ includes every save's work on the training thread and the wait for the last one.
 
 The record also compares one save of the same state written the two ways a user could pick: this
 library's shard (safetensors + JSON, on the calling thread) and ``torch.distributed.checkpoint.save``.
+A real run also draws its last run into ``results/checkpoint_cost.png`` (``--plot-only`` redraws it from the JSON).
 
     PYTHONPATH=src python benchmarks/checkpoint_cost.py          # on the GPU machine
     python benchmarks/checkpoint_cost.py --smoke                 # CPU, seconds
@@ -34,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 import torch_dad as td
-from _common import DADMLP, run_config, write_run
+from _common import DADMLP, draw_record, pyplot, run_config, run_title, write_run
 from torch_dad.training import DataParallelTrainer, Pipeline, checkpoint
 
 ROWS_PER_EPOCH = 60_000
@@ -163,6 +164,61 @@ def save_formats(rows: int) -> dict[str, Any]:
                                                  for k, v in timings.items()}, **speeds}
 
 
+def plot(runs: list[dict[str, Any]], path: Path) -> bool:
+    """Three panels of the record's last run: per mode the fit time without and with checkpoints, pair by pair;
+    each pair's cost in percent; one synchronous save, shard file against ``dcp.save``."""
+    plt = pyplot()
+    modes = [r for r in runs[-1]["results"] if "pairs" in r] if runs else []
+    if plt is None or not modes:
+        return False
+    run = runs[-1]
+    fig, axes = plt.subplots(1, 3, figsize=(14, 4.5), gridspec_kw={"width_ratios": [2, 2, 1.2]})
+    _pair_panels(axes[0], axes[1], modes)
+    _save_panel(axes[2], next((r for r in run["results"] if "shard_ms" in r), None))
+    fig.suptitle(f"checkpoints in fit, {modes[0]['steps']} steps per fit: {run_title(run)}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _pair_panels(times: Any, costs: Any, modes: list[dict[str, Any]]) -> None:
+    """Fit seconds without (open, dashed) and with checkpoints per pair; each pair's cost as bars, the median
+    cost dashed."""
+    width = 0.8 / len(modes)
+    for k, (row, color) in enumerate(zip(modes, ("tab:blue", "tab:orange", "tab:green"))):
+        index = list(range(1, len(row["pairs"]) + 1))
+        without, with_ = zip(*row["pairs"])
+        times.plot(index, without, "o--", color=color, mfc="none", label=f"{row['mode']}, without")
+        times.plot(index, with_, "o-", color=color, label=f"{row['mode']}, with")
+        cost = [100 * (w - o) / o for o, w in row["pairs"]]
+        costs.bar([i + (k - (len(modes) - 1) / 2) * width for i in index], cost, width, color=color,
+                  label=f"{row['mode']} (median {row['cost_percent']:+.1f}%)")
+        costs.axhline(row["cost_percent"], color=color, ls="--", lw=1)
+    costs.axhline(0, color="black", lw=0.8)
+    times.set_title("fit time without and with checkpoints", fontsize=10)
+    costs.set_title("cost of checkpoints", fontsize=10)
+    for ax, label in ((times, "fit wall time (s)"), (costs, "(with - without) / without (%)")):
+        ax.set_xlabel("pair (fits alternate without / with)")
+        ax.set_ylabel(label)
+        ax.set_xticks(index)
+        ax.margins(y=0.2)  # room above the lines for the legend
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=8, ncol=2, loc="upper center")
+
+
+def _save_panel(ax: Any, row: dict[str, Any] | None) -> None:
+    """One synchronous save of the trainer's state: the shard file and ``dcp.save``, in ms."""
+    if row is None:
+        ax.axis("off")
+        return
+    ax.bar(["shard\n(safetensors + JSON)", "dcp.save"], [row["shard_ms"], row["dcp_ms"]],
+           color=["tab:blue", "tab:gray"])
+    ax.set_ylabel("one save (ms)")
+    ax.set_title(f"one save of {row['state_mib']} MiB", fontsize=10)
+    ax.grid(True, axis="y", alpha=0.3)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--steps", type=int, default=20000, help="steps per fit")
@@ -171,8 +227,12 @@ def main() -> None:
     parser.add_argument("--modes", nargs="+", choices=("data-parallel", "pipeline"), default=["data-parallel", "pipeline"])
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=None)
+    parser.add_argument("--plot-only", action="store_true", help="redraw results/checkpoint_cost.png from the record")
     parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: one mode, JSON on stdout
     args = parser.parse_args()
+    if args.plot_only:
+        print("plot:", draw_record("checkpoint_cost", plot, out=args.out))
+        return
     rows = 2560 if args.smoke else ROWS_PER_EPOCH
     steps, pairs, every = (25, 1, 10) if args.smoke else (args.steps, args.pairs, args.every)
     if args.one:  # one mode in this (fresh) process
@@ -188,8 +248,10 @@ def main() -> None:
     formats = save_formats(rows)
     print(json.dumps(formats))
     results.append({"mode": "one save, synchronous", **formats})
-    write_run("checkpoint_cost", results, config=run_config(args, parser, exclude=("one",)), smoke=args.smoke,
-              out=args.out)
+    write_run("checkpoint_cost", results, config=run_config(args, parser, exclude=("one", "plot_only")),
+              smoke=args.smoke, out=args.out)
+    if not args.smoke:
+        print("plot:", draw_record("checkpoint_cost", plot, out=args.out))
 
 
 if __name__ == "__main__":

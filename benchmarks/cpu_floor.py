@@ -13,7 +13,8 @@ two steps make and preallocated outputs:
 and, in the same interleaved rounds, the real ``DADTrainer.step`` and the eager backprop + AdamW step. The floor of
 a step is its GEMMs + its AdamW; ``floor_ratio = backprop floor / DAD floor`` is the most DAD can gain when both
 run their products equally well and everything else (activations, softmax, bias sums, autograd, Python) costs
-nothing. ``measured_ratio`` is what the two real steps achieve. Writes ``results/cpu_floor.json``.
+nothing. ``measured_ratio`` is what the two real steps achieve. Writes ``results/cpu_floor.json`` and draws its
+last run into ``results/cpu_floor.png`` (``--plot-only`` redraws the PNG from the JSON).
 
     python benchmarks/cpu_floor.py                # batch 1024 and 256, about 2 minutes on 2 cores
     python benchmarks/cpu_floor.py --smoke        # seconds, for CI
@@ -23,11 +24,13 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 
 import torch_dad as td
-from _common import DADMLP, backprop_mlp, median_time, run_config, write_run
+from _common import DADMLP, backprop_mlp, draw_record, median_time, pyplot, run_config, run_title, write_run
 
 WIDTHS = [784, 1024, 512, 256]
 CLASSES = 10
@@ -99,13 +102,57 @@ def adamw_sets(trainer: td.DADTrainer, net: torch.nn.Module) -> dict[str, Callab
     return {"dad-adamw": make(dad_params), "backprop-adamw": make(list(net.parameters()))}
 
 
+TIME_BARS = (  # (row key, label, color, hatch) of the time panel's bars
+    ("floor_dad_ms", "DAD floor (GEMMs + AdamW)", "C0", "//"),
+    ("dad-step_ms", "DAD step", "C0", None),
+    ("floor_backprop_ms", "backprop floor (GEMMs + AdamW)", "C1", "//"),
+    ("backprop-step_ms", "backprop step", "C1", None),
+)
+
+
+def plot(runs: list[dict[str, Any]], path: Path) -> bool:
+    """Two panels of the record's last run, per batch size: the floor (GEMMs + AdamW) and the measured step of
+    DAD and backprop in ms, and the backprop / DAD ratio of the floors and of the steps."""
+    plt = pyplot()
+    if plt is None or not runs or not runs[-1]["results"]:
+        return False
+    run = runs[-1]
+    rows = run["results"]
+    index = range(len(rows))
+    fig, (times, ratios) = plt.subplots(1, 2, figsize=(11, 4.5), gridspec_kw={"width_ratios": [3, 2]})
+    for k, (key, label, color, hatch) in enumerate(TIME_BARS):
+        times.bar([i + (k - 1.5) * 0.2 for i in index], [r[key] for r in rows], 0.2, label=label, color=color,
+                  hatch=hatch, edgecolor="white")
+    for k, (key, label) in enumerate((("floor_ratio", "floors"), ("measured_ratio", "measured steps"))):
+        # bars from 1 (equal speed): up where DAD is faster, down where it is slower
+        ratios.bar([i + (k - 0.5) * 0.35 for i in index], [r[key] - 1 for r in rows], 0.35, bottom=1.0,
+                   label=label, color="C2", alpha=1.0 if k else 0.5)
+    ratios.axhline(1.0, color="black", lw=0.8)
+    times.set_title("floor and measured step", fontsize=10)
+    ratios.set_title("DAD's speed-up over backprop", fontsize=10)
+    for ax, label in ((times, "ms per step"), (ratios, "backprop time / DAD time (1: equal)")):
+        ax.set_xticks(list(index), [f"B={r['batch']}" for r in rows])
+        ax.set_ylabel(label)
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.suptitle(f"CPU floor of a step, {rows[0]['topology']}: {run_title(run)}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--batch", type=int, nargs="+", default=[1024, 256])
     parser.add_argument("--repeats", type=int, default=10)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--plot-only", action="store_true", help="redraw results/cpu_floor.png from the record")
     args = parser.parse_args()
+    if args.plot_only:
+        print("plot:", draw_record("cpu_floor", plot))
+        return
     widths = [64, 48, 32] if args.smoke else WIDTHS
     batches = [64] if args.smoke else args.batch
     repeats, warmup, rounds = (3, 1, 1) if args.smoke else (args.repeats, 5, args.rounds)
@@ -147,8 +194,10 @@ def main() -> None:
               f"steps DAD {ms['dad-step']:.2f} ms, backprop {ms['backprop-step']:.2f} ms -> ratio "
               f"{record['measured_ratio']:.3f}; GEMMs {ms['dad-gemms']:.2f} / {ms['backprop-gemms']:.2f} ms, "
               f"AdamW {ms['dad-adamw']:.2f} / {ms['backprop-adamw']:.2f} ms", flush=True)
-    path = write_run("cpu_floor", records, config=run_config(args, parser), smoke=args.smoke)
+    path = write_run("cpu_floor", records, config=run_config(args, parser, exclude=["plot_only"]), smoke=args.smoke)
     print("wrote", path)
+    if not args.smoke:
+        print("plot:", draw_record("cpu_floor", plot))
 
 
 if __name__ == "__main__":

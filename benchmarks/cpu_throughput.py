@@ -12,6 +12,8 @@ Same synthetic batches for every system, warm-up, median of repeats. Systems:
   (another run of it). In one process the systems share glibc's
   allocator, whose history changes backprop's page faults (0 to ~3,100 a step at B=1024).
 
+A real run also draws the record into ``results/cpu_throughput.png`` (``--plot-only`` redraws it from the JSON).
+
     python benchmarks/cpu_throughput.py                  # in-process (about 2 minutes on 2 cores)
     python benchmarks/cpu_throughput.py --isolated 24 --batch 1024   # about 6 minutes
     python benchmarks/cpu_throughput.py --smoke          # seconds, for CI
@@ -25,12 +27,23 @@ import statistics
 import subprocess
 import sys
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
 
 import torch_dad as td
-from _common import DADMLP, backprop_mlp, environment, median_time, run_config, write_run
+from _common import (
+    DADMLP,
+    backprop_mlp,
+    draw_record,
+    environment,
+    median_time,
+    pyplot,
+    run_config,
+    run_title,
+    write_run,
+)
 
 TOPOLOGIES = {"mnist-medium-3": [784, 1024, 512, 256], "fmnist-wide-2": [784, 4096, 4096]}
 SYSTEMS = ("dad", "backprop-eager", "backprop-eager-fused")
@@ -122,6 +135,76 @@ def isolated(topologies: dict[str, list[int]], batches: list[int], rounds: int, 
     return records
 
 
+def _short_cpu(device: str) -> str:
+    """``cpu (Intel(R) Xeon(R) Processor, AVX-512, 2 threads; note)`` -> ``Xeon, AVX-512, 2 threads``."""
+    text = device.removeprefix("cpu (").split(";")[0].removesuffix(")")
+    return text.replace("Intel(R) ", "").replace("(R)", "").replace(" Processor", "")
+
+
+def _settings(runs: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
+    """``{label: {system: row}}`` per measured setting (protocol, batch, CPU): where a run pools several of
+    its own runs, only the pooled rows; a later run replaces an earlier one of the same setting."""
+    settings: dict[str, dict[str, dict[str, Any]]] = {}
+    for run in runs:
+        for row in run["results"]:
+            if row.get("run", "pooled") != "pooled":
+                continue
+            protocol = row.get("protocol", run["config"].get("protocol", "in-process"))
+            cpu = _short_cpu(row.get("device", run["environment"].get("device", "?")))
+            label = f"{protocol}, B={row['batch']}\n{cpu}"
+            settings.setdefault(label, {})[row["system"]] = row
+    return {label: rows for label, rows in settings.items() if "dad" in rows}
+
+
+def plot(runs: list[dict[str, Any]], path: Path) -> bool:
+    """Two panels, one row per setting (protocol, batch, CPU) of the record: img/s of every system, and DAD's
+    speed-up over each backprop system (isolated runs: median per-round ratio, quartiles as error bars)."""
+    plt = pyplot()
+    settings = _settings(runs)
+    if plt is None or not settings:
+        return False
+    fig, (speed, ratio) = plt.subplots(1, 2, figsize=(12, 1.2 + 1.0 * len(settings)), sharey=True)
+    rows = list(settings.values())
+    for k, system in enumerate(SYSTEMS):
+        ys = [i + (k - 1) * 0.27 for i, cell in enumerate(rows) if system in cell]
+        speed.barh(ys, [cell[system]["img_per_s"] for cell in rows if system in cell], 0.27, label=system,
+                   color=f"C{k}")
+    for k, system in enumerate(SYSTEMS[1:], start=1):
+        _ratio_points(ratio, rows, system, k)
+    ratio.axvline(1.0, color="black", lw=0.8, ls="--")
+    speed.set_title("throughput", fontsize=10)
+    ratio.set_title("DAD's speed-up (isolated: median and quartiles of the rounds)", fontsize=10)
+    speed.set_yticks(range(len(rows)), list(settings), fontsize=8)
+    speed.invert_yaxis()
+    for ax, label in ((speed, "img/s"), (ratio, "baseline step time / DAD step time")):
+        ax.set_xlabel(label)
+        ax.grid(True, axis="x", alpha=0.3)
+        ax.legend(fontsize=8)
+    topology = ", ".join(sorted({r["topology"] for cell in rows for r in cell.values()}))
+    titles = "\n".join(dict.fromkeys(run_title(run) for run in runs))
+    fig.suptitle(f"CPU training throughput, {topology}\n{titles}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _ratio_points(ax: Any, rows: list[dict[str, dict[str, Any]]], system: str, k: int) -> None:
+    """DAD's speed-up over ``system`` per setting: the median per-round ratio with its quartiles where the
+    rounds are recorded, else the ratio of the medians."""
+    ys, xs, low, high = [], [], [], []
+    for i, cell in enumerate(rows):
+        row = cell.get(system)
+        if row is None:
+            continue
+        mid = row.get("dad_over_this_median", cell["dad"]["img_per_s"] / row["img_per_s"])
+        ys.append(i + (k - 1) * 0.27)  # beside the system's bar in the img/s panel
+        xs.append(mid)
+        low.append(mid - row.get("dad_over_this_q1", mid))
+        high.append(row.get("dad_over_this_q3", mid) - mid)
+    ax.errorbar(xs, ys, xerr=[low, high], fmt="o", color=f"C{k}", capsize=3, label=f"over {system}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true")
@@ -133,7 +216,11 @@ def main() -> None:
                         help="measure each system in fresh processes, over this many rounds")
     parser.add_argument("--worker", choices=SYSTEMS, help=argparse.SUPPRESS)
     parser.add_argument("--widths", type=int, nargs="+", help=argparse.SUPPRESS)
+    parser.add_argument("--plot-only", action="store_true", help="redraw results/cpu_throughput.png from the record")
     args = parser.parse_args()
+    if args.plot_only:
+        print("plot:", draw_record("cpu_throughput", plot))
+        return
     if args.worker:
         step = make_step(args.worker, args.widths, args.batch[0])
         print(json.dumps({"step_s": median_time(step, warmup=args.warmup, repeats=args.repeats)}))
@@ -143,13 +230,14 @@ def main() -> None:
     warmup, repeats = (1, 3) if args.smoke else (args.warmup, args.repeats)
     if args.isolated or args.smoke:
         records = isolated(topologies, batches, max(1, args.isolated) if not args.smoke else 1, warmup, repeats)
-        config = run_config(args, parser) | {"protocol": "isolated"}
+        config = run_config(args, parser, exclude=["plot_only"]) | {"protocol": "isolated"}
         print("wrote", write_run("cpu_throughput", records, config=config, smoke=args.smoke))
-        if args.isolated:
-            return
-    records = in_process(topologies, batches, 1 if args.smoke else args.rounds, warmup, repeats)
-    config = run_config(args, parser) | {"protocol": "in-process"}
-    print("wrote", write_run("cpu_throughput", records, config=config, smoke=args.smoke))
+    if not args.isolated:
+        records = in_process(topologies, batches, 1 if args.smoke else args.rounds, warmup, repeats)
+        config = run_config(args, parser, exclude=["plot_only"]) | {"protocol": "in-process"}
+        print("wrote", write_run("cpu_throughput", records, config=config, smoke=args.smoke))
+    if not args.smoke:
+        print("plot:", draw_record("cpu_throughput", plot))
 
 
 if __name__ == "__main__":

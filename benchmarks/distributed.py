@@ -21,6 +21,8 @@ filling and draining the pipe once).
 
 ``--net vgg``: the VGG-style conv net of ``benchmarks/conv.py`` instead (local-loss' ``vgg8b`` widths, 6
 ``DADConv2d`` + 1 ``DADLinear`` on 1 x 28 x 28 inputs; default ``--batch 256 1024`` rows per GPU).
+
+A real run also draws the record into ``results/distributed.png`` (``--plot-only`` redraws it from the JSON).
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import torch
 import torch.distributed as dist
 
 import torch_dad as td
-from _common import DADMLP, Timer, environment, record_path, run_config, write_run
+from _common import DADMLP, Timer, draw_record, environment, pyplot, record_path, run_config, run_title, write_run
 from conv import DADVGG
 from torch_dad.training import Batch, DataParallelTrainer, Pipeline
 from torch_dad.training.pipeline import partition_layers
@@ -112,6 +114,54 @@ def layer_step_seconds(trainer: td.DADTrainer, x: torch.Tensor, y: torch.Tensor,
     return [statistics.median(r[i] for r in rows) for i in range(len(rows[0]))]
 
 
+MODES = ("single", "data-parallel", "pipeline")
+
+
+def plot(runs: list[dict[str, Any]], path: Path) -> bool:
+    """One panel per run (net and GPU count), the last three: img/s of every mode and backend at each per-GPU
+    batch, with the speed-up over the default single-GPU step above each multi-GPU bar."""
+    plt = pyplot()
+    runs = [run for run in runs if run["results"]][-3:]
+    if plt is None or not runs:
+        return False
+    fig, axes = plt.subplots(1, len(runs), figsize=(6.5 * len(runs), 4.8), squeeze=False)
+    for ax, run in zip(axes[0], runs):
+        _throughput_panel(ax, run)
+    fig.suptitle("DAD training throughput; above a bar: its speed-up over the single-GPU step (default backend)",
+                 fontsize=11)
+    handles = {label: h for ax in axes[0] for h, label in zip(*ax.get_legend_handles_labels())}
+    fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=6, fontsize=8)
+    fig.tight_layout(rect=(0, 0.06, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
+def _throughput_panel(ax: Any, run: dict[str, Any]) -> None:
+    """Bars of img/s per (mode, backend), grouped by per-GPU batch, for one run."""
+    rows = run["results"]
+    batches = sorted({r["per_gpu_batch"] for r in rows})
+    bars = [(mode, backend) for mode in MODES for backend in ("default", "eager")
+            if any(r["mode"] == mode and r["backend"] == backend for r in rows)]
+    width = 0.8 / len(bars)
+    for k, (mode, backend) in enumerate(bars):
+        cells = [(i, r) for i, b in enumerate(batches) for r in rows
+                 if r["per_gpu_batch"] == b and r["mode"] == mode and r["backend"] == backend]
+        xs = [i + (k - (len(bars) - 1) / 2) * width for i, _ in cells]
+        drawn = ax.bar(xs, [r["img_per_s"] for _, r in cells], width, label=f"{mode} ({backend})",
+                       color=f"C{MODES.index(mode)}", hatch="//" if backend == "eager" else None, edgecolor="white")
+        speedups = [f"{r['speedup_vs_single_default']:.2f}x" if "speedup_vs_single_default" in r else ""
+                    for _, r in cells]
+        ax.bar_label(drawn, speedups, fontsize=7)
+    ax.set_xticks(range(len(batches)), [f"{b} rows per GPU" for b in batches])
+    ax.set_ylabel("img/s (all GPUs)")
+    ax.margins(y=0.15)  # room for the speed-up labels
+    ax.grid(True, axis="y", alpha=0.3)
+    first, link = rows[0], run["environment"].get("gpu_link", "none")
+    via = f", {link}" if link != "none" else ""
+    ax.set_title(f"{first['topology']}, {first['gpus']} GPU(s){via}\n{run_title(run)}", fontsize=10)
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run (gloo, world size 1 unless torchrun)")
@@ -125,12 +175,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--out", type=Path, default=None, help="record path (default results/distributed.json)")
+    parser.add_argument("--plot-only", action="store_true", help="redraw results/distributed.png from the record")
     args = parser.parse_args()
-    args.config = run_config(args, parser)
+    args.config = run_config(args, parser, exclude=["plot_only"])
     args.batch = args.batch or ([16384, 65536] if args.net == "mlp" else [256, 1024])
     if args.smoke:
         args.batch, args.width, args.depth, args.steps, args.repeats = [32], 24, 3, 3, 2
-    if not args.smoke and not torch.cuda.is_available():
+    if not args.smoke and not args.plot_only and not torch.cuda.is_available():
         raise SystemExit("the full benchmark needs CUDA GPUs (one per process); on CPU use --smoke")
     return args
 
@@ -286,6 +337,9 @@ class Bench:
 
 def main() -> None:
     args = parse_args()
+    if args.plot_only:
+        print("plot:", draw_record("distributed", plot, out=args.out))
+        return
     device = init_process_group(torch.cuda.is_available() and not args.smoke)
     bench = Bench(args, device)
     begin = time.perf_counter()
@@ -299,6 +353,8 @@ def main() -> None:
         bench.measure(batch)
     if bench.rank == 0:
         print("wrote", bench.out)
+        if not args.smoke:
+            print("plot:", draw_record("distributed", plot, out=args.out))
     dist.destroy_process_group()
 
 

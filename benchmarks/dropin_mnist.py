@@ -10,6 +10,7 @@ data and batch order:
 
 Seed ``s`` draws the training subset (``torch.randperm`` of the 60k images), the initial weights and the batch
 order. One CPU thread. Writes ``results/dropin_mnist.json``; ``--smoke`` runs on synthetic data of MNIST's shape.
+A real run also draws its last run into ``results/dropin_mnist.png`` (``--plot-only`` redraws it from the JSON).
 
     python benchmarks/dropin_mnist.py                   # 60k images x seeds 0, 1; 10k x seeds 0-3 (a few minutes)
 """
@@ -23,7 +24,7 @@ from typing import Any
 
 import torch
 
-from _common import run_config, write_run
+from _common import draw_record, pyplot, run_config, run_title, write_run
 from torch_dad import DADAutogradLinear, data
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -59,10 +60,44 @@ def readme_accuracy(
         return (model(xte).argmax(1) == yte).float().mean().item()
 
 
+def plot(runs: list[dict[str, Any]], path: Path) -> bool:
+    """One panel per training-set size of the record's last run: each variant's test accuracy, the mean over
+    seeds as a line and every seed as a dot."""
+    plt = pyplot()
+    if plt is None or not runs or not runs[-1]["results"]:
+        return False
+    run = runs[-1]
+    rows = run["results"]
+    sizes = sorted({r["train_images"] for r in rows}, reverse=True)
+    fig, axes = plt.subplots(1, len(sizes), figsize=(5 * len(sizes), 4.2), squeeze=False)
+    for ax, size in zip(axes[0], sizes):
+        cell = [r for r in rows if r["train_images"] == size]
+        for i, variant in enumerate(VARIANTS):
+            scores = [100 * r["test_accuracy"] for r in cell if r["system"] == variant]
+            if scores:
+                ax.hlines(sum(scores) / len(scores), i - 0.3, i + 0.3, color=f"C{i}", lw=2.5)
+                ax.plot([i] * len(scores), scores, "o", color=f"C{i}", mec="black", ms=5)
+        ax.margins(x=0.15, y=0.2)
+        ax.set_xticks(range(len(VARIANTS)), list(VARIANTS))
+        ax.set_ylabel("MNIST test accuracy (%)")
+        ax.set_title(f"{size} training images, {len({r['seed'] for r in cell})} seeds", fontsize=10)
+        ax.grid(True, axis="y", alpha=0.3)
+    fig.suptitle(f"README drop-in block, one epoch (line: mean over seeds, dots: seeds): {run_title(run)}",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="synthetic data of MNIST's shape, seconds")
+    parser.add_argument("--plot-only", action="store_true", help="redraw results/dropin_mnist.png from the record")
     args = parser.parse_args()
+    if args.plot_only:
+        print("plot:", draw_record("dropin_mnist", plot))
+        return
     torch.set_num_threads(1)
     if args.smoke:
         splits = data.synthetic(num_train=640, num_test=256, num_features=784, num_classes=10)
@@ -78,7 +113,10 @@ def main() -> None:
                 records.append({"train_images": size, "seed": seed, "system": variant, "test_accuracy": accuracy,
                                 "epochs": 1, "batch": 64})
                 print(f"{size:>6} images  seed {seed}  {variant:18s} {accuracy:.4f}", flush=True)
-    print("wrote", write_run("dropin_mnist", records, config=run_config(args, parser), smoke=args.smoke))
+    config = run_config(args, parser, exclude=["plot_only"])
+    print("wrote", write_run("dropin_mnist", records, config=config, smoke=args.smoke))
+    if not args.smoke:
+        print("plot:", draw_record("dropin_mnist", plot))
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ Systems (each ``--seeds`` times):
 and once: ``lbfgs-logreg``, L-BFGS multinomial logistic regression run to convergence on the
 cached eval-mode features (the linear-head ceiling).
 
+Adds a run to ``results/hf_head.json`` (or ``--out``) and, with matplotlib, draws it into ``results/hf_head.png``
+(``--plot-only`` redraws the PNG from the record).
 ``--smoke``: a tiny random BERT on random token ids, seconds on CPU, no files needed.
 """
 
@@ -433,6 +435,72 @@ def summary(records: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def _system_groups(rows: list[dict[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Rows with an accuracy by bar label: the system, plus its learning rate where the record holds several;
+    a later row of the same system, rate and seed replaces an earlier one."""
+    latest = {(r["system"], r.get("learning_rate"), r.get("seed")): r for r in rows
+              if r.get("accuracy") is not None and r["system"] != "majority-class"}
+    rates: dict[str, set[Any]] = {}
+    for system, lr, _ in latest:
+        rates.setdefault(system, set()).add(lr)
+    order = [*SYSTEMS, "lbfgs-logreg"]
+    keys = sorted({k[:2] for k in latest},
+                  key=lambda k: (order.index(k[0]) if k[0] in order else len(order), k[0], k[1] or 0.0))
+    return {f"{s} lr {lr:g}" if len(rates[s]) > 1 else s: [r for k, r in latest.items() if k[:2] == (s, lr)]
+            for s, lr in keys}
+
+
+FAMILIES = {"DAD": "tab:blue", "baseline": "tab:orange", "published wheel": "tab:gray"}
+
+
+def _family(label: str) -> str:
+    if label.startswith("wheel"):
+        return "published wheel"
+    return "DAD" if "dad" in label or label.startswith("closed-form") else "baseline"
+
+
+def plot(runs: list[dict[str, Any]], path: Path) -> bool:
+    """Two panels of the record's last run: test accuracy and training wall time per system (mean over seeds,
+    whiskers one standard deviation), the majority-class accuracy as a line."""
+    import statistics
+
+    from _common import pyplot, run_title
+
+    plt = pyplot()
+    groups = _system_groups(runs[-1]["results"]) if runs else {}
+    if plt is None or not groups:
+        return False
+    from matplotlib.patches import Patch
+
+    run, labels = runs[-1], list(groups)[::-1]  # the first system on top
+    fig, axes = plt.subplots(1, 2, figsize=(11, 0.3 * len(labels) + 2), sharey=True)
+    means: dict[str, list[float]] = {}
+    for ax, key, scale, unit in ((axes[0], "accuracy", 100, "test accuracy [%]"),
+                                 (axes[1], "wall_s", 1, "training wall time [s]")):
+        values = [[r[key] * scale for r in groups[label] if r.get(key) is not None] or [0.0] for label in labels]
+        means[key] = [statistics.mean(v) for v in values]
+        spread = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in values]
+        ax.barh(range(len(labels)), means[key], xerr=spread, capsize=2,
+                color=[FAMILIES[_family(label)] for label in labels])
+        ax.set_xlabel(unit)
+        ax.grid(True, axis="x", alpha=0.3)
+    handles = [Patch(color=c, label=f) for f, c in FAMILIES.items() if any(_family(x) == f for x in labels)]
+    lowest = min(means["accuracy"])
+    majority = next((r["accuracy"] for r in run["results"] if r["system"] == "majority-class"), None)
+    if majority is not None:
+        handles.append(axes[0].axvline(100 * majority, color="k", linestyle=":", label="majority class"))
+        lowest = min(lowest, 100 * majority)
+    axes[0].set_xlim(left=max(0.0, lowest - 5))  # from zero, the bars' differences of a few points would not show
+    axes[0].set_yticks(range(len(labels)), labels, fontsize=8)
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8)
+    fig.suptitle(f"Heads on frozen all-MiniLM-L6-v2, Rotten Tomatoes (mean ± std over seeds)\n{run_title(run)}",
+                 fontsize=10)
+    fig.tight_layout(rect=(0, 0.05, 1, 1))
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def _wheel_record(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
     """The wheel's run, or its failure as a record: the wheel failing is a result, not a crash."""
     try:
@@ -459,6 +527,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--limit", type=int, default=0, help="use only the first N train and test rows (a quick check)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--out", help="record path (default: results/hf_head.json)")
+    parser.add_argument("--plot-only", action="store_true", help="redraw results/hf_head.png from the record")
     parser.add_argument("--wheel-worker", action="store_true", help=argparse.SUPPRESS)
     return parser
 
@@ -466,9 +535,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    from _common import run_config
+    from _common import draw_record, run_config
 
-    config = run_config(args, parser, exclude=["model_dir", "corpus", "wheel_dir", "wheel_worker"])
+    if args.plot_only:
+        print("plot:", draw_record("hf_head", plot, out=args.out))
+        return 0
+    config = run_config(args, parser, exclude=["model_dir", "corpus", "wheel_dir", "wheel_worker", "plot_only"])
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     if args.smoke:
@@ -528,6 +600,8 @@ def main(argv: list[str] | None = None) -> int:
     path = write_run("hf_head", records, config=config, smoke=args.smoke, out=args.out, env=env)
     print(summary(records))
     print(f"wrote {path}")
+    if not args.smoke:
+        print("plot:", draw_record("hf_head", plot, out=args.out))
     return 0
 
 

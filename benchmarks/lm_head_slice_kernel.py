@@ -10,7 +10,8 @@ slice ``s``. Per shape (8192 tokens, bf16) this times, in one process:
 - ``vocab_slice_backward`` whole (``dL/dh`` included) with and without the fused kernel, and their ``dL/dh``'s
   relative difference.
 
-Times are medians of ``triton.testing.do_bench``. Adds a run to ``results/lm_head_slice_kernel.json``.
+Times are medians of ``triton.testing.do_bench``. Adds a run to ``results/lm_head_slice_kernel.json`` and, with
+matplotlib, draws it into ``results/lm_head_slice_kernel.png`` (``--plot-only`` redraws the PNG from the record).
 
     python benchmarks/lm_head_slice_kernel.py            # H200: SmolLM2 and Llama-3 8B heads
     python benchmarks/lm_head_slice_kernel.py --smoke    # CPU: lists the candidate tiles, launches nothing
@@ -19,11 +20,13 @@ Times are medians of ``triton.testing.do_bench``. Adds a run to ``results/lm_hea
 from __future__ import annotations
 
 import argparse
+import math
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from _common import environment, run_config, write_run
+from _common import draw_record, environment, pyplot, run_config, run_title, write_run
 
 SHAPES = {"smollm2": (49152, 576), "llama3-8b": (128256, 4096)}
 TOKENS = 8192
@@ -121,11 +124,76 @@ def whole_backward(vocab: int, hidden: int, rep: int) -> list[dict[str, Any]]:
     ]
 
 
+def _slice_colour(row: dict[str, Any]) -> str:
+    if row["system"] == "cublas-logits":
+        return "tab:gray"
+    if not row["system"].startswith("fused-"):
+        return "tab:orange"
+    return "tab:blue" if row.get("default") else "lightsteelblue"
+
+
+def _draw_slice(ax: Any, rows: list[dict[str, Any]], shape: str) -> None:
+    """One slice's gradient at ``shape``: a bar per way, the library's default tile marked."""
+    rows = [r for r in rows if not r["system"].startswith("vocab_slice_backward")][::-1]
+    labels = [r["system"].replace("fused-", "fused ") + (" (default)" if r.get("default") else "") for r in rows]
+    bars = ax.barh(range(len(rows)), [r["ms"] for r in rows], color=[_slice_colour(r) for r in rows])
+    ax.bar_label(bars, [f"{r['ms']:.3f}" for r in rows], padding=2, fontsize=7)
+    ax.set_yticks(range(len(rows)), labels, fontsize=7)
+    ax.set_xlim(0, max(r["ms"] for r in rows) * 1.2)  # room for the labels
+    ax.set_xlabel("ms per slice (median)")
+    ax.set_title(f"{shape}: one slice of {rows[0].get('slice_rows', '?')} rows, {rows[0]['tokens']} tokens",
+                 fontsize=9)
+
+
+def _draw_whole(ax: Any, by_shape: dict[str, list[dict[str, Any]]]) -> None:
+    """The whole ``vocab_slice_backward`` per shape, with and without the fused kernel (log scale)."""
+    for k, (system, colour) in enumerate((("vocab_slice_backward-cublas+row-kernel", "tab:orange"),
+                                          ("vocab_slice_backward-fused", "tab:blue"))):
+        ms = [next((r["ms"] for r in rows if r["system"] == system), 0.0) for rows in by_shape.values()]
+        bars = ax.bar([i + 0.4 * k for i in range(len(ms))], ms, 0.4, color=colour,
+                      label=system.removeprefix("vocab_slice_backward-"))
+        ax.bar_label(bars, [f"{v:.2f}" for v in ms], fontsize=7)
+    ax.set_xticks([i + 0.2 for i in range(len(by_shape))], list(by_shape))
+    ax.set_yscale("log")
+    longest = max(r["ms"] for rows in by_shape.values() for r in rows)
+    ax.set_ylim(min(1.0, longest / 10), 10 ** math.ceil(math.log10(2 * longest)))  # room for the bar labels
+    ax.yaxis.set_major_formatter("{x:g}")
+    ax.set_ylabel("ms per backward (median, log scale)")
+    ax.set_title("whole vocab_slice_backward (with dL/dh)", fontsize=9)
+    ax.legend(fontsize=7, loc="upper left")
+
+
+def plot(runs: list[dict[str, Any]], path: Path) -> bool:
+    """The record's last run: per shape, one slice's gradient time for cuBLAS's logits alone, cuBLAS + the row
+    kernel and each fused tile; then the whole backward with and without the fused kernel."""
+    plt = pyplot()
+    if plt is None or not runs or not runs[-1]["results"]:
+        return False
+    run = runs[-1]
+    by_shape: dict[str, list[dict[str, Any]]] = {}
+    for row in run["results"]:
+        by_shape.setdefault(row["shape"], []).append(row)
+    fig, axes = plt.subplots(1, len(by_shape) + 1, figsize=(5 * (len(by_shape) + 1), 4))
+    for ax, (shape, rows) in zip(axes, by_shape.items()):
+        _draw_slice(ax, rows, shape)
+    _draw_whole(axes[-1], by_shape)
+    fig.suptitle(f"Slice gradient: fused Triton kernel (blue) vs cuBLAS (gray: logits alone, orange: + row "
+                 f"kernel), bf16\n{run_title(run)}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--shapes", nargs="+", choices=sorted(SHAPES), default=list(SHAPES))
     parser.add_argument("--smoke", action="store_true", help="list the candidates (CPU), launch nothing")
+    parser.add_argument("--plot-only", action="store_true", help="redraw results/lm_head_slice_kernel.png from the record")
     args = parser.parse_args()
+    if args.plot_only:
+        print("plot:", draw_record("lm_head_slice_kernel", plot))
+        return
     if args.smoke or not torch.cuda.is_available():
         for tiles in CANDIDATES:
             print("candidate BMxBNxBK-warps-stages: {}x{}x{}-w{}-s{}".format(*tiles))
@@ -139,7 +207,9 @@ def main() -> None:
             record.update(shape=shape, tokens=TOKENS, vocab=vocab, hidden=hidden, dtype="bfloat16", **env)
             print({k: v for k, v in record.items() if k not in env})
             records.append(record)
-    print(f"wrote {write_run('lm_head_slice_kernel', records, config=run_config(args, parser), env=env)}")
+    config = run_config(args, parser, exclude=["plot_only"])
+    print(f"wrote {write_run('lm_head_slice_kernel', records, config=config, env=env)}")
+    print("plot:", draw_record("lm_head_slice_kernel", plot))
 
 
 if __name__ == "__main__":

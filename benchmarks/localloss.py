@@ -36,7 +36,8 @@ graph serves every step.
     python benchmarks/localloss.py --net vgg8b --dataset fmnist     # the conv net
     python benchmarks/localloss.py --smoke [--net vgg8b]            # seconds, CPU, synthetic 28x28 data
 
-Adds a run to ``results/localloss.json`` (or ``--out``).
+Adds a run to ``results/localloss.json`` (or ``--out``) and, with matplotlib, draws every run of it into
+``results/localloss.png`` (``--plot-only`` redraws the PNG from the record).
 """
 
 from __future__ import annotations
@@ -45,13 +46,14 @@ import argparse
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 import torch_dad as td
-from _common import DADMLP, backprop_mlp, environment, run_config, write_run
+from _common import DADMLP, backprop_mlp, draw_record, environment, pyplot, run_config, run_title, write_run
 from _gpu_common import GraphedBackprop, cuda_sync
 from conv import DADVGG, backprop_vgg
 
@@ -255,6 +257,58 @@ def run_backprop(data: Data, run: Run) -> dict[str, Any]:
     }
 
 
+COLOURS = {"dad": "tab:blue", "backprop": "tab:orange"}
+PUBLISHED = {"pred": "dad", "backprop": "backprop"}  # the paper's row -> the system it compares with
+
+
+def _draw_curves(ax: Any, run: dict[str, Any]) -> None:
+    """Test accuracy against cumulative training seconds, one line per system and seed, the paper's accuracies
+    as dotted lines; the y range starts where the curves have risen, past their first tenth of epochs."""
+    rows = [r for r in run["results"] if r.get("curve")]
+    tail = []
+    for system in sorted({r["system"] for r in rows}):
+        for k, r in enumerate(r for r in rows if r["system"] == system):
+            curve = r["curve"]
+            ax.plot([c["train_s"] for c in curve], [100 * c["test_acc"] for c in curve], lw=0.8, alpha=0.8,
+                    color=COLOURS.get(system), label=f"{system} ({r.get('backend', '?')})" if k == 0 else None)
+            tail += [100 * c["test_acc"] for c in curve[len(curve) // 10:]]
+    for name, value in (rows[0].get("published") or {}).items():
+        ax.axhline(100 * value, color=COLOURS.get(PUBLISHED.get(name, "")), linestyle=":", label=f"paper: {name}")
+        tail.append(100 * value)
+    low, high = min(tail), max(tail)
+    ax.set_ylim(low - 0.1 * (high - low), high + 0.1 * (high - low))
+    seeds = len({r["seed"] for r in rows})
+    first = rows[0]
+    ax.set_title(f"{first.get('net', 'mlp')}, {first['dataset']}, {first['epochs']} epochs, "
+                 f"{seeds} seed{'s' * (seeds > 1)}{', tf32' if first.get('tf32') else ''}", fontsize=9)
+    ax.set_xlabel("training wall time [s]")
+    ax.set_ylabel("test accuracy [%]")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="lower right")
+
+
+def plot(runs: list[dict[str, Any]], path: Path) -> bool:
+    """One panel per run of the record (net, dataset): test accuracy against training wall time for ``dad`` and
+    ``backprop``, each seed a line, the paper's accuracies dotted."""
+    plt = pyplot()
+    runs = [run for run in runs if any(r.get("curve") for r in run["results"])]
+    if plt is None or not runs:
+        return False
+    cols = min(3, len(runs))
+    rows = -(-len(runs) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.6 * cols, 3.8 * rows), squeeze=False)
+    for ax, run in zip(axes.flat, runs):
+        _draw_curves(ax, run)
+    for ax in list(axes.flat)[len(runs):]:
+        ax.set_visible(False)
+    fig.suptitle("Nøkland & Eidnes recipe: DAD vs backprop; " + "; ".join(sorted({run_title(r) for r in runs})),
+                 fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="seconds on CPU: synthetic 28x28 data, tiny net, 2 epochs")
@@ -277,17 +331,21 @@ def parse_args() -> argparse.Namespace:
                         help="bf16 autocast (backprop) / amp_dtype (DAD) over fp32 master weights, every system")
     parser.add_argument("--out", default=None, help="record path (default results/localloss.json)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--plot-only", action="store_true", help="redraw results/localloss.png from the record")
     args = parser.parse_args()
     if args.epochs is not None and args.epochs < 1:
         parser.error(f"--epochs {args.epochs} must be at least 1")
     if args.dropout is not None and not 0.0 <= args.dropout < 1.0:
         parser.error(f"--dropout {args.dropout} must be in [0, 1)")
-    args.config = run_config(args, parser, exclude=["mnist_npz", "fmnist_dir"])
+    args.config = run_config(args, parser, exclude=["mnist_npz", "fmnist_dir", "plot_only"])
     return args
 
 
 def main() -> None:
     args = parse_args()
+    if args.plot_only:
+        print("plot:", draw_record("localloss", plot, out=args.out))
+        return
     if args.threads:
         torch.set_num_threads(args.threads)
     torch.backends.cuda.matmul.allow_tf32 = args.tf32  # torch_dad's fp32 kernels follow it too
@@ -319,6 +377,8 @@ def main() -> None:
             print(f"{system:8s} seed {seed}: test {record['test_acc']:.2%}{extra}, train {record['train_s']:.1f} s")
     out = write_run("localloss", records, config=args.config, smoke=args.smoke, out=args.out, env=env)
     print(f"wrote {out}")
+    if not args.smoke:
+        print("plot:", draw_record("localloss", plot, out=args.out))
 
 
 if __name__ == "__main__":

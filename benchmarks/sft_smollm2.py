@@ -9,7 +9,8 @@ evaluation set (``--eval-n``, 32), the training set is the next ``steps * batch`
 
 The backbone is frozen (``--lora`` trains LoRA adapters on q/v through ``backprop_gradients=True``);
 the DAD head trains itself in backward. Records the training losses, ``trainer.evaluate()`` before
-and after, and what ``compute_metrics`` received -> a run of ``results/sft_smollm2.json``.
+and after, and what ``compute_metrics`` received -> a run of ``results/sft_smollm2.json``, drawn with matplotlib into
+``results/sft_smollm2.png`` (``--plot-only`` redraws the PNG from the record).
 
     python benchmarks/sft_smollm2.py                # minutes on 2 CPU cores (batch 4 x 32 tokens)
     python benchmarks/sft_smollm2.py --smoke        # tiny random Llama, seconds (CI)
@@ -30,7 +31,7 @@ from typing import Any
 
 import torch
 
-from _common import run_config, write_run
+from _common import draw_record, pyplot, run_config, run_title, write_run
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -97,6 +98,49 @@ def tiny_model_and_tokenizer() -> tuple[Any, Any]:
 SMOKE_TEXT = [f"the film is {a} and the cast is {b}" for a in ("good", "bad", "long", "fun") for b in ("fine", "weak")]
 
 
+def _moving_mean(values: list[float], window: int) -> list[float]:
+    """The mean of each value and the up to ``window - 1`` values before it."""
+    return [sum(values[max(0, i + 1 - window):i + 1]) / min(window, i + 1) for i in range(len(values))]
+
+
+def plot(runs: list[dict[str, Any]], path: Path) -> bool:
+    """Three panels, one series per run of the record: the training loss per step (its moving mean bold), and the
+    evaluation loss and mean token accuracy before and after training."""
+    plt = pyplot()
+    rows = [(run, row) for run in runs for row in run["results"] if row.get("train_losses")]
+    if plt is None or not rows:
+        return False
+    fig, axes = plt.subplots(1, 3, figsize=(13, 4), gridspec_kw={"width_ratios": [2, 1, 1]})
+    width = 0.8 / len(rows)
+    for k, (_, row) in enumerate(rows):
+        losses, colour = row["train_losses"], f"C{k}"
+        label = f"{row['system']}, lr {row['lr']:g}, batch {row['batch']} x {row['max_length']} tokens"
+        steps = range(1, len(losses) + 1)
+        axes[0].plot(steps, losses, color=colour, lw=0.7, alpha=0.4)
+        axes[0].plot(steps, _moving_mean(losses, max(1, len(losses) // 10)), color=colour, lw=2, label=label)
+        for ax, key, scale in ((axes[1], "eval_loss", 1), (axes[2], "eval_mean_token_accuracy", 100)):
+            values = [(row.get(f"{key}_{when}") or 0.0) * scale for when in ("before", "after")]
+            bars = ax.bar([i + k * width for i in range(2)], values, width, color=colour)
+            ax.bar_label(bars, [f"{v:.3g}" for v in values], fontsize=8)
+    axes[0].set(xlabel="training step", ylabel="training loss [nats/token]",
+                title=f"training loss (bold: mean of the last {max(1, len(rows[0][1]['train_losses']) // 10)} steps)")
+    axes[0].legend(fontsize=8)
+    for ax, unit in ((axes[1], "evaluation loss [nats/token]"), (axes[2], "evaluation mean token accuracy [%]")):
+        ax.set_xticks([i + width * (len(rows) - 1) / 2 for i in range(2)], ["before", "after"])
+        ax.set_ylabel(unit)
+        ax.margins(y=0.15)
+    for ax in axes:
+        ax.title.set_fontsize(9)
+        ax.grid(True, axis="y", alpha=0.3)
+    model = rows[-1][1].get("model", "?")
+    titles = "; ".join(sorted({run_title(run) for run, _ in rows}))
+    fig.suptitle(f"TRL SFTTrainer with a DAD LM head on {model}\n{titles}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    return True
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true")
@@ -106,12 +150,16 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--eval-n", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--lora", action="store_true", help="train LoRA q/v adapters too (backprop_gradients=True)")
+    parser.add_argument("--plot-only", action="store_true", help="redraw results/sft_smollm2.png from the record")
     return parser
 
 
 def main() -> None:
     parser = build_parser()
     args = parser.parse_args()
+    if args.plot_only:
+        print("plot:", draw_record("sft_smollm2", plot))
+        return
     try:
         import trl
         from datasets import Dataset
@@ -184,7 +232,10 @@ def main() -> None:
         "transformers": sys.modules["transformers"].__version__,
     }
     print({k: v for k, v in record.items() if k != "train_losses"})
-    print("wrote", write_run("sft_smollm2", [record], config=run_config(args, parser), smoke=args.smoke))
+    config = run_config(args, parser, exclude=["plot_only"])
+    print("wrote", write_run("sft_smollm2", [record], config=config, smoke=args.smoke))
+    if not args.smoke:
+        print("plot:", draw_record("sft_smollm2", plot))
 
 
 if __name__ == "__main__":
