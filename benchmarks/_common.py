@@ -309,3 +309,16 @@ def draw_record(name: str, plot: Callable[[list[dict[str, Any]], Path], bool], *
     record = record_path(name, smoke=smoke, out=out)
     path = plot_path(record)
     return path if plot(read_runs(record), path) else None
+
+
+def save_figure(fig: Any, title: str, path: Path, fontsize: float = 10,
+                rect: tuple[float, float, float, float] = (0, 0, 1, 1)) -> bool:
+    """Title ``fig``, lay it out in ``rect`` (room for a figure legend), write it to ``path`` and close it;
+    ``True`` (a ``plot``'s answer)."""
+    fig.suptitle(title, fontsize=fontsize)
+    fig.tight_layout(rect=rect)
+    fig.savefig(path, dpi=120)
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    return True

@@ -50,7 +50,7 @@ import torch
 import torch.nn.functional as F
 
 import torch_dad as td
-from _common import draw_record, environment, median_time, pyplot, run_config, run_title, write_run
+from _common import draw_record, environment, median_time, pyplot, run_config, run_title, save_figure, write_run
 
 SYSTEMS = ("linear+adamw", "linear+adamw-fused", "dad-inplace", "dad-grad", "dad-inplace-late")
 TRITON_SYSTEM = "dad-inplace-triton"
@@ -249,11 +249,8 @@ def plot(runs: list[dict[str, Any]], path: Path) -> bool:
     axes[0].margins(y=0.15)  # room for the legend
     axes[1].set_xticks(range(len(cells)), [label for label, _ in cells], fontsize=8)
     titles = "; ".join(dict.fromkeys(run_title(run) for run in runs))
-    fig.suptitle(f"DADAutogradLinear against nn.Linear + fused AdamW (baseline, dashed at 1)\n{titles}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    title = f"DADAutogradLinear against nn.Linear + fused AdamW (baseline, dashed at 1)\n{titles}"
+    return save_figure(fig, title, path, fontsize=10)
 
 
 def _cells(runs: list[dict[str, Any]]) -> list[tuple[str, dict[str, dict[str, Any]]]]:

@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 import torch_dad as td
-from _common import DADMLP, draw_record, pyplot, run_config, run_title, write_run
+from _common import DADMLP, draw_record, pyplot, run_config, run_title, save_figure, write_run
 from torch_dad.training import DataParallelTrainer, Pipeline, checkpoint
 
 ROWS_PER_EPOCH = 60_000
@@ -175,11 +175,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> bool:
     fig, axes = plt.subplots(1, 3, figsize=(14, 4.5), gridspec_kw={"width_ratios": [2, 2, 1.2]})
     _pair_panels(axes[0], axes[1], modes)
     _save_panel(axes[2], next((r for r in run["results"] if "shard_ms" in r), None))
-    fig.suptitle(f"checkpoints in fit, {modes[0]['steps']} steps per fit: {run_title(run)}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return save_figure(fig, f"checkpoints in fit, {modes[0]['steps']} steps per fit: {run_title(run)}", path)
 
 
 def _pair_panels(times: Any, costs: Any, modes: list[dict[str, Any]]) -> None:

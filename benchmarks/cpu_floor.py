@@ -30,7 +30,17 @@ from typing import Any
 import torch
 
 import torch_dad as td
-from _common import DADMLP, backprop_mlp, draw_record, median_time, pyplot, run_config, run_title, write_run
+from _common import (
+    DADMLP,
+    backprop_mlp,
+    draw_record,
+    median_time,
+    pyplot,
+    run_config,
+    run_title,
+    save_figure,
+    write_run,
+)
 
 WIDTHS = [784, 1024, 512, 256]
 CLASSES = 10
@@ -135,11 +145,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> bool:
         ax.set_ylabel(label)
         ax.grid(True, axis="y", alpha=0.3)
         ax.legend(fontsize=8)
-    fig.suptitle(f"CPU floor of a step, {rows[0]['topology']}: {run_title(run)}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return save_figure(fig, f"CPU floor of a step, {rows[0]['topology']}: {run_title(run)}", path)
 
 
 def main() -> None:

@@ -42,6 +42,7 @@ from _common import (
     pyplot,
     run_config,
     run_title,
+    save_figure,
     write_run,
 )
 
@@ -182,11 +183,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> bool:
         ax.legend(fontsize=8)
     topology = ", ".join(sorted({r["topology"] for cell in rows for r in cell.values()}))
     titles = "\n".join(dict.fromkeys(run_title(run) for run in runs))
-    fig.suptitle(f"CPU training throughput, {topology}\n{titles}", fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return save_figure(fig, f"CPU training throughput, {topology}\n{titles}", path, fontsize=9)
 
 
 def _ratio_points(ax: Any, rows: list[dict[str, dict[str, Any]]], system: str, k: int) -> None:

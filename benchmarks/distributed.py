@@ -44,7 +44,18 @@ import torch
 import torch.distributed as dist
 
 import torch_dad as td
-from _common import DADMLP, Timer, draw_record, environment, pyplot, record_path, run_config, run_title, write_run
+from _common import (
+    DADMLP,
+    Timer,
+    draw_record,
+    environment,
+    pyplot,
+    record_path,
+    run_config,
+    run_title,
+    save_figure,
+    write_run,
+)
 from conv import DADVGG
 from torch_dad.training import Batch, DataParallelTrainer, Pipeline
 from torch_dad.training.pipeline import partition_layers
@@ -127,14 +138,10 @@ def plot(runs: list[dict[str, Any]], path: Path) -> bool:
     fig, axes = plt.subplots(1, len(runs), figsize=(6.5 * len(runs), 4.8), squeeze=False)
     for ax, run in zip(axes[0], runs):
         _throughput_panel(ax, run)
-    fig.suptitle("DAD training throughput; above a bar: its speed-up over the single-GPU step (default backend)",
-                 fontsize=11)
     handles = {label: h for ax in axes[0] for h, label in zip(*ax.get_legend_handles_labels())}
     fig.legend(handles.values(), handles.keys(), loc="lower center", ncol=6, fontsize=8)
-    fig.tight_layout(rect=(0, 0.06, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    title = "DAD training throughput; above a bar: its speed-up over the single-GPU step (default backend)"
+    return save_figure(fig, title, path, fontsize=11, rect=(0, 0.06, 1, 1))
 
 
 def _throughput_panel(ax: Any, run: dict[str, Any]) -> None:

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from _common import draw_record, pyplot, run_config, run_title, write_run
+from _common import draw_record, pyplot, run_config, run_title, save_figure, write_run
 from torch_dad import DADAutogradLinear, data
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -82,12 +82,8 @@ def plot(runs: list[dict[str, Any]], path: Path) -> bool:
         ax.set_ylabel("MNIST test accuracy (%)")
         ax.set_title(f"{size} training images, {len({r['seed'] for r in cell})} seeds", fontsize=10)
         ax.grid(True, axis="y", alpha=0.3)
-    fig.suptitle(f"README drop-in block, one epoch (line: mean over seeds, dots: seeds): {run_title(run)}",
-                 fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    title = f"README drop-in block, one epoch (line: mean over seeds, dots: seeds): {run_title(run)}"
+    return save_figure(fig, title, path, fontsize=10)
 
 
 def main() -> None:

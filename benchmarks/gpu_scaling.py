@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from _common import draw_record, environment, pyplot, run_config, run_title, write_run
+from _common import draw_record, environment, pyplot, run_config, run_title, save_figure, write_run
 from _gpu_common import backprop_graphed, cuda_sync, dad_system, make_data, time_steps
 
 
@@ -40,11 +40,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> bool:
         ax.set_ylabel(label)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    fig.suptitle(f"B={records[0]['batch']}, bf16, {run_title(run)}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return save_figure(fig, f"B={records[0]['batch']}, bf16, {run_title(run)}", path)
 
 
 def main() -> None:

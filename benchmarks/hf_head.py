@@ -464,7 +464,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> bool:
     whiskers one standard deviation), the majority-class accuracy as a line."""
     import statistics
 
-    from _common import pyplot, run_title
+    from _common import pyplot, run_title, save_figure
 
     plt = pyplot()
     groups = _system_groups(runs[-1]["results"]) if runs else {}
@@ -493,12 +493,8 @@ def plot(runs: list[dict[str, Any]], path: Path) -> bool:
     axes[0].set_xlim(left=max(0.0, lowest - 5))  # from zero, the bars' differences of a few points would not show
     axes[0].set_yticks(range(len(labels)), labels, fontsize=8)
     fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8)
-    fig.suptitle(f"Heads on frozen all-MiniLM-L6-v2, Rotten Tomatoes (mean ± std over seeds)\n{run_title(run)}",
-                 fontsize=10)
-    fig.tight_layout(rect=(0, 0.05, 1, 1))
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    title = f"Heads on frozen all-MiniLM-L6-v2, Rotten Tomatoes (mean ± std over seeds)\n{run_title(run)}"
+    return save_figure(fig, title, path, fontsize=10, rect=(0, 0.05, 1, 1))
 
 
 def _wheel_record(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:

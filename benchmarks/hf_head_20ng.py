@@ -34,7 +34,7 @@ import torch
 from torch import nn
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-from _common import draw_record, environment, pyplot, run_config, run_title, write_run  # noqa: E402
+from _common import draw_record, environment, pyplot, run_config, run_title, save_figure, write_run  # noqa: E402
 
 
 def load_split(split: str) -> list[tuple[str, str]]:
@@ -238,12 +238,8 @@ def plot(runs: list[dict[str, Any]], path: pathlib.Path) -> bool:
         ax.grid(True, axis="x", alpha=0.3)
         ax.set_xlim(0, max(values) * 1.15)  # room for the labels
     axes[0].set_yticks(range(len(rows)), [r["system"] for r in rows])
-    fig.suptitle(f"Linear heads on frozen MiniLM features, 20 Newsgroups; blue DAD, orange baseline\n{run_title(run)}",
-                 fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    title = f"Linear heads on frozen MiniLM features, 20 Newsgroups; blue DAD, orange baseline\n{run_title(run)}"
+    return save_figure(fig, title, path, fontsize=10)
 
 
 def main(argv: list[str] | None = None) -> int:

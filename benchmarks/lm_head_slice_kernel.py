@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from _common import draw_record, environment, pyplot, run_config, run_title, write_run
+from _common import draw_record, environment, pyplot, run_config, run_title, save_figure, write_run
 
 SHAPES = {"smollm2": (49152, 576), "llama3-8b": (128256, 4096)}
 TOKENS = 8192
@@ -177,12 +177,9 @@ def plot(runs: list[dict[str, Any]], path: Path) -> bool:
     for ax, (shape, rows) in zip(axes, by_shape.items()):
         _draw_slice(ax, rows, shape)
     _draw_whole(axes[-1], by_shape)
-    fig.suptitle(f"Slice gradient: fused Triton kernel (blue) vs cuBLAS (gray: logits alone, orange: + row "
-                 f"kernel), bf16\n{run_title(run)}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    title = (f"Slice gradient: fused Triton kernel (blue) vs cuBLAS (gray: logits alone, orange: + row kernel), "
+             f"bf16\n{run_title(run)}")
+    return save_figure(fig, title, path, fontsize=10)
 
 
 def main() -> None:

@@ -53,7 +53,17 @@ import torch
 import torch.nn.functional as F
 
 import torch_dad as td
-from _common import DADMLP, backprop_mlp, draw_record, environment, pyplot, run_config, run_title, write_run
+from _common import (
+    DADMLP,
+    backprop_mlp,
+    draw_record,
+    environment,
+    pyplot,
+    run_config,
+    run_title,
+    save_figure,
+    write_run,
+)
 from _gpu_common import GraphedBackprop, cuda_sync
 from conv import DADVGG, backprop_vgg
 
@@ -301,12 +311,8 @@ def plot(runs: list[dict[str, Any]], path: Path) -> bool:
         _draw_curves(ax, run)
     for ax in list(axes.flat)[len(runs):]:
         ax.set_visible(False)
-    fig.suptitle("Nøkland & Eidnes recipe: DAD vs backprop; " + "; ".join(sorted({run_title(r) for r in runs})),
-                 fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    title = "Nøkland & Eidnes recipe: DAD vs backprop; " + "; ".join(sorted({run_title(r) for r in runs}))
+    return save_figure(fig, title, path, fontsize=10)
 
 
 def parse_args() -> argparse.Namespace:

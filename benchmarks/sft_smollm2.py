@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from _common import draw_record, pyplot, run_config, run_title, write_run
+from _common import draw_record, pyplot, run_config, run_title, save_figure, write_run
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -134,11 +134,7 @@ def plot(runs: list[dict[str, Any]], path: Path) -> bool:
         ax.grid(True, axis="y", alpha=0.3)
     model = rows[-1][1].get("model", "?")
     titles = "; ".join(sorted({run_title(run) for run, _ in rows}))
-    fig.suptitle(f"TRL SFTTrainer with a DAD LM head on {model}\n{titles}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    return True
+    return save_figure(fig, f"TRL SFTTrainer with a DAD LM head on {model}\n{titles}", path, fontsize=10)
 
 
 def build_parser() -> argparse.ArgumentParser:
