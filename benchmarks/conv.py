@@ -25,6 +25,9 @@ graph. Time: median of 20 steps. Memory is total: peak allocated plus what the g
     python benchmarks/conv.py --dataset fmnist --systems dad backprop --epochs 10   # GPU
     python benchmarks/conv.py --memory                               # GPU: time and peak memory
     python benchmarks/conv.py --memory --profile                     # GPU: and the kernel time by kind
+
+A real ``--memory`` run also draws the record's last ``--memory`` run into ``results/conv.png`` (``--plot-only``
+redraws it from the JSON).
 """
 
 from __future__ import annotations
@@ -37,12 +40,23 @@ import math
 import subprocess
 import sys
 import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 import torch_dad as td
-from _common import graph_pool_slack, kernel_ms_by_kind, median_time, run_config, write_run
+from _common import (
+    draw_record,
+    graph_pool_slack,
+    kernel_ms_by_kind,
+    median_time,
+    pyplot,
+    run_config,
+    run_title,
+    save_figure,
+    write_run,
+)
 from _gpu_common import capture
 from torch_dad.training import EngineOptions
 
@@ -341,6 +355,42 @@ def _backprop_step(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, amp
     return capture(step) if cuda and graphed else step
 
 
+def plot(runs: list[dict[str, Any]], path: Path) -> bool:
+    """Two panels of the record's last ``--memory`` run: each system's step time and total memory per net (the
+    VGG-style net per batch, the residual stack per depth), a bar per system and memory layout."""
+    plt = pyplot()
+    run = next((run for run in reversed(runs) if run["config"].get("memory")), None)
+    rows = [r for r in run["results"] if "step_ms" in r] if run else []
+    if plt is None or run is None or not rows:
+        return False
+    cells = list(dict.fromkeys((r["net"], r["depth"], r["batch"]) for r in rows))
+    systems = [s for s in MEMORY_SYSTEMS if any(r["system"] == s for r in rows)]
+    bars = [(s, lay) for s in systems for lay in LAYOUTS if any(r["system"] == s and r["layout"] == lay for r in rows)]
+    fig, axes = plt.subplots(1, 2, figsize=(13, 4.8))
+    for ax, key, label in zip(axes, ("step_ms", "total_mib"), ("step time (ms)", "total memory (MiB)")):
+        for k, (system, lay) in enumerate(bars):
+            mine = [r for r in rows if (r["system"], r["layout"]) == (system, lay)]
+            value = {(r["net"], r["depth"], r["batch"]): r[key] for r in mine}
+            xs = [i + (k - (len(bars) - 1) / 2) * 0.8 / len(bars) for i, cell in enumerate(cells) if cell in value]
+            ax.bar(xs, [value[cell] for cell in cells if cell in value], 0.8 / len(bars), label=f"{system}, {lay}",
+                   color=f"C{systems.index(system)}", edgecolor="black", lw=0.4,
+                   hatch="///" if lay == "contiguous" else None)
+        ax.set_xticks(range(len(cells)), [_cell_label(*cell) for cell in cells])
+        ax.set_yscale("log")
+        for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+            axis(plt.LogFormatter(labelOnlyBase=False))  # plain numbers, not powers of ten
+        ax.set_ylabel(label)
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+    axes[0].legend(fontsize=8, ncol=2)
+    title = f"conv training step, bf16 (DAD: DADTrainer's CUDA graph; backprop: one CUDA graph): {run_title(run)}"
+    return save_figure(fig, title, path)
+
+
+def _cell_label(net: str, depth: int, batch: int) -> str:
+    """An x tick: the VGG-style net or the residual stack of ``depth`` blocks, and the batch."""
+    return f"vgg8b\nB={batch}" if net == "vgg8b" else f"residual x {depth}\nB={batch}"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dataset", choices=("mnist", "fmnist", "synthetic"), default="mnist")
@@ -362,18 +412,24 @@ def main() -> None:
     parser.add_argument("--memory-systems", nargs="+", choices=MEMORY_SYSTEMS, default=list(MEMORY_SYSTEMS),
                         help="with --memory")
     parser.add_argument("--smoke", action="store_true", help="seconds on synthetic data, for CI")
+    parser.add_argument("--plot-only", action="store_true", help="redraw results/conv.png from the record")
     args = parser.parse_args()
+    if args.plot_only:
+        print("plot:", draw_record("conv", plot))
+        return
     if args.memory_job:
         print(json.dumps(memory_job(json.loads(args.memory_job), profile=args.profile)))
         return
-    config = run_config(args, parser)
+    config = run_config(args, parser, exclude=["plot_only"])
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.smoke:
         args.width_scale, args.epochs, args.batch, args.device = 32, 1, 64, "cpu"
         args.systems, args.grids = ["dad", "dad+cosine", "backprop"], [1, 2]
     if args.memory:
-        write_run("conv", memory_mode(args), config=config, smoke=args.smoke)
+        print(write_run("conv", memory_mode(args), config=config, smoke=args.smoke))
+        if not args.smoke:
+            print("plot:", draw_record("conv", plot))
         return
     train, test = load(args)
     records: list[dict[str, Any]] = []

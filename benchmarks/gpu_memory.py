@@ -9,7 +9,8 @@ Also records ``dad-graph-pool``, the default CUDA-graph step: ``graph_pool_mib``
 pool holds beyond allocated blocks (replays write there), ``total_above_static_mib`` that plus its replay's peak
 above static; ``reserved_growth_mib`` (every system) also counts state allocated at the first step, such as
 the bf16 weight copies.
-Adds a run to ``results/gpu_memory.json``. ``--smoke``: CPU, tiny, no memory numbers.
+Adds a run to ``results/gpu_memory.json`` and draws its last run into ``results/gpu_memory.png`` (``--plot-only``
+redraws the PNG from the JSON). ``--smoke``: CPU, tiny, no memory numbers.
 """
 
 from __future__ import annotations
@@ -17,12 +18,27 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import math
+from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 import torch_dad as td
-from _common import DADMLP, backprop_mlp, cuda_step_memory, environment, graph_pool_slack, run_config, write_run
+from _common import (
+    DADMLP,
+    backprop_mlp,
+    cuda_step_memory,
+    draw_record,
+    environment,
+    graph_pool_slack,
+    pyplot,
+    run_config,
+    run_title,
+    save_figure,
+    write_run,
+)
 
 MIB = 2**20
 
@@ -77,11 +93,48 @@ def _measure(step, device: torch.device) -> dict:  # type: ignore[no-untyped-def
     return {"static_mib": static / MIB, "peak_mib": peak / MIB, "above_static_mib": (peak - static) / MIB}
 
 
+def plot(runs: list[dict[str, Any]], path: Path) -> bool:
+    """Two panels of the record's last run against depth, one line per system: the step's memory above the static
+    footprint (with the graph pool where there is one), and static plus that."""
+    plt = pyplot()
+    run = runs[-1] if runs else None
+    # a CPU run records NaN memory
+    rows = [r for r in run["results"] if math.isfinite(r.get("static_mib", math.nan))] if run else []
+    if plt is None or run is None or not rows:
+        return False
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    for system in dict.fromkeys(r["system"] for r in rows):
+        cells = sorted((r for r in rows if r["system"] == system), key=lambda r: r["depth"])
+        above = [r.get("total_above_static_mib", r["above_static_mib"]) for r in cells]
+        depths = [r["depth"] for r in cells]
+        axes[0].plot(depths, above, marker="o", label=system)
+        axes[1].plot(depths, [r["static_mib"] + a for r, a in zip(cells, above)], marker="o", label=system)
+    titles = ("step memory above static (+ graph pool)", "static + above static")
+    for ax, title in zip(axes, titles):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        for axis in (ax.yaxis.set_major_formatter, ax.yaxis.set_minor_formatter):
+            axis(plt.LogFormatter(labelOnlyBase=False))  # plain numbers, not powers of ten
+        ax.set_xticks(sorted({r["depth"] for r in rows}), [str(d) for d in sorted({r["depth"] for r in rows})])
+        ax.set_xlabel(f"hidden layers of {rows[0]['width']}")
+        ax.set_ylabel("MiB")
+        ax.set_title(title, fontsize=10)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend(fontsize=8)
+    title = (f"one training step, B={rows[0]['batch']}, bf16, AdamW (dad, backprop: op by op; dad-graph-pool: the "
+             f"CUDA-graph step)\n{run_title(run)}")
+    return save_figure(fig, title, path)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=None, help="record path (default results/gpu_memory.json)")
+    parser.add_argument("--plot-only", action="store_true", help="redraw results/gpu_memory.png from the record")
     args = parser.parse_args()
+    if args.plot_only:
+        print("plot:", draw_record("gpu_memory", plot, out=args.out))
+        return
     cuda = torch.cuda.is_available() and not args.smoke
     device = torch.device("cuda" if cuda else "cpu")
     env = environment()
@@ -101,8 +154,11 @@ def main() -> None:
             print(json.dumps(records[-1]), flush=True)
             if cuda:
                 torch.cuda.empty_cache()
-    path = write_run("gpu_memory", records, config=run_config(args, parser), smoke=args.smoke, out=args.out, env=env)
+    config = run_config(args, parser, exclude=["plot_only"])
+    path = write_run("gpu_memory", records, config=config, smoke=args.smoke, out=args.out, env=env)
     print(f"-> {path}")
+    if not args.smoke:  # a CPU smoke run has no memory figures to draw
+        print("plot:", draw_record("gpu_memory", plot, out=args.out))
     for r in records:
         above = r.get("total_above_static_mib", r["above_static_mib"])
         print(f"{r['system']:15} {r['depth']:>3}x{r['width']} B={r['batch']:<6} static {r['static_mib']:>9.0f} "

@@ -23,7 +23,8 @@ run without it, what the mode costs (the local-error kernel then adds every sum 
 
 Timing: CUDA events around 50 steps, median of 5 repeats, in 3 interleaved rounds (median of rounds),
 each preceded by 20 steps and 0.3 s of warm-up (the graph is
-captured during warm-up). Adds a run (its options are its configuration) to ``results/gpu_throughput.json``.
+captured during warm-up). Adds a run (its options are its configuration) to ``results/gpu_throughput.json`` and
+draws the record's plain comparison into ``results/gpu_throughput.png`` (``--plot-only`` redraws it from the JSON).
 ``--smoke``: CPU, tiny sizes.
 
 Run: python benchmarks/gpu_throughput.py [--wheel .whl/torch_dad-2026.5.24-py3-none-any.whl]
@@ -47,7 +48,7 @@ from typing import Any
 
 import torch
 
-from _common import environment, run_config, write_run
+from _common import draw_record, environment, pyplot, run_config, run_title, save_figure, write_run
 from _gpu_common import (
     TOPOLOGIES,
     Recipe,
@@ -133,6 +134,51 @@ def time_systems(systems: list[str], topology: tuple[int, list[int], int], batch
     return {system: (statistics.median(seconds[system]), peak_of[system]) for system in systems}
 
 
+def _plain_run(runs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The last run without recipes or deterministic mode, one of the default topologies if there is one."""
+    plain = [run for run in runs if not run["config"].get("recipes") and not run["config"].get("deterministic")]
+    default = [run for run in plain if "topologies" not in run["config"] and "batches" not in run["config"]]
+    return (default or plain or [None])[-1]
+
+
+def plot(runs: list[dict[str, Any]], path: Path) -> bool:
+    """Two panels of the record's last plain run (:func:`_plain_run`), one row per topology and batch: img/s of
+    every system, and DAD's speed-up over each backprop system and the wheel."""
+    plt = pyplot()
+    run = _plain_run(runs)
+    if plt is None or run is None or not run["results"]:
+        return False
+    cells: dict[tuple[str, int], dict[str, float]] = {}
+    for r in run["results"]:
+        cells.setdefault((r["topology"], r["batch"]), {})[r["system"]] = r["img_per_s"]
+    systems = list(dict.fromkeys(r["system"] for r in run["results"]))
+    fig, (speed, ratio) = plt.subplots(1, 2, figsize=(13, 1.8 + 0.75 * len(cells)), sharey=True)
+    height = 0.8 / len(systems)
+    for k, system in enumerate(systems):
+        ys = [i + (k - (len(systems) - 1) / 2) * height for i, cell in enumerate(cells.values()) if system in cell]
+        speed.barh(ys, [cell[system] / 1e6 for cell in cells.values() if system in cell], height, color=f"C{k}",
+                   label=system)
+        if not system.startswith("dad"):
+            both = [(i, cell["dad"] / cell[system]) for i, cell in enumerate(cells.values())
+                    if {"dad", system} <= set(cell)]
+            ratio.plot([x for _, x in both], [i for i, _ in both], "o", color=f"C{k}", label=f"dad over {system}")
+    ratio.axvline(1.0, color="black", lw=0.8, ls="--")
+    speed.set_yticks(range(len(cells)), [f"{topology}\nB={batch}" for topology, batch in cells], fontsize=8)
+    speed.invert_yaxis()
+    for ax, label in ((speed, "million img/s"), (ratio, "dad img/s / other system's img/s")):
+        ax.set_xscale("log")
+        for axis in (ax.xaxis.set_major_formatter, ax.xaxis.set_minor_formatter):
+            axis(plt.LogFormatter(labelOnlyBase=False))  # plain numbers, not powers of ten
+        ax.set_xlabel(label)
+        ax.grid(True, axis="x", which="both", alpha=0.3)
+    speed.set_title("training throughput", fontsize=10)
+    ratio.set_title("DAD's speed-up", fontsize=10)
+    handles = [h for ax in (speed, ratio) for h in ax.get_legend_handles_labels()[0]]
+    fig.legend(handles=handles, loc="lower center", ncol=5, fontsize=8)
+    return save_figure(fig, f"one GPU, bf16, AdamW, synthetic data: {run_title(run)}", path,
+                       rect=(0, 0.5 / fig.get_figheight(), 1, 1))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny CPU run, seconds")
@@ -144,7 +190,11 @@ def main() -> None:
     parser.add_argument("--deterministic", action="store_true",
                         help="run under torch.use_deterministic_algorithms(True)")
     parser.add_argument("--out", default=None, help="record path (default results/gpu_throughput.json)")
+    parser.add_argument("--plot-only", action="store_true", help="redraw results/gpu_throughput.png from the record")
     args = parser.parse_args()
+    if args.plot_only:
+        print("plot:", draw_record("gpu_throughput", plot, out=args.out))
+        return
     if args.deterministic:
         # cuBLAS reads this when its first handle is made, so before any CUDA work
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -180,9 +230,12 @@ def main() -> None:
         for row in run_wheel(args.wheel, jobs, args.wheel_timeout):
             records.append({**row, "system": "wheel-2026.5.24", "flop_ratio": flop_ratio(*topologies[row["topology"]]), **env})
             print(json.dumps(records[-1]), flush=True)
-    path = write_run("gpu_throughput", records, config=run_config(args, parser), smoke=args.smoke, out=args.out, env=env)
+    config = run_config(args, parser, exclude=["plot_only"])
+    path = write_run("gpu_throughput", records, config=config, smoke=args.smoke, out=args.out, env=env)
     print(f"\n{env['device']}  torch {env['torch']}  -> {path}")
     print_table(records)
+    if not args.smoke:
+        print("plot:", draw_record("gpu_throughput", plot, out=args.out))
 
 
 def print_table(records: list[dict[str, Any]]) -> None:

