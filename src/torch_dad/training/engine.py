@@ -342,7 +342,7 @@ class _Run(LayerLoop):
     """One pass of the fused step through :class:`~torch_dad.training.step.LayerLoop`: per layer its
     own forward and local error (:meth:`DADLinear.step_forward` / ``step_error``), then the weight
     gradient and AdamW placed on streams; then the classifier, the batched small updates and the
-    stream joins. With ``overlap`` (inside a capture) the updates run on side streams; ``keep``
+    stream joins. With ``overlap`` (a captured step and its warm-up) the updates run on side streams; ``keep``
     holds every tensor a side stream reads, so the allocator does not hand its memory to another
     stream while it is still read, until :meth:`_release_kept` has the main stream wait for that work."""
 
