@@ -10,6 +10,7 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import check_fraction, check_int, check_num_classes, check_positive_int
+from ..ops import small_products
 from ..ops.linear_cross_entropy import check_token_layout
 from ..optim import LocalOptimizerState
 from ._local import LocalLayer
@@ -22,7 +23,8 @@ __all__ = ["DADBlock", "MeanPoolHead"]
 class MeanPoolHead(nn.Module):
     """``Linear(in_features -> num_classes)`` on the mean over every dimension but the batch and
     ``feature_dim``: ``(B, C, H, W)`` with ``feature_dim=1`` averages over space (global average
-    pooling), ``(B, T, D)`` with ``feature_dim=-1`` over tokens; a ``(B, D)`` input is used as is."""
+    pooling), ``(B, T, D)`` with ``feature_dim=-1`` over tokens; a ``(B, D)`` input is used as is.
+    A small product on CUDA runs in float32 without cuBLAS (:mod:`torch_dad.ops.small_products`)."""
 
     def __init__(self, in_features: int, num_classes: int, feature_dim: int = 1) -> None:
         super().__init__()
@@ -35,7 +37,7 @@ class MeanPoolHead(nn.Module):
         features = hidden.movedim(self.feature_dim, -1)
         if features.dim() > 2:
             features = features.mean(tuple(range(1, features.dim() - 1)))
-        return self.linear(features)
+        return small_products.linear(features, self.linear.weight, self.linear.bias)
 
 
 def _build_head(

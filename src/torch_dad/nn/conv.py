@@ -11,6 +11,7 @@ from torch import Tensor, nn
 
 from .. import functional
 from .._checks import check_choice, check_fraction, check_num_classes, check_positive_int
+from ..ops import small_products
 from ..ops.pooling import grid_pool, grid_pool_backward, max_pool2x2, max_pool2x2_backward
 from ..optim import LocalOptimizerState
 from ._batchnorm import BatchNormLayer
@@ -176,7 +177,7 @@ class DADConv2d(BatchNormLayer):
     def local_head(self, hidden: Tensor) -> Tensor:
         """Local logits ``adaptive_avg_pool2d(hidden, grid).flatten(1) @ head_weight.T + head_bias``."""
         pooled = grid_pool(hidden, self.local_head_grid).flatten(1)
-        return nn.functional.linear(pooled, self.head_weight.to(hidden.dtype), self.head_bias.to(hidden.dtype))
+        return small_products.linear(pooled, self.head_weight.to(hidden.dtype), self.head_bias.to(hidden.dtype))
 
     @torch.no_grad()
     def local_gradients(
@@ -235,13 +236,15 @@ class DADConv2d(BatchNormLayer):
         """The local head on ``out``: ``(result, d_out, [g_head_weight, g_head_bias])``."""
         pooled = grid_pool(out, self.local_head_grid)
         head_w = self.head_weight.to(out.dtype)
-        logits = torch.addmm(self.head_bias.to(out.dtype), pooled.flatten(1), head_w.T)
+        # small products: no cuBLAS workspace on the side stream this runs on (ops.small_products)
+        logits = small_products.linear(pooled.flatten(1), head_w, self.head_bias.to(out.dtype))
         loss, d_logits = functional.cross_entropy_error(
             logits, target, label_smoothing=self.label_smoothing, ignore_index=None
         )
-        d_pooled = (d_logits @ head_w).reshape(pooled.shape)
+        d_pooled = small_products.matmul(d_logits, head_w).reshape(pooled.shape)
         d_out = grid_pool_backward(d_pooled, out, self.local_head_grid)
-        return LocalStepResult(out, loss, logits), d_out, [d_logits.T @ pooled.flatten(1), d_logits.sum(0)]
+        grad_head = small_products.matmul(d_logits.T, pooled.flatten(1))
+        return LocalStepResult(out, loss, logits), d_out, [grad_head, d_logits.sum(0)]
 
     def _conv_gradients(self, d_z: Tensor, a: Tensor, weight: Tensor) -> list[Tensor]:
         """``[g_weight, [g_bias]]`` from ``d_z`` (``aten.convolution_backward``). Under batch norm the

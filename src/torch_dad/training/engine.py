@@ -62,7 +62,7 @@ HELD_GRADIENT_BYTES = 2 * 2**20
 #: layer made the main stream wait for side work it could have run beside (4% of the deep MLP's step)
 KEPT_LAYERS = 2
 #: side streams that conv and block layers' local steps take in turn under overlap (docs/design-engine.md)
-LOCAL_STREAMS = 2
+LOCAL_STREAMS = 3
 
 
 def unsupported_reason(model: DADModel, config: OptimizerConfig) -> str | None:
