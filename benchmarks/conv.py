@@ -246,8 +246,10 @@ MEMORY_BATCHES = (256, 1024)  # the VGG-style net
 STACK_DEPTHS, STACK_CHANNELS, STACK_BATCH = (8, 16, 32), 64, 256
 #: both memory layouts, since cuDNN's bf16 convolutions on Hopper run channels-last and convert other inputs
 LAYOUTS = ("contiguous", "channels_last")
-#: ``dad-lean``: ``EngineOptions(local_layers_beside=False)``, the local steps on the main stream
-MEMORY_SYSTEMS = ("dad", "dad-lean", "backprop")
+#: DAD at non-default engine options: ``dad-lean`` steps the local layers on the main stream, ``dad-4-streams``
+#: on four side streams (the default is three)
+DAD_OPTIONS = {"dad-lean": EngineOptions(local_streams=0), "dad-4-streams": EngineOptions(local_streams=4)}
+MEMORY_SYSTEMS = ("dad", "dad-lean", "dad-4-streams", "backprop")
 MEMORY_NETS = ("vgg8b", "residual")
 
 
@@ -295,8 +297,8 @@ def memory_job(job: list[Any], smoke: bool = False, profile: bool = False) -> di
         model = DADVGG(1, 28, scale, 10, 4, 0.0) if net == "vgg8b" else DADResidualStack(depth, channels, 28, 10)
         model = model.to(memory_format=memory_format)
         # engine options need the engine, which a CPU smoke run does not take
-        lean = {"engine_options": EngineOptions(local_layers_beside=False)} if system == "dad-lean" and not smoke else {}
-        trainer = td.DADTrainer(model, device, lr=1e-3, amp_dtype=amp, **lean)
+        options = {"engine_options": DAD_OPTIONS[system]} if system in DAD_OPTIONS and not smoke else {}
+        trainer = td.DADTrainer(model, device, lr=1e-3, amp_dtype=amp, **options)
         step: Any = functools.partial(trainer.step, x, y)
     else:
         model = backprop_vgg(1, 28, scale, 10) if net == "vgg8b" else backprop_residual_stack(depth, channels, 28, 10)

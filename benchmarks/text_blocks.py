@@ -15,7 +15,7 @@ decay 0.01, each (system, lr) in a fresh process so that its memory is its own:
   defaults (``backend="auto"``: the CUDA-graph step on CUDA); the classifier trained online with the blocks. Test
   accuracy of the trained classifier, after ``solve_head()`` (the closed-form classifier from the trainer's input
   sample) and of the last block's local head; the row's ``accuracy`` is the better of the first two (``readout``).
-- ``dad-lean``: the same with ``EngineOptions(local_layers_beside=False)``: each block's step on the main stream.
+- ``dad-lean``: the same with ``EngineOptions(local_streams=0)``: each block's step on the main stream.
 - ``backprop-graphed``: the same modules end to end, forward, backward and fused AdamW in one CUDA graph.
 - ``backprop-eager``: the same step op by op under ``torch.autocast``, fused AdamW.
 
@@ -181,10 +181,10 @@ def train(step: Step, docs: dict[str, Any], args: argparse.Namespace, device: to
 
 def run_dad(model: TextBlocks, lr: float, docs: dict[str, Any], args: argparse.Namespace,
             device: torch.device, lean: bool = False) -> dict[str, Any]:
-    """``DADTrainer`` with its defaults (bf16 on CUDA; ``lean``: ``EngineOptions(local_layers_beside=False)``);
+    """``DADTrainer`` with its defaults (bf16 on CUDA; ``lean``: ``EngineOptions(local_streams=0)``);
     accuracy of the trained and of the solved classifier."""
     cuda = device.type == "cuda"
-    options = {"engine_options": EngineOptions(local_layers_beside=False)} if lean and cuda else {}
+    options = {"engine_options": EngineOptions(local_streams=0)} if lean and cuda else {}
     trainer = td.DADTrainer(model, device, lr=lr, amp_dtype=torch.bfloat16 if cuda else None, **options)
     record = {"engine": trainer.uses_engine, **train(trainer.step, docs, args, device)}
     test = (docs["x_test"], docs["y_test"])

@@ -212,7 +212,8 @@ def test_fit_rejects_a_bad_batch_size_before_training(batch_size):
 @pytest.mark.parametrize(
     ("options", "error", "message"),
     [
-        ({"local_layers_beside": "no"}, TypeError, r"EngineOptions\(local_layers_beside='no'\): must be True or False"),
+        ({"local_streams": -1}, ValueError, r"EngineOptions\(local_streams=-1\): must be an int >= 0"),
+        ({"local_streams": True}, ValueError, r"EngineOptions\(local_streams=True\): must be an int >= 0"),
         ({"overlap": 1}, TypeError, r"EngineOptions\(overlap=1\): must be True or False"),
         ({"max_graphs": 0}, ValueError, r"EngineOptions\(max_graphs=0\): must be a positive int"),
     ],

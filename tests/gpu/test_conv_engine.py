@@ -47,13 +47,13 @@ class ConvNet(td.DADModel):
 
 def _pair(
     backend: str, amp: torch.dtype | None, normalize: str | None = None, dense: bool = True, smoothing: float = 0.0,
-    dropout: float = 0.0, beside: bool = True,
+    dropout: float = 0.0, local_streams: int = 3,
 ) -> tuple[td.DADTrainer, td.DADTrainer]:
     torch.manual_seed(3)
     ref, new = ConvNet(normalize, dense, smoothing), ConvNet(normalize, dense, smoothing)
     new.load_state_dict(ref.state_dict())
     options = {"device": DEVICE, "amp_dtype": amp, "on_nonfinite": "ignore", "dropout": dropout, "dropout_seed": 5}
-    engine_options = EngineOptions(local_layers_beside=beside)
+    engine_options = EngineOptions(local_streams=local_streams)
     fused = td.DADTrainer(new, backend=backend, engine_options=engine_options, **options)
     assert fused.uses_engine
     return td.DADTrainer(ref, backend="eager", **options), fused
@@ -78,9 +78,12 @@ def test_conv_and_block_model_matches_eager(
 @requires_cuda
 @pytest.mark.parametrize("amp", AMPS)
 @pytest.mark.parametrize("dense", [True, False])
-def test_local_layers_on_the_main_stream_match_eager(amp: torch.dtype | None, dense: bool) -> None:
-    """``EngineOptions(local_layers_beside=False)``: the captured step keeps local layers on the main stream."""
-    _check_matches_eager("cuda-graph", amp, "batchnorm", *_pair("cuda-graph", amp, "batchnorm", dense, beside=False))
+@pytest.mark.parametrize("local_streams", [0, 1, 4])
+def test_local_stream_counts_match_eager(amp: torch.dtype | None, dense: bool, local_streams: int) -> None:
+    """``EngineOptions(local_streams=...)``: the captured step with local layers on the main stream (0) or on one
+    or four side streams matches the eager step."""
+    pair = _pair("cuda-graph", amp, "batchnorm", dense, local_streams=local_streams)
+    _check_matches_eager("cuda-graph", amp, "batchnorm", *pair)
 
 
 @pytest.mark.slow

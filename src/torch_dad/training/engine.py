@@ -21,7 +21,7 @@ from above. The scheduling choices are :class:`EngineOptions`
 
 A ``DADConv2d`` or ``DADBlock`` runs its own ``local_gradients`` in the step (torch ops, captured
 with the rest), then one ``torch._fused_adamw_`` launch over its tensors; under ``"cuda-graph"`` both run
-on a side stream beside the next layer's forward (``EngineOptions.local_layers_beside``), otherwise its
+on a side stream beside the next layer's forward (``EngineOptions.local_streams``), otherwise its
 AdamW is batched with its neighbours'. A :class:`DADLinear` after it reads its output flattened.
 
 Semantics match the eager step: outputs and losses come from the pre-update weights, every
@@ -61,8 +61,6 @@ HELD_GRADIENT_BYTES = 2 * 2**20
 #: drops them: holding every layer's until the end of the step made the graph's pool grow with depth, and one
 #: layer made the main stream wait for side work it could have run beside (4% of the deep MLP's step)
 KEPT_LAYERS = 2
-#: side streams that conv and block layers' local steps take in turn under overlap (docs/design-engine.md)
-LOCAL_STREAMS = 3
 
 
 def unsupported_reason(model: DADModel, config: OptimizerConfig) -> str | None:
@@ -192,7 +190,7 @@ class FusedStep:
     # ------------------------------------------------------------------ scheduling choices
     def stream(self, role: str) -> torch.cuda.Stream:
         """The side stream for ``role`` ("gemm", "background", "error", "sample", "capture", or "local-<i>" for
-        ``i < LOCAL_STREAMS``),
+        ``i < EngineOptions.local_streams``),
         made once, at the priority ``STREAM_PRIORITIES`` gives its role when priorities are on."""
         if role not in self._streams:
             priority_role = "critical" if role in ("capture", "error") or role.startswith("local-") else role
@@ -375,7 +373,7 @@ class _Run(LayerLoop):
         #: the side streams this step forked (error stream included), for the events of :meth:`_release_kept`
         self.forked_streams: list[torch.cuda.Stream] = []
         self.sample_stream: torch.cuda.Stream | None = None
-        #: local layers stepped so far under overlap: which of the ``LOCAL_STREAMS`` side streams takes the next
+        #: local layers stepped so far under overlap: which of the ``local_streams`` side streams takes the next
         self.local_turn = 0
 
     def begin(self) -> None:
@@ -446,12 +444,12 @@ class _Run(LayerLoop):
     def _local_layer(self, layer: Any, a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """A ``DADConv2d``, ``DADBlock`` or other local layer: its own ``local_gradients`` (torch ops,
         capturable), then AdamW on all its trained tensors. Under overlap without a reducer (and with
-        ``local_layers_beside``) both run on a side stream beside the next layer (:meth:`_local_layer_beside`);
+        ``local_streams``) both run on a side stream beside the next layer (:meth:`_local_layer_beside`);
         otherwise on the main stream, the AdamW
         batched with the other small updates into one ``torch._fused_adamw_`` launch: at the end of the step
         (under data parallelism after their all-reduce), or earlier once the held gradients pass
         ``HELD_GRADIENT_BYTES``, so that what a step holds does not grow with depth."""
-        if self.overlap and self.main is not None and self.reducer is None and self.engine.options.local_layers_beside:
+        if self.overlap and self.main is not None and self.reducer is None and self.engine.options.local_streams:
             return self._local_layer_beside(layer, a, self.main)
         result, grads = layer.local_gradients(a, self.batch.y, self.batch.compute_dtype, backend="triton")
         layer.update_running_statistics()
@@ -461,10 +459,10 @@ class _Run(LayerLoop):
         return result.output, result.logits.float(), result.loss.float()
 
     def _local_layer_beside(self, layer: Any, a: Tensor, main: torch.cuda.Stream) -> tuple[Tensor, Tensor, Tensor]:
-        """:meth:`_local_layer` under overlap: the layer's whole step and its AdamW on one of ``LOCAL_STREAMS`` side streams,
+        """:meth:`_local_layer` under overlap: the layer's whole step and its AdamW on one of ``local_streams`` side streams,
         taken in turn; the main stream waits only for its output, so its gradients and update run beside the next
         layer's forward."""
-        role = f"local-{self.local_turn % LOCAL_STREAMS}"
+        role = f"local-{self.local_turn % self.engine.options.local_streams}"
         self.local_turn += 1
         stream, ready = self.engine.stream(role), torch.cuda.Event()
         stream.wait_stream(main)
@@ -672,7 +670,7 @@ class _Run(LayerLoop):
             self.reducer(self.small_grads)  # every local head and the classifier: one small blocking all-reduce
         if self.main is not None:
             # a local layer's loss and logits come from its side stream (without a classifier, the step's own)
-            for role in (f"local-{i}" for i in range(min(self.local_turn, LOCAL_STREAMS))):
+            for role in (f"local-{i}" for i in range(min(self.local_turn, engine.options.local_streams))):
                 self.main.wait_stream(self.engine.stream(role))
         super().finish(loss)
         self._apply_small()

@@ -33,10 +33,11 @@ class EngineOptions:
             4096 x 4096 forward GEMM the error kernels slow it more than they save).
         local_error_max_width: see ``local_error_off_main``.
         max_graphs: captured graphs kept (one per input shape and dtype) before all are dropped.
-        local_layers_beside: under ``overlap`` (one process), run each local layer's (``DADConv2d``,
-            ``DADBlock``) step and AdamW on one of two side streams, so that its gradients run beside the next
-            layer's forward: faster for blocks whose kernels leave the GPU idle, at the cost of a second stream's
-            working memory (``docs/conv-and-blocks.md`` gives both); ``False``: on the main stream, the leanest.
+        local_streams: under ``overlap`` (one process), the side streams that local layers (``DADConv2d``,
+            ``DADBlock``) take in turn for their step and AdamW, so that their gradients run beside the next
+            layers' forwards. Each stream holds one layer's working memory: more streams run faster where a
+            layer's kernels leave the GPU idle, at that cost (``docs/conv-and-blocks.md`` gives both); ``0``: on
+            the main stream, the leanest.
     """
 
     overlap: bool = True
@@ -47,12 +48,13 @@ class EngineOptions:
     local_error_off_main: bool | None = None
     local_error_max_width: int = 1024
     max_graphs: int = 8
-    local_layers_beside: bool = True
+    local_streams: int = 3
 
     def __post_init__(self) -> None:
-        for name in ("overlap", "local_layers_beside"):
-            if not isinstance(getattr(self, name), bool):
-                raise TypeError(f"EngineOptions({name}={getattr(self, name)!r}): must be True or False")
+        if not isinstance(self.overlap, bool):
+            raise TypeError(f"EngineOptions(overlap={self.overlap!r}): must be True or False")
+        if isinstance(self.local_streams, bool) or not isinstance(self.local_streams, int) or self.local_streams < 0:
+            raise ValueError(f"EngineOptions(local_streams={self.local_streams!r}): must be an int >= 0 (0: the main stream)")
         for name in ("update_chunk_numel", "small_batch", "local_error_max_width", "max_graphs"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
