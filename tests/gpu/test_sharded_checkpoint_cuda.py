@@ -64,7 +64,8 @@ def test_packed_snapshot_of_a_gpu_state_writes_the_file_of_its_host_copy(tmp_pat
     snapshot = checkpoint.device_snapshot(live)
     assert snapshot is not None and packed.data.is_pinned()
     for tensor in live.values():
-        tensor.zero_()  # the next steps, on the current stream
+        if tensor.is_cuda:  # the next steps, on the current stream (the CPU tensor is host's own)
+            tensor.zero_()
     packed.fill_from(snapshot)
     digest = checkpoint.write_flat(tmp_path / "packed.safetensors", {}, packed)
     assert checkpoint.write_flat(tmp_path / "host.safetensors", {}, {k: t.contiguous() for k, t in host.items()}) == digest
