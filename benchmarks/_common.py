@@ -55,8 +55,10 @@ def environment() -> dict[str, Any]:
     }
 
 
-def median_time(fn: Callable[[], Any], *, warmup: int, repeats: int, sync: Callable[[], None] | None = None) -> float:
-    """Median wall seconds of ``fn()`` over ``repeats`` calls after ``warmup`` calls."""
+def median_time(fn: Callable[[], Any], *, warmup: int, repeats: int, sync: Callable[[], None] | None = None,
+                calls: int = 1) -> float:
+    """Median wall seconds of ``fn()`` over ``repeats`` samples after ``warmup`` calls; a sample is ``calls``
+    calls back to back (then ``sync()``), divided by ``calls``, as a training loop runs steps without waiting."""
     for _ in range(warmup):
         fn()
     if sync:
@@ -64,10 +66,11 @@ def median_time(fn: Callable[[], Any], *, warmup: int, repeats: int, sync: Calla
     samples = []
     for _ in range(repeats):
         start = time.perf_counter()
-        fn()
+        for _ in range(calls):
+            fn()
         if sync:
             sync()
-        samples.append(time.perf_counter() - start)
+        samples.append((time.perf_counter() - start) / calls)
     return statistics.median(samples)
 
 

@@ -17,7 +17,7 @@ local-loss code (their batch norm and dropout are left out); ``--width-scale`` d
 batch 256 and 1024, and a stack of 8 / 16 / 32 residual blocks (``DADBlock`` around two 3 x 3
 convolutions of 64 channels, batch 256). Each system runs in a fresh process with its default settings:
 DAD's ``DADTrainer`` (its CUDA graph) against backprop with forward, backward and fused AdamW in one CUDA
-graph. Time: median of 20 steps. Memory is total: peak allocated plus what the graph pools hold beyond it
+graph. Time: the median of 5 windows of 20 steps run back to back. Memory is total: peak allocated plus what the graph pools hold beyond it
 (and the allocator's peak reservation beside it).
 
     python benchmarks/conv.py --smoke                                # seconds, CPU, synthetic data
@@ -279,7 +279,8 @@ def memory_mode(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 def memory_job(job: list[Any], smoke: bool = False, profile: bool = False) -> dict[str, Any]:
     """One system's step (DAD: ``DADTrainer`` defaults, its CUDA graph on a GPU; backprop: forward, backward
-    and fused AdamW in one CUDA graph) on one net: ``step_ms`` (median of 20 after warm-up) and memory.
+    and fused AdamW in one CUDA graph) on one net: ``step_ms`` (after warm-up, the median of 5 windows of 20
+    steps run back to back, as a training loop runs them) and memory.
 
     ``total_mib``: peak allocated plus what CUDA-graph pools hold beyond it (:func:`graph_pool_slack`), the
     memory the step needs; ``reserved_mib``: the allocator's peak reservation; ``static_mib``: allocated
@@ -313,7 +314,7 @@ def memory_job(job: list[Any], smoke: bool = False, profile: bool = False) -> di
     torch.cuda.synchronize()
     static = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
-    record["step_ms"] = median_time(step, warmup=2, repeats=20, sync=torch.cuda.synchronize) * 1e3
+    record["step_ms"] = median_time(step, warmup=2, repeats=5, calls=20, sync=torch.cuda.synchronize) * 1e3
     peak = torch.cuda.max_memory_allocated()
     record.update(total_mib=(peak + graph_pool_slack()) / 2**20, reserved_mib=torch.cuda.max_memory_reserved() / 2**20,
                   static_mib=static / 2**20, above_static_mib=(peak - static) / 2**20)
