@@ -124,6 +124,22 @@ def test_flatten_rejects_what_json_cannot_hold():
         checkpoint.flatten({"a": {"b": torch.ones(1)}, "a.b": torch.ones(1)})
 
 
+def test_packed_buffers_given_back_serve_the_next_state_of_their_layout(tmp_path):
+    """A finished writer's buffer is taken again by the next save of the same keys, dtypes and shapes (and
+    only by one of them); it writes the same file as the tensors themselves."""
+    state = {"w": torch.randn(5, 3), "step": torch.tensor(7, dtype=torch.int64)}
+    first = checkpoint.PackedTensors.take(state)
+    first.give_back()
+    assert checkpoint.PackedTensors.take({"w": torch.zeros(5, 3), "step": torch.tensor(0)}) is first
+    assert checkpoint.PackedTensors.take(state) is not first  # taken: not handed out twice
+    first.give_back()
+    other = checkpoint.PackedTensors.take({"w": torch.zeros(5, 4), "step": torch.tensor(0)})
+    assert other is not first and not other.matches(state) and first.matches(state)
+    first.fill(state)
+    digest = checkpoint.write_flat(tmp_path / "packed.safetensors", {}, first)
+    assert checkpoint.write_flat(tmp_path / "plain.safetensors", {}, state) == digest
+
+
 def test_load_runs_no_pickle(tmp_path, monkeypatch):
     trainer = make_trainer()
     fit(trainer, epochs=1)

@@ -24,6 +24,7 @@ import json
 import os
 import re
 import struct
+import threading
 import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -200,6 +201,7 @@ class PackedTensors:
     in one device-to-host copy, and written with one hash update of its bytes and one write call."""
 
     def __init__(self, like: Mapping[str, Tensor]) -> None:
+        self.layout = _layout(like)
         self.specs = [(key, like[key].dtype, tuple(like[key].shape), like[key].numel() * like[key].element_size())
                       for key in sorted(like)]
         for key, dtype, _, _ in self.specs:
@@ -212,9 +214,23 @@ class PackedTensors:
             offset += size
         self._stream: torch.cuda.Stream | None = None
 
+    @classmethod
+    def take(cls, like: Mapping[str, Tensor]) -> PackedTensors:
+        """A buffer for states laid out like ``like``: the one last given back if it fits, else a new one."""
+        with _SPARE_LOCK:
+            spare = _SPARE.pop(_layout(like), None)
+        return spare if spare is not None else cls(like)
+
+    def give_back(self) -> None:
+        """Keep this buffer for the next :meth:`take` of its layout (one is kept): pinning host memory stalls
+        the GPU's work for tens of milliseconds, once per process instead of once per ``fit``."""
+        with _SPARE_LOCK:
+            _SPARE.clear()
+            _SPARE[self.layout] = self
+
     def matches(self, tensors: Mapping[str, Tensor]) -> bool:
-        """Whether ``tensors`` have this buffer's keys, dtypes and shapes."""
-        return [(k, t.dtype, tuple(t.shape)) for k, t in sorted(tensors.items())] == [s[:3] for s in self.specs]
+        """Whether ``tensors`` have this buffer's keys, dtypes, shapes and kind of memory."""
+        return _layout(tensors) == self.layout
 
     def fill(self, tensors: Mapping[str, Tensor]) -> None:
         """Copy CPU ``tensors`` in."""
@@ -234,6 +250,16 @@ class PackedTensors:
         self._stream.synchronize()
 
 
+def _layout(tensors: Mapping[str, Tensor]) -> tuple[Any, ...]:
+    """Keys, dtypes and shapes in sorted key order, and whether any tensor is on a GPU (a pinned buffer)."""
+    return (*((k, t.dtype, tuple(t.shape)) for k, t in sorted(tensors.items())), any(t.is_cuda for t in tensors.values()))
+
+
+#: the last buffer a finished writer gave back (:meth:`PackedTensors.give_back`)
+_SPARE: dict[tuple[Any, ...], PackedTensors] = {}
+_SPARE_LOCK = threading.Lock()
+
+
 class DeviceSnapshot(NamedTuple):
     """A GPU state's tensors back to back in sorted key order in one device buffer, and the event after its copy."""
 
@@ -244,10 +270,10 @@ class DeviceSnapshot(NamedTuple):
 def device_snapshot(tensors: Mapping[str, Tensor]) -> DeviceSnapshot | None:
     """``tensors`` copied into one buffer on their GPU (one kernel on the current stream, so later steps may
     change them at once), or ``None`` if none is on a GPU."""
-    parts = [tensors[key].detach().reshape(-1).view(torch.uint8) for key in sorted(tensors)]
-    device = next((p.device for p in parts if p.is_cuda), None)
+    device = next((t.device for t in tensors.values() if t.is_cuda), None)
     if device is None:
         return None
+    parts = [tensors[key].detach().reshape(-1).view(torch.uint8) for key in sorted(tensors)]
     data = torch.cat([p.to(device, non_blocking=True) for p in parts])
     ready = torch.cuda.Event()
     ready.record()

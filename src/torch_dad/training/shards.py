@@ -144,7 +144,9 @@ class ShardedFolder:
     def _host_for(self, live: Mapping[str, Tensor]) -> checkpoint.PackedTensors:
         """The pinned host buffer for states shaped like ``live`` (made again only when the shapes change)."""
         if self._host is None or not self._host.matches(live):
-            self._host = checkpoint.PackedTensors(live)
+            if self._host is not None:
+                self._host.give_back()
+            self._host = checkpoint.PackedTensors.take(live)
         return self._host
 
     def flush(self) -> None:
@@ -155,6 +157,9 @@ class ShardedFolder:
                 self._last.result()
             except Exception as exc:  # every rank must learn that one rank's write failed
                 problem = f"rank {self.rank} could not write its checkpoint shard: {exc!r}"
+        if self._host is not None:  # the next fit of this state takes it instead of pinning memory again
+            self._host.give_back()
+            self._host = None
         self._raise_if_any(problem)
 
     def _write(self, step: int, save: int, target: Path, skeleton: Any, live: Mapping[str, Tensor],
