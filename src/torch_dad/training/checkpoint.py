@@ -29,7 +29,7 @@ import warnings
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -39,9 +39,7 @@ __all__ = [
     "CheckpointFolder",
     "declared_digest",
     "FitProgress",
-    "DeviceSnapshot",
     "PackedTensors",
-    "device_snapshot",
     "flatten",
     "load_or_roll_back",
     "mismatches",
@@ -197,8 +195,8 @@ def _digest(document: str, entries: list[Entry], version: int = VERSION, data: l
 
 class PackedTensors:
     """Host tensors laid out back to back in sorted key order in one buffer (pinned for a GPU state): the data
-    section of their safetensors file as it is, filled from a CPU state or a GPU state's :func:`device_snapshot`
-    in one device-to-host copy, and written with one hash update of its bytes and one write call."""
+    section of their safetensors file as it is, filled from a live state in one device-to-host copy and written
+    with one hash update of its bytes and one write call."""
 
     def __init__(self, like: Mapping[str, Tensor]) -> None:
         self.layout = _layout(like)
@@ -212,7 +210,6 @@ class PackedTensors:
         for key, dtype, shape, size in self.specs:
             self.entries.append((key, dtype, shape, whole[offset : offset + size]))
             offset += size
-        self._stream: torch.cuda.Stream | None = None
 
     @classmethod
     def take(cls, like: Mapping[str, Tensor]) -> PackedTensors:
@@ -232,22 +229,20 @@ class PackedTensors:
         """Whether ``tensors`` have this buffer's keys, dtypes, shapes and kind of memory."""
         return _layout(tensors) == self.layout
 
-    def fill(self, tensors: Mapping[str, Tensor]) -> None:
-        """Copy CPU ``tensors`` in."""
-        offset = 0
-        for key, *_ in self.specs:
-            part = tensors[key].detach().reshape(-1).view(torch.uint8)
-            self.data[offset : offset + part.numel()].copy_(part)
-            offset += part.numel()
-
-    def fill_from(self, snapshot: DeviceSnapshot) -> None:
-        """Copy a :func:`device_snapshot` in, on a side stream; returns once it has landed."""
-        if self._stream is None:
-            self._stream = torch.cuda.Stream(snapshot.data.device)
-        self._stream.wait_event(snapshot.ready)
-        with torch.cuda.stream(self._stream):
-            self.data.copy_(snapshot.data, non_blocking=True)
-        self._stream.synchronize()
+    def fill(self, tensors: Mapping[str, Tensor]) -> bool:
+        """Copy ``tensors`` in; ``True`` if that is an asynchronous copy from a GPU, which the reader of
+        :attr:`data` must wait for (a CUDA event recorded after this call)."""
+        parts = [tensors[key].detach().reshape(-1).view(torch.uint8) for key, *_ in self.specs]
+        device = next((p.device for p in parts if p.is_cuda), None)
+        if device is None:
+            offset = 0
+            for part in parts:
+                self.data[offset : offset + part.numel()].copy_(part)
+                offset += part.numel()
+            return False
+        packed = torch.cat([p.to(device, non_blocking=True) for p in parts])  # one buffer on the GPU, one transfer
+        self.data.copy_(packed, non_blocking=True)
+        return True
 
 
 def _layout(tensors: Mapping[str, Tensor]) -> tuple[Any, ...]:
@@ -258,26 +253,6 @@ def _layout(tensors: Mapping[str, Tensor]) -> tuple[Any, ...]:
 #: the last buffer a finished writer gave back (:meth:`PackedTensors.give_back`)
 _SPARE: dict[tuple[Any, ...], PackedTensors] = {}
 _SPARE_LOCK = threading.Lock()
-
-
-class DeviceSnapshot(NamedTuple):
-    """A GPU state's tensors back to back in sorted key order in one device buffer, and the event after its copy."""
-
-    data: Tensor
-    ready: torch.cuda.Event
-
-
-def device_snapshot(tensors: Mapping[str, Tensor]) -> DeviceSnapshot | None:
-    """``tensors`` copied into one buffer on their GPU (one kernel on the current stream, so later steps may
-    change them at once), or ``None`` if none is on a GPU."""
-    device = next((t.device for t in tensors.values() if t.is_cuda), None)
-    if device is None:
-        return None
-    parts = [tensors[key].detach().reshape(-1).view(torch.uint8) for key in sorted(tensors)]
-    data = torch.cat([p.to(device, non_blocking=True) for p in parts])
-    ready = torch.cuda.Event()
-    ready.record()
-    return DeviceSnapshot(data, ready)
 
 
 # ---------------------------------------------------------------------------------------- files

@@ -27,6 +27,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import Tensor
 
@@ -134,11 +135,12 @@ class ShardedFolder:
         target = self.folder / f"{_PREFIX}{step:09d}"
         self._saves += 1
         skeleton, live = checkpoint.flatten(state, lambda key: self.owner(key) in (None, self.rank), lambda t: t)
-        # a GPU state: one copy on the device here; the writer thread moves it to host memory
-        snapshot = checkpoint.device_snapshot(live)
-        if snapshot is None:
-            self._host_for(live).fill(live)
-        self._last = self._writer.submit(self._write, step, self._saves, target, skeleton, live, snapshot)
+        host = self._host_for(live)
+        copied = None
+        if host.fill(live):  # from a GPU: the writer thread waits for the transfer, not this one
+            copied = torch.cuda.Event()
+            copied.record()
+        self._last = self._writer.submit(self._write, step, self._saves, target, skeleton, host, copied)
         return target
 
     def _host_for(self, live: Mapping[str, Tensor]) -> checkpoint.PackedTensors:
@@ -162,13 +164,12 @@ class ShardedFolder:
             self._host = None
         self._raise_if_any(problem)
 
-    def _write(self, step: int, save: int, target: Path, skeleton: Any, live: Mapping[str, Tensor],
-               snapshot: checkpoint.DeviceSnapshot | None) -> None:
+    def _write(self, step: int, save: int, target: Path, skeleton: Any, tensors: checkpoint.PackedTensors,
+               copied: torch.cuda.Event | None) -> None:
         target.mkdir(parents=True, exist_ok=True)
-        host = self._host_for(live)
-        if snapshot is not None:
-            host.fill_from(snapshot)
-        checkpoint.write_flat(target / self._shard(self.rank, save), skeleton, host)
+        if copied is not None:
+            copied.synchronize()  # the device-to-host copies of the snapshot have landed
+        checkpoint.write_flat(target / self._shard(self.rank, save), skeleton, tensors)
         if self.rank != 0:
             return
         files = [self._shard(rank, save) for rank in range(self.world_size)]
