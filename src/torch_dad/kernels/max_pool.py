@@ -8,9 +8,10 @@ For a contiguous (N, C, H, W) ``h``, seen as ``P = N * C`` planes of H x W, with
     d_h[p, y, x] = d_out[p, y // 2, x // 2] if arg[p, y // 2, x // 2] == 2 (y % 2) + x % 2 else 0
 
 and ``d_h`` is 0 in a last odd row or column, which no window covers. A channels-last ``h`` (memory order
-N, H, W, C) is read in place and gives ``out``, ``arg`` and ``d_h`` in that order too (``CHANNELS_LAST``). The window is scanned in
-row-major order and an element replaces the running maximum when ``val > max or isnan(val)``, the
-rule of torch's own kernels: the first maximum wins ties, and the last NaN of a window wins.
+N, H, W, C) is read in place and gives ``out``, ``arg`` and ``d_h`` in that order too (``CHANNELS_LAST``).
+The window is scanned in row-major order and an element replaces the running maximum when
+``val > max or isnan(val)``, the rule of torch's own kernels: the first maximum wins ties, and the last
+NaN of a window wins.
 
 The forward kernel owns a block of flat output positions (of one or several planes); the backward
 kernel owns a block of flat ``d_h`` positions and writes each of them once, so ``d_h`` needs no zero
