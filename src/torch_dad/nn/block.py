@@ -10,10 +10,9 @@ import torch
 from torch import Tensor, nn
 
 from .._checks import check_fraction, check_int, check_num_classes, check_positive_int
-from ..ops import small_products
 from ..ops.linear_cross_entropy import check_token_layout
 from ..optim import LocalOptimizerState
-from ._local import LocalLayer
+from ._local import LocalLayer, dense_local_error
 from .linear import LocalStepResult
 from .sequence_heads import TOKEN_HEADS, TokenHead, make_token_head
 
@@ -24,7 +23,7 @@ class MeanPoolHead(nn.Module):
     """``Linear(in_features -> num_classes)`` on the mean over every dimension but the batch and
     ``feature_dim``: ``(B, C, H, W)`` with ``feature_dim=1`` averages over space (global average
     pooling), ``(B, T, D)`` with ``feature_dim=-1`` over tokens; a ``(B, D)`` input is used as is.
-    A small product on CUDA runs in float32 without cuBLAS (:mod:`torch_dad.ops.small_products`)."""
+    ``DADBlock`` trains it in closed form (the local error of every DAD layer, on the pooled features)."""
 
     def __init__(self, in_features: int, num_classes: int, feature_dim: int = 1) -> None:
         super().__init__()
@@ -37,7 +36,7 @@ class MeanPoolHead(nn.Module):
         features = hidden.movedim(self.feature_dim, -1)
         if features.dim() > 2:
             features = features.mean(tuple(range(1, features.dim() - 1)))
-        return small_products.linear(features, self.linear.weight, self.linear.bias)
+        return self.linear(features)
 
 
 def _build_head(
@@ -229,6 +228,8 @@ class DADBlock(LocalLayer):
             self.check_width(x)
         if isinstance(self.head, TokenHead):
             return self._token_gradients(x, target, autocast, compute_dtype or master, backend, output_ready)
+        if isinstance(self.head, MeanPoolHead) and all(p.requires_grad for p in self.head.parameters()):
+            return self._mean_pool_gradients(x, target, autocast, backend, output_ready)
         with torch.enable_grad():
             with autocast:
                 out = self.block(x)
@@ -240,6 +241,34 @@ class DADBlock(LocalLayer):
         grads = torch.autograd.grad(loss, params, allow_unused=True)
         grads_list = [torch.zeros_like(p) if g is None else g.detach() for p, g in zip(params, grads)]
         return LocalStepResult(out.detach(), loss.detach(), logits.detach()), grads_list
+
+    def _mean_pool_gradients(
+        self, x: Tensor, target: Tensor, autocast: Any, backend: str, output_ready: Callable[[], object] | None,
+    ) -> tuple[LocalStepResult, list[Tensor]]:
+        """:meth:`local_gradients` with a :class:`MeanPoolHead`: its loss and gradients in closed form (the
+        local error of every DAD layer, :func:`~torch_dad.nn._local.dense_local_error`, on the pooled
+        features in float32), then ``torch.autograd.grad(out, block parameters, dL/d out)``."""
+        head = self.head
+        assert isinstance(head, MeanPoolHead)
+        with torch.enable_grad(), autocast:
+            out = self.block(x)
+        if output_ready is not None:
+            output_ready()
+        features = out.detach().movedim(head.feature_dim, -1)
+        wide = torch.promote_types(out.dtype, torch.float32)
+        pooled_dims = tuple(range(1, features.dim() - 1))
+        pooled = features.mean(pooled_dims, dtype=wide) if pooled_dims else features.to(wide)
+        err = dense_local_error(pooled, None, head.linear.weight, head.linear.bias, target, "identity",
+                                label_smoothing=self.label_smoothing, backend=backend)
+        # the mean's adjoint: each pooled position gets d_pooled / its count
+        d_pooled = (err.d_z * (pooled.shape[0] * pooled.shape[1] / features.numel())).to(out.dtype)
+        shape = (features.shape[0], *(1 for _ in pooled_dims), features.shape[-1])
+        d_out = d_pooled.reshape(shape).expand(features.shape).movedim(-1, head.feature_dim)
+        block_params = [p for p in self.block.parameters() if p.requires_grad]
+        block_grads = list(torch.autograd.grad(out, block_params, d_out, allow_unused=True)) if block_params else []
+        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(block_params, block_grads)]
+        head_grads = [g.to(p.dtype) for p, g in zip(head.parameters(), err.head_grads)]
+        return LocalStepResult(out.detach(), err.loss.detach(), err.logits.detach()), grads + head_grads
 
     def _token_gradients(
         self, x: Tensor, target: Tensor, autocast: Any, dtype: torch.dtype, backend: str,

@@ -11,11 +11,10 @@ from torch import Tensor, nn
 
 from .. import functional
 from .._checks import check_choice, check_fraction, check_num_classes, check_positive_int
-from ..ops import small_products
 from ..ops.pooling import grid_pool, grid_pool_backward, max_pool2x2, max_pool2x2_backward
 from ..optim import LocalOptimizerState
 from ._batchnorm import BatchNormLayer
-from ._local import activation_backward
+from ._local import activation_backward, dense_local_error
 from .linear import LocalStepResult
 
 __all__ = ["DADConv2d"]
@@ -177,7 +176,7 @@ class DADConv2d(BatchNormLayer):
     def local_head(self, hidden: Tensor) -> Tensor:
         """Local logits ``adaptive_avg_pool2d(hidden, grid).flatten(1) @ head_weight.T + head_bias``."""
         pooled = grid_pool(hidden, self.local_head_grid).flatten(1)
-        return small_products.linear(pooled, self.head_weight.to(hidden.dtype), self.head_bias.to(hidden.dtype))
+        return nn.functional.linear(pooled, self.head_weight.to(hidden.dtype), self.head_bias.to(hidden.dtype))
 
     @torch.no_grad()
     def local_gradients(
@@ -220,7 +219,7 @@ class DADConv2d(BatchNormLayer):
         out, arg = self._pool(h)
         if output_ready is not None:
             output_ready()
-        result, d_out, head_grads = self._head_error(out, target)
+        result, d_out, head_grads = self._head_error(out, target, backend)
         d_h = self._unpool(d_out, h, arg)
         del out, arg, d_out
         d_z = activation_backward(d_h, h, pre_activation, self.activation, inplace=True)
@@ -232,19 +231,15 @@ class DADConv2d(BatchNormLayer):
         master = self.weight.dtype
         return result, [g if g.dtype == master else g.to(master) for g in grads]
 
-    def _head_error(self, out: Tensor, target: Tensor) -> tuple[LocalStepResult, Tensor, list[Tensor]]:
-        """The local head on ``out``: ``(result, d_out, [g_head_weight, g_head_bias])``."""
+    def _head_error(self, out: Tensor, target: Tensor, backend: str) -> tuple[LocalStepResult, Tensor, list[Tensor]]:
+        """The local head on ``out``: ``(result, d_out, [g_head_weight, g_head_bias])``, by the local error of
+        every DAD layer (:func:`~torch_dad.nn._local.dense_local_error`) on the pooled grid."""
         pooled = grid_pool(out, self.local_head_grid)
-        head_w = self.head_weight.to(out.dtype)
-        # small products: no cuBLAS workspace on the side stream this runs on (ops.small_products)
-        logits = small_products.linear(pooled.flatten(1), head_w, self.head_bias.to(out.dtype))
-        loss, d_logits = functional.cross_entropy_error(
-            logits, target, label_smoothing=self.label_smoothing, ignore_index=None
-        )
-        d_pooled = small_products.matmul(d_logits, head_w).reshape(pooled.shape)
-        d_out = grid_pool_backward(d_pooled, out, self.local_head_grid)
-        grad_head = small_products.matmul(d_logits.T, pooled.flatten(1))
-        return LocalStepResult(out, loss, logits), d_out, [grad_head, d_logits.sum(0)]
+        assert self.head_weight is not None and self.head_bias is not None
+        err = dense_local_error(pooled.flatten(1), None, self.head_weight, self.head_bias, target, "identity",
+                                label_smoothing=self.label_smoothing, backend=backend)
+        d_out = grid_pool_backward(err.d_z.reshape(pooled.shape), out, self.local_head_grid)
+        return LocalStepResult(out, err.loss, err.logits), d_out, err.head_grads
 
     def _conv_gradients(self, d_z: Tensor, a: Tensor, weight: Tensor) -> list[Tensor]:
         """``[g_weight, [g_bias]]`` from ``d_z`` (``aten.convolution_backward``). Under batch norm the

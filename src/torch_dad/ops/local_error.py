@@ -85,7 +85,7 @@ def local_error(
     or TF32 when ``torch.backends.cuda.matmul.allow_tf32`` lets torch's own fp32 matmuls use it);
     ``head_weight``/``head_bias`` are the fp32
     masters (cast to ``h.dtype`` for the products, as the eager path does); ``target`` holds
-    class ids in ``[0, C)``. ``d_z`` comes back in ``h.dtype``, everything else in float32.
+    class ids in ``[0, C)``. ``d_z`` comes back in ``h.dtype``, everything else in float32 (float64 for a float64 ``h``).
     """
     _check(h, head_weight, head_bias, target, activation)
     label_smoothing = check_fraction("label_smoothing", label_smoothing)
@@ -107,12 +107,14 @@ def _local_error_torch(
     with_dz: bool,
     label_smoothing: float = 0.0,
 ) -> LocalError:
-    """PyTorch twin: products of ``h.dtype`` operands accumulated in fp32, as the kernel does."""
-    w = head_weight.to(h.dtype).float()
-    hf = h.float()
-    logits = torch.addmm(head_bias.float(), hf, w.T)
+    """PyTorch twin: products of ``h.dtype`` operands accumulated in fp32, as the kernel does (float64 in
+    float64)."""
+    wide = torch.promote_types(h.dtype, torch.float32)
+    w = head_weight.to(h.dtype).to(wide)
+    hf = h.to(wide)
+    logits = torch.addmm(head_bias.to(wide), hf, w.T)
     loss, d_logits = functional.cross_entropy_error(logits, target, label_smoothing=label_smoothing)
-    dl = d_logits.to(h.dtype).float()
+    dl = d_logits.to(h.dtype).to(wide)
     d_z = grad_bias = None
     if with_dz:
         # every fused activation's derivative is a function of its output: h stands in for z
