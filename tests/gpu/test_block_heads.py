@@ -13,6 +13,7 @@ import torch
 import torch_dad as td
 from tests.conftest import relative_error
 from tests.gpu.conftest import DEVICE, requires_kernels
+from tests.test_conv import Residual
 
 pytestmark = requires_kernels
 
@@ -20,16 +21,6 @@ CLASSES = 7
 #: relative error of a float32 step against float64: the head's products and softmax run in float32
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 3e-2}
 DTYPES = [torch.float32] + ([torch.bfloat16] if DEVICE == "cuda" else [])
-
-
-class Residual(torch.nn.Module):
-    def __init__(self, channels: int) -> None:
-        super().__init__()
-        self.a = torch.nn.Conv2d(channels, channels, 3, padding=1)
-        self.b = torch.nn.Conv2d(channels, channels, 3, padding=1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return torch.relu(x + self.b(torch.relu(self.a(x))))
 
 
 def _layers(kind: str, smoothing: float) -> tuple[Any, torch.Tensor]:
