@@ -134,7 +134,8 @@ def _kill_in_write(script: Path, folder: Path, out: Path, hook_step: int) -> Non
 
 def _upcoming_checkpoint(folder: Path, rng: random.Random) -> int:
     done = max(_saved_steps(folder), default=0)
-    steps = sorted({s for s in range(done + 1, EPOCHS * BATCHES + 1) if s % EVERY == 0 or s % BATCHES == 0})
+    # the steps fit saves: every EVERY-th and the last (an epoch's end only when it is one of those)
+    steps = sorted({s for s in range(done + 1, EPOCHS * BATCHES + 1) if s % EVERY == 0 or s == EPOCHS * BATCHES})
     return rng.choice(steps[:3])
 
 
