@@ -250,10 +250,7 @@ class DADBlock(LocalLayer):
         features in float32), then ``torch.autograd.grad(out, block parameters, dL/d out)``."""
         head = self.head
         assert isinstance(head, MeanPoolHead)
-        with torch.enable_grad(), autocast:
-            out = self.block(x)
-        if output_ready is not None:
-            output_ready()
+        out = self._block_output(x, autocast, output_ready)
         features = out.detach().movedim(head.feature_dim, -1)
         wide = torch.promote_types(out.dtype, torch.float32)
         pooled_dims = tuple(range(1, features.dim() - 1))
@@ -264,11 +261,25 @@ class DADBlock(LocalLayer):
         d_pooled = (err.d_z * (pooled.shape[0] * pooled.shape[1] / features.numel())).to(out.dtype)
         shape = (features.shape[0], *(1 for _ in pooled_dims), features.shape[-1])
         d_out = d_pooled.reshape(shape).expand(features.shape).movedim(-1, head.feature_dim)
-        block_params = [p for p in self.block.parameters() if p.requires_grad]
-        block_grads = list(torch.autograd.grad(out, block_params, d_out, allow_unused=True)) if block_params else []
-        grads = [torch.zeros_like(p) if g is None else g for p, g in zip(block_params, block_grads)]
+        grads = self._block_gradients(out, d_out)
         head_grads = [g.to(p.dtype) for p, g in zip(head.parameters(), err.head_grads)]
         return LocalStepResult(out.detach(), err.loss.detach(), err.logits.detach()), grads + head_grads
+
+    def _block_output(self, x: Tensor, autocast: Any, output_ready: Callable[[], object] | None) -> Tensor:
+        """``block(x)`` with autograd on (under ``autocast``), then ``output_ready()`` if given."""
+        with torch.enable_grad(), autocast:
+            out = self.block(x)
+        if output_ready is not None:
+            output_ready()
+        return out
+
+    def _block_gradients(self, out: Tensor, d_out: Tensor) -> list[Tensor]:
+        """``dL/dp`` of the block's trained parameters from ``dL/d out`` (zeros where the loss does not reach)."""
+        block_params = [p for p in self.block.parameters() if p.requires_grad]
+        block_grads: tuple[Tensor | None, ...] = (None,) * len(block_params)
+        if block_params and out.requires_grad:
+            block_grads = torch.autograd.grad(out, block_params, d_out, allow_unused=True)
+        return [torch.zeros_like(p) if g is None else g.detach() for p, g in zip(block_params, block_grads)]
 
     def _token_gradients(
         self, x: Tensor, target: Tensor, autocast: Any, dtype: torch.dtype, backend: str,
@@ -277,19 +288,11 @@ class DADBlock(LocalLayer):
         """:meth:`local_gradients` with a token-level head (labels ``(batch, T)``)."""
         head = self.head
         assert isinstance(head, TokenHead)
-        with torch.enable_grad(), autocast:
-            out = self.block(x)
-        if output_ready is not None:
-            output_ready()
+        out = self._block_output(x, autocast, output_ready)
         check_token_layout(target, tuple(out.shape[:-1]), head.ignore_index, "labels")
         rows = out.detach().reshape(-1, out.shape[-1]).to(dtype)
         step = head.step(rows, target.reshape(-1), backend=backend)
-        block_params = [p for p in self.block.parameters() if p.requires_grad]
-        block_grads: tuple[Tensor | None, ...] = (None,) * len(block_params)
-        if block_params and out.requires_grad:
-            grad_out = step.grad_hidden.view(out.shape).to(out.dtype)
-            block_grads = torch.autograd.grad(out, block_params, grad_out, allow_unused=True)
-        grads = [torch.zeros_like(p) if g is None else g.detach() for p, g in zip(block_params, block_grads)]
+        grads = self._block_gradients(out, step.grad_hidden.view(out.shape).to(out.dtype))
         grads += [g.to(p.dtype) for p, g in zip(head.parameters(), step.grads) if p.requires_grad]
         logits = step.logits.view(*out.shape[:-1], -1)
         return LocalStepResult(out.detach(), step.loss.detach(), logits), grads
