@@ -16,7 +16,8 @@ bf16 compute. Systems per shape, each without and with ``dL/dhidden`` (``+dh``, 
   0.8.5: ``target_mask.sum().item()`` in ``fused_linear_cross_entropy_forward``; cut-cross-entropy 25.1.1:
   ``(targets != ignore_index).nonzero()`` in ``_build_flat_valids``), which a capturing stream refuses, so eager is
   their best setting;
-- ``dad-fused``: ``DADLMHead`` on backend and sweep ``auto``: fused loss, update in backward, no full logits;
+- ``dad-fused``: ``DADLMHead`` with its defaults (backend and sweep ``auto``, ``cuda_graphs=None``): fused loss,
+  update in backward, no full logits;
 - ``floor``: the bare bf16 GEMMs of the step (logits, ``dL/dW``, and ``dL/dh`` for ``+dh``) and one fused AdamW
   over the ``V x D`` float32 weight, each timed alone; their sum bounds any implementation of the step.
 
@@ -233,7 +234,7 @@ def peer_adamw(library: str, data: Data, dtype: torch.dtype, grad_hidden: bool) 
 
 def dad_fused(
     data: Data, dtype: torch.dtype, grad_hidden: bool, backend: str = "auto", chunk: int | None = None,
-    weight_chunk: int | None = None, sweep: str = "auto", cuda_graphs: bool = False,
+    weight_chunk: int | None = None, sweep: str = "auto", cuda_graphs: bool | None = None,
 ) -> tuple[Step, DADLMHead]:
     """One DAD head step: fused loss forward, in-place AdamW in backward; ``y`` is already shifted."""
     vocab, hidden = data.init.shape

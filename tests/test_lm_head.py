@@ -709,6 +709,26 @@ def test_head_auto_sweep_keeps_tokens_off_triton():
     hidden, labels = lm_batch()
     head.fused_loss(hidden, labels).loss.backward()
     assert head.sweep == "auto" and head.last_sweep == "tokens"
+    for _ in range(3):  # a repeated shape is replayed from CUDA graphs only on CUDA
+        head.fused_loss(hidden, labels).loss.backward()
+    assert head.cuda_graphs is None and head.last_sweep == "tokens" and head.num_cuda_graphs == 0
+
+
+@pytest.mark.parametrize("tokens,vocab,dim,itemsize,triton,expected", [
+    (8192, 128256, 4096, 2, True, "vocab"),       # Llama-3 8B head: dL/dlogits no larger than a float32 dW
+    (8193, 128256, 4096, 2, True, "tokens"),      # one token more, and far above the graphs' product
+    (8192, 49152, 576, 2, True, "recompute"),     # SmolLM2 head: host-bound, replayed from CUDA graphs
+    (9709, 49152, 576, 2, True, "recompute"),     # the largest SmolLM2 batch under the product
+    (9710, 49152, 576, 2, True, "tokens"),
+    (8192, 49152, 576, 4, True, "recompute"),     # float32 steps follow the same rule
+    (8192, 49152, 576, 2, False, "tokens"),       # no Triton kernels (CPU, or a backend asked for)
+    (0, 49152, 576, 2, True, "tokens"),
+])
+def test_auto_sweep_rule(tokens, vocab, dim, itemsize, triton, expected):
+    from torch_dad.nn.lm_head import AUTO_GRAPHS_MAX_PRODUCT, auto_sweep
+
+    assert auto_sweep(tokens, vocab, dim, itemsize, triton) == expected
+    assert 9709 * 49152 * 576 <= AUTO_GRAPHS_MAX_PRODUCT < 9710 * 49152 * 576
 
 
 @pytest.mark.parametrize(

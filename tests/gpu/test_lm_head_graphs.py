@@ -237,3 +237,54 @@ def test_the_capture_thread_orders_its_work_with_the_callers_stream():
     assert on_capture_thread(x.device, lambda: on_capture_thread(x.device, lambda: 5)) == 5
     with pytest.raises(ZeroDivisionError):
         on_capture_thread(x.device, lambda: 1 / 0)
+
+
+@pytest.mark.parametrize("dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_default_head_graphs_a_repeated_shape_and_applies_the_float64_gradient(dtype, tol):
+    # sweep="auto", cuda_graphs=None: 509 x 96 x 5003 is under AUTO_GRAPHS_MAX_PRODUCT and too many tokens for the
+    # vocabulary sweep, so a shape's first step runs the token sweep, the repeat the eager recomputing sweep, the
+    # third captures it and the rest replay
+    n, d, v = 509, 96, 5003
+    head = DADLMHead(d, v, device="cuda", compute_dtype=dtype, backprop_gradients=True)
+    head.config = OptimizerConfig(name="sgd", lr=100.0, momentum=0.0, weight_decay=0.0)
+    w = head.weight.detach().double().clone()
+    for seed in range(5):
+        h, y = case(n, d, v, seed)
+        with torch.no_grad():
+            head.weight.copy_(w)
+        ref = functional.head_loss_and_gradients(h.cuda(), w.cuda(), None, y.cuda())
+        hh = h.cuda().requires_grad_(True)
+        (ref_dh,) = torch.autograd.grad(TF.cross_entropy(TF.linear(hh, w.cuda()), y.cuda()), hh)
+        loss, dh = step(head, h.float().cuda(), y.cuda())
+        assert head.last_sweep == ("tokens", "recompute", "recompute", "recompute", "recompute")[seed]
+        assert head.num_cuda_graphs == (0, 0, 2, 2, 2)[seed]
+        assert rel(head.weight.detach().double() - w.cuda(), -100.0 * ref.grad_weight) <= tol
+        assert rel(dh, ref_dh) <= tol
+        assert abs(float(loss) - float(ref.loss)) <= tol * abs(float(ref.loss))
+
+
+def test_default_head_captures_nothing_for_changing_shapes_or_without_graphs():
+    # shapes that alternate never repeat the previous step's: the token sweep every step, no graphs; the same
+    # with cuda_graphs=False on a repeated shape, and with an explicit sweep="recompute" (eager, as asked)
+    heads = {"auto": DADLMHead(96, 5003, device="cuda", compute_dtype=torch.bfloat16),
+             "off": DADLMHead(96, 5003, device="cuda", compute_dtype=torch.bfloat16, cuda_graphs=False),
+             "recompute": DADLMHead(96, 5003, device="cuda", compute_dtype=torch.bfloat16, sweep="recompute")}
+    for seed in range(5):
+        h, y = case((509, 515)[seed % 2], 96, 5003, seed)
+        step(heads["auto"], h.float().cuda(), y.cuda())
+        assert heads["auto"].last_sweep == "tokens"
+        h, y = case(509, 96, 5003, seed)
+        step(heads["off"], h.float().cuda(), y.cuda())
+        step(heads["recompute"], h.float().cuda(), y.cuda())
+        assert heads["off"].last_sweep == "tokens" and heads["recompute"].last_sweep == "recompute"
+    assert all(head.num_cuda_graphs == 0 for head in heads.values())
+
+
+def test_default_head_at_a_vocab_sweep_shape_captures_nothing():
+    # few tokens against a wide hidden size: the vocabulary sweep, eager, however often the shape repeats
+    head = DADLMHead(512, 3001, device="cuda", compute_dtype=torch.bfloat16)
+    for seed in range(4):
+        h, y = case(300, 512, 3001, seed)
+        step(head, h.float().cuda(), y.cuda())
+        assert head.last_sweep == "vocab"
+    assert head.num_cuda_graphs == 0

@@ -87,6 +87,10 @@ class RecomputeGraphs:
         """``run()``, an eager step of this head, where its graphs are captured (:func:`on_capture_thread`)."""
         return on_capture_thread(device, run)
 
+    def knows(self, key: Hashable) -> bool:
+        """Whether ``key`` is captured or warm."""
+        return key in self._steps or key in self._warm
+
     def mark_warm(self, key: Hashable) -> None:
         """An eager step of ``key`` ran forward and backward: the next one may be captured."""
         if len(self._warm) >= MAX_WARM:

@@ -34,10 +34,29 @@ from ._local import LocalLayer, check_update
 
 T = TypeVar("T")
 
-__all__ = ["SWEEPS", "DADLMHead", "LMHeadOutput", "linear_cross_entropy"]
+__all__ = ["AUTO_GRAPHS_MAX_PRODUCT", "SWEEPS", "DADLMHead", "LMHeadOutput", "auto_sweep", "linear_cross_entropy"]
 
 #: ``sweep=`` of :class:`DADLMHead`: how a training step walks the tokens x vocabulary product
 SWEEPS: tuple[str, ...] = ("auto", "tokens", "vocab", "recompute")
+
+#: the largest ``tokens * vocab_size * in_features`` whose step ``sweep="auto"`` replays from CUDA graphs: below it
+#: the eager steps are bound by the host's launches (the SmolLM2 head, 49152 x 576, up to ~9,700 tokens)
+AUTO_GRAPHS_MAX_PRODUCT = 2**38
+
+
+def auto_sweep(tokens: int, vocab_size: int, in_features: int, itemsize: int, triton: bool) -> str:
+    """The sweep ``sweep="auto"`` picks for a step of ``tokens`` rows in a dtype of ``itemsize`` bytes.
+
+    ``"vocab"`` where the Triton row kernel runs and the batch's ``dL/dlogits`` is no larger than the float32
+    V x D gradient it replaces (``tokens * itemsize <= 4 * in_features``); else ``"recompute"`` (replayed from
+    CUDA graphs once a batch shape repeats) where the Triton kernels run and ``tokens * vocab_size * in_features
+    <= AUTO_GRAPHS_MAX_PRODUCT``; else ``"tokens"``.
+    """
+    if not triton or tokens == 0:
+        return "tokens"
+    if tokens * itemsize <= 4 * in_features:
+        return "vocab"
+    return "recompute" if tokens * vocab_size * in_features <= AUTO_GRAPHS_MAX_PRODUCT else "tokens"
 
 
 @dataclass
@@ -69,7 +88,7 @@ def _uniform_token_weight(grad_log_probs: Tensor) -> float:
 
 @dataclass
 class _GraphedForward:
-    """What the forward graph of ``cuda_graphs=True`` leaves in its buffers: the fused step's ``result`` on the
+    """What the forward graph of the CUDA graphs leaves in its buffers: the fused step's ``result`` on the
     shifted ``targets`` (flat), the labels' ``mask`` and their ``check`` (see :meth:`DADLMHead._prepare_labels`)."""
 
     result: LinearCrossEntropyResult
@@ -80,7 +99,7 @@ class _GraphedForward:
 
 @dataclass
 class _GraphsCall:
-    """A training step of ``cuda_graphs=True``: its signature ``key`` and, where that is captured, its forward
+    """A training step of the CUDA graphs: its signature ``key`` and, where that is captured, its forward
     graph's replay (``None``: the step runs eagerly and its backward marks ``key`` warm). Every position is
     scored, so the count of scored tokens comes from the labels' check after the forward was queued:
     :meth:`DADLMHead.fused_loss` fills ``num_valid`` before backward."""
@@ -118,7 +137,7 @@ class _DADLMHeadFunction(torch.autograd.Function):
                                                                                     res.is_top1))
         else:
             assert target is not None
-            sweep, dtype, run = head._fused_step(hidden, want_gi, token_stats)
+            sweep, dtype, run = head._fused_step(hidden, want_gi, token_stats, graphed=graphs_call is not None)
 
             def eager() -> tuple[LinearCrossEntropyResult, tuple[Tensor, Tensor] | None]:
                 # with what the vocabulary sweeps read again in backward
@@ -252,9 +271,10 @@ class DADLMHead(LocalLayer):
     ``weight_chunk_size`` vocabulary rows gets its final gradient and its AdamW step in turn: no V x D
     gradient and no V x D copy of the weight; ``"recompute"`` (``update="inplace"``), the same slices with
     each slice's logits recomputed in backward from the forward's log-sum-exp (one more GEMM; nothing of
-    size N x V or V x D held); ``"auto"``, ``"vocab"`` where that holds less (see :meth:`_sweep_for`).
-    ``cuda_graphs=True`` (with ``sweep="recompute"``, on CUDA) replays that sweep from CUDA graphs per batch shape,
-    scoring every position (ignored ones at zero weight) so that the graphs do not depend on the labels' mask.
+    size N x V or V x D held); ``"auto"``, the choice of :func:`auto_sweep`. ``cuda_graphs=True`` (with
+    ``sweep="recompute"``, on CUDA) replays that sweep from CUDA graphs per batch shape, scoring every position
+    (ignored ones at zero weight) so that the graphs do not depend on the labels' mask; ``None`` (default) does so
+    where ``sweep="auto"`` picks the recomputing sweep and the batch shape repeats; ``False`` never.
     """
 
     def __init__(
@@ -274,7 +294,7 @@ class DADLMHead(LocalLayer):
         weight_chunk_size: int | None = None,
         backend: str = "auto",
         sweep: str = "auto",
-        cuda_graphs: bool = False,
+        cuda_graphs: bool | None = None,
         compute_dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
@@ -287,11 +307,14 @@ class DADLMHead(LocalLayer):
         self.ignore_index = check_int("ignore_index", ignore_index)
         self.backend = check_choice("backend", backend, BACKENDS)
         self.sweep = _check_sweep(sweep, update, backend)
-        self.cuda_graphs = check_bool("cuda_graphs", cuda_graphs)
+        if cuda_graphs is not None:
+            check_bool("cuda_graphs", cuda_graphs)
+        self.cuda_graphs = cuda_graphs
         if cuda_graphs and sweep != "recompute":
             raise ValueError(f"cuda_graphs=True captures the recomputing sweep, not sweep={sweep!r}; pass "
                              "sweep='recompute', or cuda_graphs=False")
         self._graphs = RecomputeGraphs()
+        self._last_key: tuple[Any, ...] | None = None  # the signature of the last step, for sweep="auto"
         for name, value in (("chunk_size", chunk_size), ("weight_chunk_size", weight_chunk_size)):
             if value is not None:
                 check_positive_int(name, value)
@@ -321,31 +344,51 @@ class DADLMHead(LocalLayer):
         """``vocab_size``, as ``nn.Linear`` names it."""
         return self.vocab_size
 
-    def _sweep_for(self, hidden: Tensor, want_gi: bool, token_stats: bool) -> str:
-        """The sweep this training step runs: ``sweep`` if given; ``"tokens"`` for a head that does not
-        train in place. Under ``"auto"``, ``"vocab"`` when the Triton row kernel runs (it turns the N x V
-        logits into their gradient in place) and that gradient is no larger than the float32 V x D weight
-        gradient it replaces (``N * itemsize <= 4 * D``), else ``"tokens"``."""
+    def _sweep_for(self, hidden: Tensor, want_gi: bool, token_stats: bool, graphed: bool = False) -> str:
+        """The sweep this training step runs: ``"recompute"`` for a ``graphed`` step; ``sweep`` if given;
+        ``"tokens"`` for a head that does not train in place. Under ``"auto"``, :func:`auto_sweep`'s choice, where
+        its ``"recompute"`` (graphed only) runs as ``"tokens"``."""
         if not self._trains():
             return "tokens"
+        if graphed:
+            return "recompute"
         if self.sweep != "auto":
             return self.sweep
-        if self.update != "inplace" or hidden.shape[0] == 0:
+        if self.update != "inplace":
             return "tokens"
-        dtype = self._step_dtype(hidden)
-        backend = resolve_backend(self.backend, hidden.device, bias=self.bias is not None, token_stats=token_stats,
-                                  grad_input=want_gi, dtype=dtype)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return "vocab" if backend == "triton" and hidden.shape[0] * itemsize <= 4 * self.in_features else "tokens"
+        return "vocab" if self._auto_sweep(hidden, want_gi, token_stats) == "vocab" else "tokens"
 
-    def _graphs_step(self, hidden: Tensor) -> bool:
-        """Whether this call is a training step that ``cuda_graphs=True`` captures or replays."""
-        return (self.cuda_graphs and hidden.is_cuda and hidden.numel() > 0 and self.training
-                and torch.is_grad_enabled() and self._trains())
+    def _auto_sweep(self, rows: Tensor, want_gi: bool, token_stats: bool) -> str:
+        """:func:`auto_sweep` for a step on ``rows`` (N, D): whether the Triton kernels run decides with N."""
+        dtype = self._step_dtype(rows)
+        backend = resolve_backend(self.backend, rows.device, bias=self.bias is not None, token_stats=token_stats,
+                                  grad_input=want_gi, dtype=dtype)
+        return auto_sweep(rows.shape[0], self.vocab_size, self.in_features,
+                          torch.empty((), dtype=dtype).element_size(), backend == "triton")
+
+    def _graphs_call(self, hidden: Tensor, labels: Tensor, shift: bool, token_stats: bool) -> _GraphsCall | None:
+        """The graphed step this training call runs, or ``None`` (an eager step). ``cuda_graphs=True``: every
+        training step on CUDA. ``None`` with ``sweep="auto"``: a step :func:`auto_sweep` gives the recomputing
+        sweep, once its signature repeats the previous step's (a batch shape seen once runs the token sweep)."""
+        if self.cuda_graphs is False or not (hidden.is_cuda and hidden.numel() > 0 and self.training
+                                             and torch.is_grad_enabled() and self._trains()):
+            return None
+        if self.cuda_graphs is None and (self.sweep != "auto" or self.update != "inplace"):
+            return None
+        want_gi = hidden.requires_grad and self.backprop_gradients
+        rows = hidden.reshape(-1, self.in_features)
+        key = self._graph_key(rows, labels, shift, self._step_dtype(rows), want_gi, token_stats)
+        if self.cuda_graphs:
+            return _GraphsCall(key)
+        if self._auto_sweep(rows, want_gi, token_stats) != "recompute":
+            return None
+        repeated = key == self._last_key or self._graphs.knows(key)
+        self._last_key = key
+        return _GraphsCall(key) if repeated else None
 
     @property
     def num_cuda_graphs(self) -> int:
-        """CUDA graphs captured and kept by ``cuda_graphs=True`` (a forward and a backward per batch shape)."""
+        """CUDA graphs captured and kept (a forward and a backward per batch shape)."""
         return self._graphs.num_graphs
 
     def _graph_key(self, rows: Tensor, labels: Tensor, shift: bool, dtype: torch.dtype, want_gi: bool,
@@ -360,11 +403,12 @@ class DADLMHead(LocalLayer):
                 self.chunk_size, self.weight_chunk_size, self.backend, self.ignore_index, config.name, config.betas,
                 config.eps, config.weight_decay, addresses)
 
-    def _fused_step(self, rows: Tensor, want_gi: bool,
-                    token_stats: bool) -> tuple[str, torch.dtype, Callable[[Tensor, Tensor], LinearCrossEntropyResult]]:
-        """``(sweep, compute dtype, run)`` of a training step on ``rows``: ``run(rows, targets)`` is its fused
-        forward, :func:`linear_cross_entropy` with what that sweep keeps for backward."""
-        sweep, dtype = self._sweep_for(rows, want_gi, token_stats), self._step_dtype(rows)
+    def _fused_step(self, rows: Tensor, want_gi: bool, token_stats: bool, graphed: bool = False
+                    ) -> tuple[str, torch.dtype, Callable[[Tensor, Tensor], LinearCrossEntropyResult]]:
+        """``(sweep, compute dtype, run)`` of a training step on ``rows`` (``graphed``: one of the CUDA graphs'
+        steps): ``run(rows, targets)`` is its fused forward, :func:`linear_cross_entropy` with what that sweep keeps
+        for backward."""
+        sweep, dtype = self._sweep_for(rows, want_gi, token_stats, graphed), self._step_dtype(rows)
         weight, bias, tokens = self.weight, self.bias, sweep == "tokens"
 
         def run(rows: Tensor, targets: Tensor) -> LinearCrossEntropyResult:
@@ -418,9 +462,9 @@ class DADLMHead(LocalLayer):
         index = torch.argsort((~flat_mask).to(torch.uint8), stable=True)[:num_valid]
         return flat_rows.index_select(0, index), flat_targets.index_select(0, index), index
 
-    def _graphed_rows(self, hidden: Tensor, labels: Tensor, shift: bool,
-                      token_stats: bool) -> tuple[Tensor, Tensor, Tensor, int, Tensor]:
-        """A training step of ``cuda_graphs=True``: every position is scored (ignored ones at zero weight), so the
+    def _graphed_rows(self, hidden: Tensor, labels: Tensor, shift: bool, token_stats: bool,
+                      call: _GraphsCall) -> tuple[Tensor, Tensor, Tensor, int, Tensor]:
+        """A training step of the CUDA graphs (``call``): every position is scored (ignored ones at zero weight), so the
         forward graph's shape is known before the labels are read. The labels are copied in and the graph replayed
         first: it shifts and checks them (:meth:`_prepare_labels`) ahead of its GEMMs, and the host reads that
         check while the device runs the rest. Returns per-position outputs, the count and the labels' mask."""
@@ -428,7 +472,7 @@ class DADLMHead(LocalLayer):
 
         def graphed_forward(static_rows: Tensor, static_labels: Tensor) -> _GraphedForward:
             # called only to capture: a replayed step does not build the fused step again
-            run = self._fused_step(static_rows, want_gi, token_stats)[2]
+            run = self._fused_step(static_rows, want_gi, token_stats, graphed=True)[2]
             targets, mask, check = self._prepare_labels(static_labels, shift)
             return _GraphedForward(run(static_rows, targets.reshape(-1)), targets.reshape(-1), mask, check)
 
@@ -437,7 +481,6 @@ class DADLMHead(LocalLayer):
         with torch.no_grad():
             flat = hidden.reshape(-1, self.in_features)
             dtype = self._step_dtype(flat)
-            call = _GraphsCall(self._graph_key(flat, labels, shift, dtype, want_gi, token_stats))
             call.replayed = self._graphs.forward(call.key, flat, labels, dtype, graphed_forward)
         rows = hidden.reshape(-1, self.in_features)
         if call.replayed is None:
@@ -495,8 +538,9 @@ class DADLMHead(LocalLayer):
             labels = labels.to(hidden.device)
         check_token_layout(labels, tuple(hidden.shape[:-1]), self.ignore_index, "labels")
         index: Tensor | None = None
-        if self._graphs_step(hidden):
-            lp, ent, top1, num_valid, mask = self._graphed_rows(hidden, labels, shift, token_stats)
+        graphs_call = self._graphs_call(hidden, labels, shift, token_stats)
+        if graphs_call is not None:
+            lp, ent, top1, num_valid, mask = self._graphed_rows(hidden, labels, shift, token_stats, graphs_call)
         else:
             targets, mask, check = self._prepare_labels(labels, shift)
             num_valid = check.result()  # the step's only sync
