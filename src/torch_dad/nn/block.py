@@ -202,11 +202,13 @@ class DADBlock(LocalLayer):
         *,
         backend: str = "torch",
         output_ready: Callable[[], object] | None = None,
+        reuse_input: bool = False,
     ) -> tuple[LocalStepResult, list[Tensor]]:
         """``(LocalStepResult(out.detach(), loss, logits), grads)`` with
         ``grads = torch.autograd.grad(CE(local_head(module(x)), y), trained_tensors())`` (zeros for
         a tensor the loss does not reach), in the parameters' dtype. A half ``compute_dtype`` runs the
-        block under ``torch.autocast``. ``workspace`` is accepted for the trainer's protocol and unused.
+        block under ``torch.autocast``. ``workspace`` and ``reuse_input`` are accepted for the trainer's protocol and
+        unused.
 
         With a token-level head ``y`` is ``(batch, T)``: the head's loss and gradients come in closed form
         (:meth:`~torch_dad.nn.sequence_heads.TokenHead.step` on the output's rows in the compute dtype;

@@ -188,6 +188,7 @@ class DADConv2d(BatchNormLayer):
         *,
         backend: str = "torch",
         output_ready: Callable[[], object] | None = None,
+        reuse_input: bool = False,
     ) -> tuple[LocalStepResult, list[Tensor]]:
         """The layer's output, local loss and closed-form gradients, without updating anything.
 
@@ -198,8 +199,8 @@ class DADConv2d(BatchNormLayer):
         come in the order of :meth:`trained_tensors` (``weight, [bias,] head_weight, head_bias,
         [norm_weight, norm_bias]``), in the master dtype. Under ``normalize="batchnorm"`` the batch
         statistics are kept for the update to fold into the running ones. No host syncs, no
-        data-dependent shapes: the fused engine captures it. ``workspace`` and ``backend`` are accepted
-        for the trainer's protocol and unused (the max pool picks its own kernel). ``output_ready()``, if
+        data-dependent shapes: the fused engine captures it. ``workspace``, ``backend`` and ``reuse_input`` are
+        accepted for the trainer's protocol and unused (the max pool picks its own kernel). ``output_ready()``, if
         given, is called once the output's kernels are queued, before the head's and the gradients'.
         """
         dtype = compute_dtype or self.weight.dtype

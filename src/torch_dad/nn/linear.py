@@ -10,14 +10,29 @@ from torch import Tensor, nn
 
 from .. import functional
 from .._checks import check_fraction, check_int, check_num_classes, check_positive_int
+from ..ops.gram import accumulate_mm
 from ..ops.normalization import NormalizationSaved, normalization_backward, normalization_forward
 from ..optim import LocalOptimizerState, OptimizerConfig
 from ._batchnorm import BatchNormLayer
 from ._local import DenseError, LocalLayer, activation_backward, dense_local_error
 
-__all__ = ["DADLinear", "DADModel", "LocalStepResult"]
+__all__ = ["DADLinear", "DADModel", "LocalStepResult", "stream_rows"]
 
 Workspace = dict[str, Tensor]
+
+#: a local step whose output (rows x out_features in the compute dtype) is larger than this runs in row blocks
+STREAM_MIN_BYTES = 64 * 2**20
+#: the output of one row block: at most this many bytes
+STREAM_BLOCK_BYTES = 4 * 2**20
+
+
+def stream_rows(rows: int, cols: int, itemsize: int) -> int | None:
+    """Rows per block of a local step whose output is ``rows x cols`` of ``itemsize`` bytes, or ``None`` (the
+    whole batch at once): a step streams where its output exceeds ``STREAM_MIN_BYTES``, in blocks of at most
+    ``STREAM_BLOCK_BYTES``."""
+    if rows * cols * itemsize <= STREAM_MIN_BYTES:
+        return None
+    return max(1, STREAM_BLOCK_BYTES // (cols * itemsize))
 
 
 class LocalStepResult:
@@ -170,6 +185,7 @@ class DADLinear(BatchNormLayer):
         workspace: Workspace | None = None,
         *,
         backend: str = "torch",
+        reuse_input: bool = False,
     ) -> tuple[LocalStepResult, list[Tensor]]:
         """The layer's output, local loss and closed-form gradients, without updating anything.
 
@@ -185,9 +201,18 @@ class DADLinear(BatchNormLayer):
         ``g_W``) between calls with the same shapes, because on CPU fresh multi-MB allocations are
         page-faulted on every step; the returned output then aliases ``workspace["z"]``. Inputs with
         more than two dimensions are flattened to (B, -1), as in :meth:`forward`.
+
+        A large step (:func:`stream_rows`) under a row-wise rule (``"ce"``, no batch norm) runs in row blocks
+        (:meth:`_streamed_gradients`): nothing of the output's size exists beside the output, and with
+        ``reuse_input`` (the caller no longer needs ``inputs``) the output is written over ``inputs`` where
+        their shapes and dtypes allow.
         """
         dtype = compute_dtype or self.weight.dtype
-        a = (inputs.flatten(1) if inputs.dim() > 2 else inputs).to(dtype)
+        rows = inputs.flatten(1) if inputs.dim() > 2 else inputs
+        block = stream_rows(rows.shape[0], self.out_features, torch.empty((), dtype=dtype).element_size())
+        if block is not None and self.local_loss == "ce" and self.normalize != "batchnorm":
+            return self._streamed_gradients(rows, target, dtype, block, backend, reuse_input)
+        a = rows.to(dtype)
         z, h, norm = self.step_forward(a, workspace=workspace)
         err = self.step_error(h, z, norm, target, backend=backend, workspace=workspace)
         g_w = _buffer(workspace, "g_w", self.weight, dtype=dtype, device=a.device)
@@ -197,6 +222,39 @@ class DADLinear(BatchNormLayer):
         master = self.weight.dtype
         grads = [g if g.dtype == master else g.to(master) for g in grads + err.head_grads]
         return LocalStepResult(h, err.loss, err.logits), grads
+
+    def _streamed_gradients(self, rows: Tensor, target: Tensor, dtype: torch.dtype, block: int, backend: str,
+                            reuse_input: bool) -> tuple[LocalStepResult, list[Tensor]]:
+        """:meth:`local_gradients` in blocks of ``block`` rows: each block's forward and local error, its share of
+        the gradients accumulated in the master dtype (scaled by its share of the rows, so the sums are the
+        batch's means), then its output rows written (over its input rows when ``reuse_input`` allows)."""
+        n, master = rows.shape[0], self.weight.dtype
+        weight = self.weight.to(dtype)
+        bias = self.bias.to(dtype) if self.bias is not None else None
+        same_layout = rows.shape[1] == self.out_features and rows.dtype == dtype and rows.is_contiguous()
+        output = rows if reuse_input and same_layout else rows.new_empty((n, self.out_features), dtype=dtype)
+        g_w = torch.empty_like(self.weight)
+        sums: list[Tensor] = []
+        logits: Tensor | None = None
+        losses: list[Tensor] = []
+        for start in range(0, n, block):
+            stop = min(n, start + block)
+            share = (stop - start) / n
+            a = rows[start:stop].to(dtype)
+            z, h, norm = self.step_forward(a, weight, bias)
+            err = self.step_error(h, z, norm, target[start:stop], backend=backend)
+            accumulate_mm(g_w, err.d_z.T, a, first=start == 0, alpha=share)
+            parts = ([err.grad_bias] if self.bias is not None else []) + err.head_grads
+            sums = [p.to(master) * share for p in parts] if not sums else [s.add_(p.to(master), alpha=share)
+                                                                            for s, p in zip(sums, parts)]
+            if logits is None:
+                logits = err.logits.new_empty((n, err.logits.shape[1]))
+            logits[start:stop] = err.logits
+            losses.append(err.loss * share)
+            output[start:stop] = h  # after the block's input rows were last read: they may be these rows
+            del a, z, h, err, parts  # before the next block's: one block's temporaries at a time
+        assert logits is not None
+        return LocalStepResult(output, torch.stack(losses).sum(), logits), [g_w, *sums]
 
     def step_forward(
         self, a: Tensor, weight: Tensor | None = None, bias: Tensor | None = None, workspace: Workspace | None = None

@@ -25,7 +25,7 @@ from torch import Tensor
 from ..kernels import use_triton
 from ..ridge import GramAccumulator
 
-__all__ = ["gram_update_", "mm_fp32"]
+__all__ = ["accumulate_mm", "gram_update_", "mm_fp32"]
 
 
 def mm_fp32(a: Tensor, b: Tensor) -> Tensor:
@@ -38,6 +38,21 @@ def mm_fp32(a: Tensor, b: Tensor) -> Tensor:
         except (TypeError, RuntimeError):
             pass
     return a.float() @ b.float()
+
+
+def accumulate_mm(acc: Tensor, a: Tensor, b: Tensor, first: bool = False, alpha: float = 1.0) -> None:
+    """``acc += alpha * a @ b`` (``acc = alpha * a @ b`` if ``first``) with ``acc`` kept in its (wider) dtype."""
+    # beta=0 never reads acc: the first product needs no zeroed buffer, so a parameter-sized gradient costs
+    # no memset and no extra read per step (addmm ignores NaN/Inf in self when beta is 0)
+    beta = 0 if first else 1
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b, beta=beta, alpha=alpha)
+    elif acc.is_cuda and hasattr(torch.ops.aten.addmm, "dtype_out"):
+        # cuBLAS reads bf16/fp16 and accumulates into the float32 buffer directly: no
+        # parameter-sized temporary per product (torch >= 2.8)
+        torch.addmm(acc, a, b, out_dtype=acc.dtype, beta=beta, alpha=alpha, out=acc)
+    else:
+        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), beta=beta, alpha=alpha)
 
 
 def gram_update_(acc: GramAccumulator, features: Tensor, target: Tensor, *, backend: str = "auto") -> None:

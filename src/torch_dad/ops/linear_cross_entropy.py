@@ -48,6 +48,7 @@ from .. import functional
 from .._checks import HALF_DTYPES
 from . import external
 from .cross_entropy import cross_entropy_rows_, logit_grad_from_lse_
+from .gram import accumulate_mm
 
 __all__ = [
     "BACKENDS",
@@ -477,21 +478,6 @@ def _own_backend(backend: str, name: str, option: str) -> str:
     return "torch"
 
 
-def _accumulate_mm(acc: Tensor, a: Tensor, b: Tensor, first: bool = False, alpha: float = 1.0) -> None:
-    """``acc += alpha * a @ b`` (``acc = alpha * a @ b`` if ``first``) with ``acc`` kept in its (wider) dtype."""
-    # beta=0 never reads acc: the first product needs no zeroed buffer, so a V x D gradient costs no
-    # memset and no extra read per step (addmm ignores NaN/Inf in self when beta is 0)
-    beta = 0 if first else 1
-    if a.dtype == acc.dtype:
-        acc.addmm_(a, b, beta=beta, alpha=alpha)
-    elif acc.is_cuda and hasattr(torch.ops.aten.addmm, "dtype_out"):
-        # cuBLAS reads bf16/fp16 and accumulates into the float32 buffer directly: no
-        # parameter-sized temporary per chunk (torch >= 2.8)
-        torch.addmm(acc, a, b, out_dtype=acc.dtype, beta=beta, alpha=alpha, out=acc)
-    else:
-        acc.addmm_(a.to(acc.dtype), b.to(acc.dtype), beta=beta, alpha=alpha)
-
-
 def _uninitialized(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> Tensor:
     """``torch.empty``, for a buffer whose every element is written before it is read."""
     return torch.empty(shape, dtype=dtype, device=device)
@@ -572,7 +558,7 @@ class _ComputeWeight:
         acc = _uninitialized((d.shape[0], self.weight.shape[1]), torch.promote_types(d.dtype, torch.float32),
                              d.device)
         for start, stop, w in self.slices():
-            _accumulate_mm(acc, d[:, start:stop], w, first=start == 0)
+            accumulate_mm(acc, d[:, start:stop], w, first=start == 0)
         return acc
 
 
@@ -702,7 +688,7 @@ def _chunk_gradients(sums: _ChunkSums, grad_logits: Tensor, h: Tensor, w: _Compu
                      stop: int) -> None:
     """One chunk's share: ``dW += d_c.T @ h_c``, ``db += d_c.sum(0)``, ``dh_c = d_c @ W``."""
     if sums.grad_weight is not None:
-        _accumulate_mm(sums.grad_weight, grad_logits.T, h, first=start == 0)
+        accumulate_mm(sums.grad_weight, grad_logits.T, h, first=start == 0)
         if sums.grad_bias is not None:
             sums.grad_bias += grad_logits.sum(0, dtype=sums.grad_bias.dtype)
     if sums.grad_input is not None:
@@ -811,9 +797,9 @@ def vocab_slice_backward(
                 assert grad_logits is not None
                 d_slice = grad_logits[:, start:stop]
             if grad_hidden is not None:
-                _accumulate_mm(grad_hidden, d_slice, w_slice, first=start == 0)
+                accumulate_mm(grad_hidden, d_slice, w_slice, first=start == 0)
             gw = grad_slice[: stop - start]
-            _accumulate_mm(gw, d_slice.T, h, first=True, alpha=weight_scale)
+            accumulate_mm(gw, d_slice.T, h, first=True, alpha=weight_scale)
             gb = None if bias is None else d_slice.sum(0, dtype=acc).mul_(weight_scale)
             on_slice(start, stop, gw, gb)
     return grad_hidden

@@ -69,8 +69,10 @@ class _EagerLoop(LayerLoop):
 
     def layer_step(self, index: int, layer: Any, a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         batch = self.batch
+        # a later layer's input is this loop's own activation, dead after this step: a row-streamed layer may
+        # write its output over it
         result, grads = layer.local_gradients(
-            a, batch.y, batch.compute_dtype, self.workspaces[index], backend=self.runner.backend
+            a, batch.y, batch.compute_dtype, self.workspaces[index], backend=self.runner.backend, reuse_input=index > 0
         )
         work = None
         if self.reducer is not None:
