@@ -25,6 +25,8 @@ bf16 compute. Systems per shape, each without and with ``dL/dhidden`` (``+dh``, 
 ``--weight-chunks`` size (first shape only); ``--sweeps tokens vocab recompute`` adds ``dad-fused-<order>[-w<rows>][+dh]``,
 the head with ``sweep=<order>`` (each row records the ``sweep`` that ran); ``recompute-graphs`` is ``sweep="recompute"``
 with ``cuda_graphs=True``.
+Each system (and each floor) runs in a fresh process, so no allocator cache, CUDA-graph pool or cuBLAS workspace of
+another system counts in its memory or slows its step.
 ``peak_mib`` = ``torch.cuda.max_memory_allocated`` during one step after warm-up (static weights, moments and data
 included) plus ``graph_pool_slack_mib``, the CUDA-graph pools' reserved but unallocated memory (replays write
 there); ``step_ms`` = median of CUDA-event timed steps after warm-up (p20/p80 too); ``host_ms`` = median host time of
@@ -43,10 +45,13 @@ from __future__ import annotations
 
 import argparse
 import gc
+import json
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -279,34 +284,34 @@ def loss_after(step: Step, data: Data, steps: int) -> float:
     return float(loss)
 
 
-def systems_for(data: Data, dtype: torch.dtype, device: torch.device, sweep: dict[str, list[int]],
+def systems_for(dtype: torch.dtype, device: torch.device, sweep: dict[str, list[int]],
                 weight_chunks: Sequence[int] = (), orders: Sequence[str] = (),
-                peer_graphs: bool = False) -> list[tuple[str, Callable[[], Any]]]:
-    """``(name, build)`` of every system of one shape; ``build()`` returns ``(step, head or None)``.
+                peer_graphs: bool = False) -> list[tuple[str, Callable[[Data], Any]]]:
+    """``(name, build)`` of every system of one shape; ``build(data)`` returns ``(step, head or None)``.
     ``weight_chunks``: also the DAD head casting its weight that many rows at a time (``-w<rows>``),
     at the default chunk and at every chunk of the sweep. ``orders``: also the DAD head with
     ``sweep=<order>`` (``-<order>``), alone and with each of ``weight_chunks``. ``peer_graphs`` (CUDA): also
     the unfused step replayed whole from a CUDA graph (``hf-adamw-graphs``)."""
-    systems: list[tuple[str, Callable[[], Any]]] = []
+    systems: list[tuple[str, Callable[[Data], Any]]] = []
     for dh in (False, True):
         tag = "+dh" if dh else ""
-        systems += [(f"hf-adamw{tag}", lambda dh=dh: hf_adamw(data, dtype, dh))]
+        systems += [(f"hf-adamw{tag}", lambda data, dh=dh: hf_adamw(data, dtype, dh))]
         if peer_graphs and device.type == "cuda":
-            systems += [(f"hf-adamw-graphs{tag}", lambda dh=dh: hf_adamw(data, dtype, dh, graphs=True))]
+            systems += [(f"hf-adamw-graphs{tag}", lambda data, dh=dh: hf_adamw(data, dtype, dh, graphs=True))]
         for library in ("liger", "cce"):
             if device.type != "cuda":
                 print(f"skip {library}-adamw{tag}: CUDA only")
                 continue
-            systems += [(f"{library}-adamw{tag}", lambda library=library, dh=dh: peer_adamw(library, data, dtype, dh))]
-        systems += [(f"dad-fused{tag}", lambda dh=dh: dad_fused(data, dtype, dh))]
-        systems += [(f"dad-fused-w{w}{tag}", lambda dh=dh, w=w: dad_fused(data, dtype, dh, weight_chunk=w))
+            systems += [(f"{library}-adamw{tag}", lambda data, library=library, dh=dh: peer_adamw(library, data, dtype, dh))]
+        systems += [(f"dad-fused{tag}", lambda data, dh=dh: dad_fused(data, dtype, dh))]
+        systems += [(f"dad-fused-w{w}{tag}", lambda data, dh=dh, w=w: dad_fused(data, dtype, dh, weight_chunk=w))
                     for w in weight_chunks]
         for order in orders:
             # "recompute-graphs": sweep="recompute" with cuda_graphs=True
             options = {"sweep": order.removesuffix("-graphs"), "cuda_graphs": order.endswith("-graphs")}
-            systems += [(f"dad-fused-{order}{tag}", lambda dh=dh, options=options: dad_fused(data, dtype, dh, **options))]
+            systems += [(f"dad-fused-{order}{tag}", lambda data, dh=dh, options=options: dad_fused(data, dtype, dh, **options))]
             systems += [(f"dad-fused-{order}-w{w}{tag}",
-                         lambda dh=dh, w=w, options=options: dad_fused(data, dtype, dh, weight_chunk=w, **options))
+                         lambda data, dh=dh, w=w, options=options: dad_fused(data, dtype, dh, weight_chunk=w, **options))
                         for w in weight_chunks]
     for backend, chunks in sweep.items():
         for dh, tag in ((False, ""), (True, "+dh")):
@@ -316,12 +321,12 @@ def systems_for(data: Data, dtype: torch.dtype, device: torch.device, sweep: dic
             except ValueError as exc:
                 print(f"skip {name}{tag}: {exc}")
                 continue
-            systems.append((f"{name}{tag}", lambda backend=backend, dh=dh: dad_fused(data, dtype, dh, backend)))
+            systems.append((f"{name}{tag}", lambda data, backend=backend, dh=dh: dad_fused(data, dtype, dh, backend)))
             for rows in chunks:
                 systems.append((f"{name}-c{rows}{tag}",
-                                lambda backend=backend, rows=rows, dh=dh: dad_fused(data, dtype, dh, backend, rows)))
+                                lambda data, backend=backend, rows=rows, dh=dh: dad_fused(data, dtype, dh, backend, rows)))
                 systems += [(f"{name}-c{rows}-w{w}{tag}",
-                             lambda backend=backend, rows=rows, w=w, dh=dh: dad_fused(data, dtype, dh, backend, rows, w))
+                             lambda data, backend=backend, rows=rows, w=w, dh=dh: dad_fused(data, dtype, dh, backend, rows, w))
                             for w in weight_chunks]
     return systems
 
@@ -342,7 +347,7 @@ def kernel_profile(step: Step, steps: int = 3) -> dict[str, float]:
     return kernel_ms_by_kind(step, KERNEL_CATEGORIES, steps, total="kernels_total")
 
 
-def run_system(name: str, build: Callable[[], Any], data: Data, device: torch.device, warmup: int, repeats: int,
+def run_system(name: str, build: Callable[[Data], Any], data: Data, device: torch.device, warmup: int, repeats: int,
                loss_steps: int, profile: bool = False) -> dict[str, Any]:
     """Time one system, then retrain a fresh copy from the shared weights for the loss-agreement column
     (with ``profile``, also its kernel time by category on CUDA)."""
@@ -355,14 +360,14 @@ def run_system(name: str, build: Callable[[], Any], data: Data, device: torch.de
             clear_workspaces()
         torch.cuda.empty_cache()
     try:
-        step, head = build()
+        step, head = build(data)
         stats = measure(step, device, warmup, repeats)
         if profile and device.type == "cuda":
             stats["kernels_ms"] = kernel_profile(step)
         backend = None if head is None else head.last_backend
         order = None if head is None else head.last_sweep
         del step, head
-        fresh, _ = build()
+        fresh, _ = build(data)
         stats["loss_30"] = loss_after(fresh, data, loss_steps)
         del fresh
     except Exception as exc:  # a library kernel failing on this machine must not hide the other rows
@@ -392,38 +397,87 @@ def main() -> None:
     parser.add_argument("--plot", type=Path, nargs="?", const=RESULTS / "lm_head.json", default=None, metavar="RECORD",
                         help="only draw the last run of RECORD (default results/lm_head.json): step time against "
                         "peak memory, into RECORD's .png")
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: SHAPE:SYSTEM, JSON on stdout
     args = parser.parse_args()
     if args.plot is not None:
         print("wrote", plot_tradeoff(read_runs(args.plot)[-1]["results"], args.plot.with_suffix(".png")))
         return
-    device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
-    if args.smoke:
-        shapes, dtype, warmup, repeats = {"smoke": (257, 24, 96)}, torch.float32, 1, 3
-        sweep = {"torch": [32], "triton": [32]}
-    else:
-        if device.type != "cuda":
-            sys.exit("the full benchmark needs CUDA; use --smoke on CPU")
-        shapes, dtype, warmup, repeats = {k: SHAPES[k] for k in args.shapes}, torch.bfloat16, 3, args.repeats
-        sweep = {"torch": args.chunks, "triton": args.triton_chunks, "liger": [], "cce": []} if args.sweep else {}
+    if args.one:
+        print(json.dumps(one_system(args, *args.one.split(":", 1))))
+        return
+    setting = Setting.of(args)
     env = environment()
     records = []
-    for index, (shape, (vocab, hidden, tokens)) in enumerate(shapes.items()):
-        data = Data(vocab, hidden, tokens, dtype, device)
-        systems = systems_for(data, dtype, device, sweep if index == 0 else {}, args.weight_chunks, args.sweeps,
-                              args.peer_graphs)
-        rows = [run_system(name, build, data, device, warmup, repeats, args.loss_steps, args.profile)
-                for name, build in systems]
-        rows += [{"system": f"floor{tag}", **floor(data, dtype, dh, warmup, repeats)} for dh, tag in ((False, ""), (True, "+dh"))]
+    for shape in setting.shapes:
+        # each system in a fresh process: no allocator cache, graph pool or cuBLAS workspace of another
+        rows = [in_fresh_process(shape, name) for name in setting.system_names(shape)]
         for row in rows:
-            row.update(shape=shape, tokens=tokens, vocab=vocab, hidden=hidden, dtype=str(dtype).removeprefix("torch."), **env)
+            vocab, hidden, tokens = setting.shapes[shape]
+            row.update(shape=shape, tokens=tokens, vocab=vocab, hidden=hidden,
+                       dtype=str(setting.dtype).removeprefix("torch."), **env)
             report(row)
         records += rows
-        del data
-    path = write_run("lm_head", records, config=run_config(args, parser, exclude=["plot"]), smoke=args.smoke,
+    path = write_run("lm_head", records, config=run_config(args, parser, exclude=["plot", "one"]), smoke=args.smoke,
                      out=args.out, env=env)
     print("wrote", path)
     if not args.smoke and args.out is None:
         print("wrote", plot_tradeoff(records, path.with_suffix(".png")))
+
+
+@dataclass
+class Setting:
+    """What a run measures: its shapes (name -> vocab, hidden, tokens), dtype, device, warm-up and repeats, and the
+    systems' options from the command line."""
+
+    args: argparse.Namespace
+    shapes: dict[str, tuple[int, int, int]]
+    dtype: torch.dtype
+    device: torch.device
+    warmup: int
+    repeats: int
+    sweep: dict[str, list[int]]
+
+    @classmethod
+    def of(cls, args: argparse.Namespace) -> Setting:
+        device = torch.device("cuda" if torch.cuda.is_available() and not args.smoke else "cpu")
+        if args.smoke:
+            return cls(args, {"smoke": (257, 24, 96)}, torch.float32, device, 1, 3, {"torch": [32], "triton": [32]})
+        if device.type != "cuda":
+            sys.exit("the full benchmark needs CUDA; use --smoke on CPU")
+        sweep = {"torch": args.chunks, "triton": args.triton_chunks, "liger": [], "cce": []} if args.sweep else {}
+        return cls(args, {k: SHAPES[k] for k in args.shapes}, torch.bfloat16, device, 3, args.repeats, sweep)
+
+    def systems(self, shape: str) -> list[tuple[str, Callable[[Data], Any]]]:
+        """The systems of ``shape`` (the backend and chunk sweep on the first shape only)."""
+        first = shape == next(iter(self.shapes))
+        args = self.args
+        return systems_for(self.dtype, self.device, self.sweep if first else {}, args.weight_chunks, args.sweeps,
+                           args.peer_graphs)
+
+    def system_names(self, shape: str) -> list[str]:
+        return [name for name, _ in self.systems(shape)] + ["floor", "floor+dh"]
+
+
+def one_system(args: argparse.Namespace, shape: str, name: str) -> dict[str, Any]:
+    """The row of system ``name`` at ``shape``, measured in this process."""
+    setting = Setting.of(args)
+    data = Data(*setting.shapes[shape], setting.dtype, setting.device)
+    if name in ("floor", "floor+dh"):
+        return {"system": name, **floor(data, setting.dtype, name.endswith("+dh"), setting.warmup, setting.repeats)}
+    build = dict(setting.systems(shape))[name]
+    return run_system(name, build, data, setting.device, setting.warmup, setting.repeats, args.loss_steps,
+                      args.profile)
+
+
+def in_fresh_process(shape: str, name: str) -> dict[str, Any]:
+    """:func:`one_system` in a child process with this command's arguments."""
+    command = [sys.executable, __file__, *sys.argv[1:], "--one", f"{shape}:{name}"]
+    done = subprocess.run(command, capture_output=True, text=True)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        print(done.stdout + done.stderr, file=sys.stderr)
+        return {"system": name, "error": f"exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}"}
+    return dict(json.loads(lines[-1]))
 
 
 PEERS = ("liger-adamw", "cce-adamw")
