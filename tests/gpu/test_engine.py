@@ -81,6 +81,53 @@ def test_fused_step_matches_eager(backend, amp, activation, classifier, chunked)
         assert fused.engine.num_graphs == 1  # one shape captured; lr change reused it
 
 
+@pytest.mark.parametrize("amp", AMPS)
+@pytest.mark.parametrize("widths", [[45, 33, 33, 21], [33, 33, 33]])
+def test_streamed_op_by_op_step_matches_the_whole_batch_eager_step(monkeypatch, amp, widths):  # type: ignore[no-untyped-def]
+    # op by op, every layer runs in row blocks of 8 rows (a later one written over its input, whose width it
+    # keeps); the eager reference runs each layer on the whole batch
+    from torch_dad.nn import linear as linear_module
+
+    streamed, reused = [], []
+    original = td.DADLinear._streamed_gradients
+
+    def counted(layer, rows, *args):  # type: ignore[no-untyped-def]
+        result = original(layer, rows, *args)
+        streamed.append(layer)
+        reused.append(result[0].output.data_ptr() == rows.data_ptr())
+        return result
+
+    monkeypatch.setattr(td.DADLinear, "_streamed_gradients", counted)
+
+    torch.manual_seed(5)
+    ref, new = Net(widths), Net(widths)
+    new.load_state_dict(ref.state_dict())
+    eager = td.DADTrainer(ref, device=DEVICE, amp_dtype=amp, backend="torch")
+    fused = td.DADTrainer(new, device=DEVICE, amp_dtype=amp, backend="triton", on_nonfinite="ignore")
+    whole = linear_module.STREAM_MIN_BYTES, linear_module.STREAM_BLOCK_BYTES
+    tol = 1e-4 if amp is None else 3e-2
+    try:
+        for i in range(4):
+            x = torch.randn(61, widths[0], device=DEVICE)
+            y = torch.randint(0, 7, (61,), device=DEVICE)
+            linear_module.STREAM_MIN_BYTES, linear_module.STREAM_BLOCK_BYTES = whole
+            l1, s1 = eager.step(x, y)
+            linear_module.STREAM_MIN_BYTES, linear_module.STREAM_BLOCK_BYTES = 0, 8 * 33 * 4
+            l2, s2 = fused.step(x.clone(), y)
+            assert relative_error(l2, l1) <= tol, i
+            assert abs(float(s2) - float(s1)) <= tol * max(1.0, abs(float(s1)))
+    finally:
+        linear_module.STREAM_MIN_BYTES, linear_module.STREAM_BLOCK_BYTES = whole
+    layers = len(widths) - 1
+    assert len(streamed) == 4 * layers  # the fused step's layers only: the eager steps ran whole
+    # the first layer's input is the batch; a later one of the same width is written over
+    assert reused == [False, *(a == b for a, b in zip(widths[1:], widths[2:]))] * 4
+    a, b = eager.state_dict()["model"], fused.state_dict()["model"]
+    for key, want in a.items():
+        if want.is_floating_point() and float(want.norm()) > 0:
+            assert relative_error(b[key], want) <= 5 * tol, key
+
+
 @requires_cuda
 @pytest.mark.parametrize("overlap, error_off_main, priorities", [
     (True, False, False), (False, False, False), (True, True, False), (True, False, True), (True, True, True),

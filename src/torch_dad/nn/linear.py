@@ -23,7 +23,7 @@ Workspace = dict[str, Tensor]
 #: a local step whose output (rows x out_features in the compute dtype) is larger than this runs in row blocks
 STREAM_MIN_BYTES = 64 * 2**20
 #: the output of one row block: at most this many bytes
-STREAM_BLOCK_BYTES = 4 * 2**20
+STREAM_BLOCK_BYTES = 8 * 2**20
 
 
 def stream_rows(rows: int, cols: int, itemsize: int) -> int | None:
@@ -186,6 +186,7 @@ class DADLinear(BatchNormLayer):
         *,
         backend: str = "torch",
         reuse_input: bool = False,
+        weights: tuple[Tensor, Tensor | None] | None = None,
     ) -> tuple[LocalStepResult, list[Tensor]]:
         """The layer's output, local loss and closed-form gradients, without updating anything.
 
@@ -202,18 +203,20 @@ class DADLinear(BatchNormLayer):
         page-faulted on every step; the returned output then aliases ``workspace["z"]``. Inputs with
         more than two dimensions are flattened to (B, -1), as in :meth:`forward`.
 
-        A large step (:func:`stream_rows`) under a row-wise rule (``"ce"``, no batch norm) runs in row blocks
-        (:meth:`_streamed_gradients`): nothing of the output's size exists beside the output, and with
-        ``reuse_input`` (the caller no longer needs ``inputs``) the output is written over ``inputs`` where
-        their shapes and dtypes allow.
+        A large step (:meth:`streams`) runs in row blocks (:meth:`_streamed_gradients`): nothing of the
+        output's size exists beside the output, and with ``reuse_input`` (the caller no longer needs ``inputs``)
+        the output is written over ``inputs`` where their shapes and dtypes allow. ``weights``: ``(weight, bias)``
+        already in ``compute_dtype`` (copies a caller keeps), read instead of casting the masters.
         """
         dtype = compute_dtype or self.weight.dtype
         rows = inputs.flatten(1) if inputs.dim() > 2 else inputs
-        block = stream_rows(rows.shape[0], self.out_features, torch.empty((), dtype=dtype).element_size())
-        if block is not None and self.local_loss == "ce" and self.normalize != "batchnorm":
-            return self._streamed_gradients(rows, target, dtype, block, backend, reuse_input)
+        if self.streams(rows.shape[0], dtype):
+            block = stream_rows(rows.shape[0], self.out_features, torch.empty((), dtype=dtype).element_size())
+            assert block is not None
+            return self._streamed_gradients(rows, target, dtype, block, backend, reuse_input, weights)
         a = rows.to(dtype)
-        z, h, norm = self.step_forward(a, workspace=workspace)
+        weight, bias = weights or (None, None)
+        z, h, norm = self.step_forward(a, weight, bias, workspace=workspace)
         err = self.step_error(h, z, norm, target, backend=backend, workspace=workspace)
         g_w = _buffer(workspace, "g_w", self.weight, dtype=dtype, device=a.device)
         grads = [torch.mm(err.d_z.T, a, out=g_w)]
@@ -223,14 +226,21 @@ class DADLinear(BatchNormLayer):
         grads = [g if g.dtype == master else g.to(master) for g in grads + err.head_grads]
         return LocalStepResult(h, err.loss, err.logits), grads
 
+    def streams(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether :meth:`local_gradients` on ``rows`` rows in ``dtype`` runs in row blocks: where
+        :func:`stream_rows` says so and the rule is row-wise (``"ce"``, no batch norm)."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return (stream_rows(rows, self.out_features, itemsize) is not None and self.local_loss == "ce"
+                and self.normalize != "batchnorm")
+
     def _streamed_gradients(self, rows: Tensor, target: Tensor, dtype: torch.dtype, block: int, backend: str,
-                            reuse_input: bool) -> tuple[LocalStepResult, list[Tensor]]:
+                            reuse_input: bool, weights: tuple[Tensor, Tensor | None] | None
+                            ) -> tuple[LocalStepResult, list[Tensor]]:
         """:meth:`local_gradients` in blocks of ``block`` rows: each block's forward and local error, its share of
         the gradients accumulated in the master dtype (scaled by its share of the rows, so the sums are the
         batch's means), then its output rows written (over its input rows when ``reuse_input`` allows)."""
         n, master = rows.shape[0], self.weight.dtype
-        weight = self.weight.to(dtype)
-        bias = self.bias.to(dtype) if self.bias is not None else None
+        weight, bias = weights or (self.weight.to(dtype), self.bias.to(dtype) if self.bias is not None else None)
         same_layout = rows.shape[1] == self.out_features and rows.dtype == dtype and rows.is_contiguous()
         output = rows if reuse_input and same_layout else rows.new_empty((n, self.out_features), dtype=dtype)
         g_w = torch.empty_like(self.weight)

@@ -22,7 +22,9 @@ from above. The scheduling choices are :class:`EngineOptions`
 A ``DADConv2d`` or ``DADBlock`` runs its own ``local_gradients`` in the step (torch ops, captured
 with the rest), then one ``torch._fused_adamw_`` launch over its tensors; under ``"cuda-graph"`` both run
 on a side stream beside the next layer's forward (``EngineOptions.local_streams``), otherwise its
-AdamW is batched with its neighbours'. A :class:`DADLinear` after it reads its output flattened.
+AdamW is batched with its neighbours'. A :class:`DADLinear` after it reads its output flattened. Op by op
+(``"triton"``), a :class:`DADLinear` whose output is large (:meth:`DADLinear.streams`) runs its own
+``local_gradients`` in row blocks, writing its output over the step's previous activation.
 
 Semantics match the eager step: outputs and losses come from the pre-update weights, every
 layer's optimizer state and step counter advance as in :mod:`torch_dad.optim`, the classifier
@@ -387,7 +389,16 @@ class _Run(LayerLoop):
     def first_input(self) -> Tensor:
         x = self.batch.x
         dtype = input_dtype(x, self.batch.compute_dtype)
-        return x if x.dtype == dtype else x.to(dtype)
+        if x.dtype == dtype or (self.layers and self._streamed(self.layers[0], x)):
+            return x  # a streamed first layer casts its rows block by block
+        return x.to(dtype)
+
+    def _streamed(self, layer: Any, a: Tensor) -> bool:
+        """Whether ``layer`` runs its step in row blocks here: a large :class:`DADLinear` op by op (a captured
+        step keeps the whole batch, whose weight gradient and AdamW run beside the next layer's forward)."""
+        dtype = self.batch.compute_dtype or a.dtype
+        return (not self.engine.graphed and isinstance(layer, DADLinear) and a.dtype.is_floating_point
+                and layer.streams(a.shape[0], dtype))
 
     def _offer_sample(self) -> torch.cuda.Stream | None:
         """Add the rows to the classifier's input sample on the device (CUDA, first layer only)."""
@@ -416,8 +427,9 @@ class _Run(LayerLoop):
             w, b = self.shadows[index]
         else:
             w, b = layer.weight.detach(), (layer.bias.detach() if layer.bias is not None else None)
-        if not uses_local_error_kernel(layer):
-            return self._rule_layer(layer, a, w, b)
+        if not uses_local_error_kernel(layer) or self._streamed(layer, a):
+            # op by op, a later layer's input is this step's own activation: a streamed layer writes over it
+            return self._rule_layer(layer, a, w, b, reuse_input=index > 0 and not self.overlap)
         assert w is not None
         z, h, saved = layer.step_forward(a, w, b)
         layer.update_running_statistics()  # batch norm: on the main stream, which made the statistics
@@ -485,12 +497,18 @@ class _Run(LayerLoop):
         moments = state.moments("exp_avg"), state.moments("exp_avg_sq")
         return _Update([p.data for p in params], grads, moments[0], moments[1], [None] * len(params), _tensor(state.step))
 
-    def _rule_layer(self, layer: DADLinear, a: Tensor, w: Tensor | None, b: Tensor | None) -> tuple[Tensor, Tensor, Tensor]:
-        """A layer the local-error kernel does not cover: its own ``local_gradients`` (torch ops,
-        on the main stream; it casts the fp32 masters as the eager step does), then AdamW on
+    def _rule_layer(self, layer: DADLinear, a: Tensor, w: Tensor | None, b: Tensor | None,
+                    reuse_input: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+        """A layer the local-error kernel does not cover, or a streamed one (:meth:`_streamed`): its own
+        ``local_gradients`` (on the main stream; a streamed one reads the low-precision copies ``w``, ``b``), then AdamW on
         weight and bias (refreshing their copies) and on each further pair it trains (local head,
         batch-norm affine), and the batch norm's running statistics."""
-        result, grads = layer.local_gradients(a, self.batch.y, self.batch.compute_dtype, backend="triton")
+        # a streamed layer reads the copies (no cast of the masters beside its activation); the others cast the
+        # masters as the eager step does
+        streamed = self._streamed(layer, a)
+        weights = (w, b) if streamed and self.shadows is not None and w is not None else None
+        result, grads = layer.local_gradients(a, self.batch.y, self.batch.compute_dtype, backend="triton",
+                                              reuse_input=reuse_input, weights=weights)
         layer.update_running_statistics()  # on the main stream, which made the batch statistics
         nb = 2 if layer.bias is not None else 1
         params, state = layer.trained_tensors(), layer.optim_state
