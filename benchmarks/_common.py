@@ -55,6 +55,18 @@ def environment() -> dict[str, Any]:
     }
 
 
+def fresh_process_json(command: Sequence[str]) -> dict[str, Any]:
+    """Run ``command`` (a benchmark's worker mode for one system) in a fresh process and return the JSON object on
+    the last line of its output: no allocator cache, CUDA-graph pool or cuBLAS workspace of another system counts
+    in its memory. A failed run raises ``RuntimeError`` with the end of its output."""
+    done = subprocess.run(list(command), capture_output=True, text=True, check=False)
+    lines = done.stdout.strip().splitlines()
+    if done.returncode or not lines:
+        raise RuntimeError(f"{' '.join(command)} exited with {done.returncode}:\n{done.stdout[-2000:]}\n"
+                           f"{done.stderr[-4000:]}")
+    return dict(json.loads(lines[-1]))
+
+
 def median_time(fn: Callable[[], Any], *, warmup: int, repeats: int, sync: Callable[[], None] | None = None,
                 calls: int = 1) -> float:
     """Median wall seconds of ``fn()`` over ``repeats`` samples after ``warmup`` calls; a sample is ``calls``

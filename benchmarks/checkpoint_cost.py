@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 import torch_dad as td
-from _common import DADMLP, draw_record, pyplot, run_config, run_title, save_figure, write_run
+from _common import DADMLP, draw_record, fresh_process_json, pyplot, run_config, run_title, save_figure, write_run
 from torch_dad.training import DataParallelTrainer, Pipeline, checkpoint
 
 ROWS_PER_EPOCH = 60_000
@@ -241,8 +241,7 @@ def main() -> None:
     for mode in args.modes:
         command = [sys.executable, __file__, "--one", mode, "--steps", str(steps), "--pairs", str(pairs),
                    "--every", str(every), *(["--smoke"] if args.smoke else [])]
-        out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-        results.append(json.loads(out.strip().splitlines()[-1]))
+        results.append(fresh_process_json(command))
         print(json.dumps(results[-1]))
     formats = save_formats(rows)
     print(json.dumps(formats))

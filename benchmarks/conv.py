@@ -37,7 +37,6 @@ import functools
 import itertools
 import json
 import math
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -48,6 +47,7 @@ import torch
 import torch_dad as td
 from _common import (
     draw_record,
+    fresh_process_json,
     graph_pool_slack,
     kernel_ms_by_kind,
     median_time,
@@ -267,9 +267,8 @@ def memory_mode(args: argparse.Namespace) -> list[dict[str, Any]]:
     for (net, depth, batch), layout, system in itertools.product(jobs, args.layouts, args.memory_systems):
         job = json.dumps([net, depth, batch, system, layout])
         if cuda:  # a fresh process: no allocator cache or graph pool of another system counts
-            command = [sys.executable, __file__, "--memory-job", job, *(["--profile"] if args.profile else [])]
-            out = subprocess.run(command, capture_output=True, text=True, check=True).stdout
-            record = json.loads(out.strip().splitlines()[-1])
+            record = fresh_process_json([sys.executable, __file__, "--memory-job", job,
+                                         *(["--profile"] if args.profile else [])])
         else:
             record = memory_job(json.loads(job), smoke=True)
         print(record, flush=True)

@@ -9,6 +9,7 @@ Also records ``dad-graph-pool``, the default CUDA-graph step: ``graph_pool_mib``
 pool holds beyond allocated blocks (replays write there), ``total_above_static_mib`` that plus its replay's peak
 above static; ``reserved_growth_mib`` (every system) also counts state allocated at the first step, such as
 the bf16 weight copies.
+Each system at each depth runs in a fresh process (no allocator cache or graph pool of another counts).
 Adds a run to ``results/gpu_memory.json`` and draws its last run into ``results/gpu_memory.png`` (``--plot-only``
 redraws the PNG from the JSON). ``--smoke``: CPU, tiny, no memory numbers.
 """
@@ -19,6 +20,7 @@ import argparse
 import gc
 import json
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ from _common import (
     cuda_step_memory,
     draw_record,
     environment,
+    fresh_process_json,
     graph_pool_slack,
     pyplot,
     run_config,
@@ -126,34 +129,44 @@ def plot(runs: list[dict[str, Any]], path: Path) -> bool:
     return save_figure(fig, title, path)
 
 
+#: system -> ``DADTrainer`` backend (``None``: backprop)
+BACKENDS = {"dad": "fused", "backprop": None, "dad-graph-pool": "cuda-graph"}
+SYSTEMS = list(BACKENDS)
+
+
+def one_system(system: str, depth: int, width: int, batch: int, *, cuda: bool) -> dict[str, Any]:
+    """The row of ``system`` at one depth, measured in this process."""
+    device, amp = (torch.device("cuda"), torch.bfloat16) if cuda else (torch.device("cpu"), None)
+    backend = BACKENDS[system]
+    if backend is None:
+        return backprop_peak(depth, width, batch, device, amp)
+    return dad_peak(depth, width, batch, device, backend, amp)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true")
     parser.add_argument("--out", default=None, help="record path (default results/gpu_memory.json)")
     parser.add_argument("--plot-only", action="store_true", help="redraw results/gpu_memory.png from the record")
+    parser.add_argument("--one", default=None, help=argparse.SUPPRESS)  # internal: [system, depth, width, batch]
     args = parser.parse_args()
     if args.plot_only:
         print("plot:", draw_record("gpu_memory", plot, out=args.out))
         return
     cuda = torch.cuda.is_available() and not args.smoke
-    device = torch.device("cuda" if cuda else "cpu")
+    if args.one:
+        print(json.dumps(one_system(*json.loads(args.one), cuda=cuda)))
+        return
     env = environment()
     configs = [(4, 4096, 16384), (16, 4096, 16384), (32, 4096, 16384)] if not args.smoke else [(2, 32, 16)]
-    amp = torch.bfloat16 if cuda else None
     records = []
     for depth, width, batch in configs:
-        systems = [("dad", "fused"), ("backprop", None)] + ([("dad-graph-pool", "cuda-graph")] if cuda else [])
-        for system, backend in systems:
-            if cuda:
-                torch.cuda.empty_cache()
-            if backend is None:
-                row = backprop_peak(depth, width, batch, device, amp)
-            else:
-                row = dad_peak(depth, width, batch, device, backend, amp)
+        for system in SYSTEMS if cuda else SYSTEMS[:2]:
+            job = json.dumps([system, depth, width, batch])
+            command = [sys.executable, __file__, "--one", job, *(["--smoke"] if args.smoke else [])]
+            row = fresh_process_json(command)
             records.append({"system": system, "depth": depth, "width": width, "batch": batch, **row, **env})
             print(json.dumps(records[-1]), flush=True)
-            if cuda:
-                torch.cuda.empty_cache()
     config = run_config(args, parser, exclude=["plot_only"])
     path = write_run("gpu_memory", records, config=config, smoke=args.smoke, out=args.out, env=env)
     print(f"-> {path}")

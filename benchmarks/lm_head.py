@@ -47,7 +47,6 @@ import argparse
 import gc
 import json
 import statistics
-import subprocess
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -61,6 +60,7 @@ from _common import (
     RESULTS,
     cuda_step_memory,
     environment,
+    fresh_process_json,
     graph_pool_slack,
     kernel_ms_by_kind,
     read_runs,
@@ -471,13 +471,11 @@ def one_system(args: argparse.Namespace, shape: str, name: str) -> dict[str, Any
 
 def in_fresh_process(shape: str, name: str) -> dict[str, Any]:
     """:func:`one_system` in a child process with this command's arguments."""
-    command = [sys.executable, __file__, *sys.argv[1:], "--one", f"{shape}:{name}"]
-    done = subprocess.run(command, capture_output=True, text=True)
-    lines = done.stdout.strip().splitlines()
-    if done.returncode or not lines:
-        print(done.stdout + done.stderr, file=sys.stderr)
-        return {"system": name, "error": f"exit {done.returncode}: {done.stderr.strip().splitlines()[-1:]}"}
-    return dict(json.loads(lines[-1]))
+    try:
+        return fresh_process_json([sys.executable, __file__, *sys.argv[1:], "--one", f"{shape}:{name}"])
+    except RuntimeError as exc:  # a library failing on this machine must not hide the other rows
+        print(exc, file=sys.stderr)
+        return {"system": name, "error": str(exc)[-500:]}
 
 
 PEERS = ("liger-adamw", "cce-adamw")
