@@ -9,7 +9,7 @@ Also records ``dad-graph-pool``, the default CUDA-graph step: ``graph_pool_mib``
 pool holds beyond allocated blocks (replays write there), ``total_above_static_mib`` that plus its replay's peak
 above static; ``reserved_growth_mib`` (every system) also counts state allocated at the first step, such as
 the bf16 weight copies.
-Each system at each depth runs in a fresh process (no allocator cache or graph pool of another counts).
+On a GPU each system at each depth runs in a fresh process (no allocator cache or graph pool of another counts).
 Adds a run to ``results/gpu_memory.json`` and draws its last run into ``results/gpu_memory.png`` (``--plot-only``
 redraws the PNG from the JSON). ``--smoke``: CPU, tiny, no memory numbers.
 """
@@ -162,9 +162,10 @@ def main() -> None:
     records = []
     for depth, width, batch in configs:
         for system in SYSTEMS if cuda else SYSTEMS[:2]:
-            job = json.dumps([system, depth, width, batch])
-            command = [sys.executable, __file__, "--one", job, *(["--smoke"] if args.smoke else [])]
-            row = fresh_process_json(command)
+            job = [system, depth, width, batch]
+            # on a GPU in a fresh process: no allocator cache or graph pool of another system counts
+            row = fresh_process_json([sys.executable, __file__, "--one", json.dumps(job)]) if cuda else \
+                one_system(*job, cuda=False)
             records.append({"system": system, "depth": depth, "width": width, "batch": batch, **row, **env})
             print(json.dumps(records[-1]), flush=True)
     config = run_config(args, parser, exclude=["plot_only"])

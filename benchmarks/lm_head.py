@@ -25,8 +25,8 @@ bf16 compute. Systems per shape, each without and with ``dL/dhidden`` (``+dh``, 
 ``--weight-chunks`` size (first shape only); ``--sweeps tokens vocab recompute`` adds ``dad-fused-<order>[-w<rows>][+dh]``,
 the head with ``sweep=<order>`` (each row records the ``sweep`` that ran); ``recompute-graphs`` is ``sweep="recompute"``
 with ``cuda_graphs=True``.
-Each system (and each floor) runs in a fresh process, so no allocator cache, CUDA-graph pool or cuBLAS workspace of
-another system counts in its memory or slows its step.
+On a GPU each system (and each floor) runs in a fresh process, so no allocator cache, CUDA-graph pool or cuBLAS
+workspace of another system counts in its memory or slows its step.
 ``peak_mib`` = ``torch.cuda.max_memory_allocated`` during one step after warm-up (static weights, moments and data
 included) plus ``graph_pool_slack_mib``, the CUDA-graph pools' reserved but unallocated memory (replays write
 there); ``step_ms`` = median of CUDA-event timed steps after warm-up (p20/p80 too); ``host_ms`` = median host time of
@@ -409,8 +409,9 @@ def main() -> None:
     env = environment()
     records = []
     for shape in setting.shapes:
-        # each system in a fresh process: no allocator cache, graph pool or cuBLAS workspace of another
-        rows = [in_fresh_process(shape, name) for name in setting.system_names(shape)]
+        # on a GPU each system in a fresh process: no allocator cache, graph pool or cuBLAS workspace of another
+        rows = [in_fresh_process(shape, name) if setting.device.type == "cuda" else one_system(args, shape, name)
+                for name in setting.system_names(shape)]
         for row in rows:
             vocab, hidden, tokens = setting.shapes[shape]
             row.update(shape=shape, tokens=tokens, vocab=vocab, hidden=hidden,

@@ -47,3 +47,14 @@ def test_plot_tradeoff_writes_one_png(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     out = lm_head.plot_tradeoff(weight_chunk_rows(), tmp_path / "tradeoff.png")
     assert out is not None and out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_one_system_runs_in_a_fresh_process() -> None:
+    # what a GPU run does for every system: the child measures one and prints its row
+    from _common import fresh_process_json
+
+    script = ROOT / "benchmarks" / "lm_head.py"
+    row = fresh_process_json([sys.executable, str(script), "--smoke", "--one", "smoke:dad-fused"])
+    assert row["system"] == "dad-fused" and row["sweep"] == "tokens" and row["step_ms"] > 0
+    with pytest.raises(RuntimeError, match="exited with"):
+        fresh_process_json([sys.executable, str(script), "--smoke", "--one", "smoke:no-such-system"])
