@@ -70,9 +70,11 @@ class _EagerLoop(LayerLoop):
     def layer_step(self, index: int, layer: Any, a: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         batch = self.batch
         # a later layer's input is this loop's own activation, dead after this step: a row-streamed layer may
-        # write its output over it
+        # write its output over it, unless that output leaves the span (it may be an earlier layer's workspace)
+        leaves = index == len(self.layers) - 1 and self.plan.stop < len(self.runner.layers)
         result, grads = layer.local_gradients(
-            a, batch.y, batch.compute_dtype, self.workspaces[index], backend=self.runner.backend, reuse_input=index > 0
+            a, batch.y, batch.compute_dtype, self.workspaces[index], backend=self.runner.backend,
+            reuse_input=index > 0 and not leaves,
         )
         work = None
         if self.reducer is not None:
