@@ -9,7 +9,7 @@ export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}"
 .venv/bin/ruff check src tests benchmarks
 .venv/bin/mypy
 .venv/bin/lint-imports
-.venv/bin/python -m pytest -q -x -m "not slow" "$@"
+.venv/bin/python -m pytest -q -x -n 2 -m "not slow" "$@"
 if .venv/bin/python -c "import triton" 2>/dev/null; then
-  TRITON_INTERPRET=1 .venv/bin/python -m pytest -q -x -m "not slow and not no_kernel" tests/gpu tests/test_autograd_fast_path.py "$@"
+  TRITON_INTERPRET=1 .venv/bin/python -m pytest -q -x -n 2 -m "not slow and not no_kernel" tests/gpu tests/test_autograd_fast_path.py "$@"
 fi

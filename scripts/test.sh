@@ -17,10 +17,10 @@ fi
 # the smoke modes two at a time, one thread each (72 s instead of 156 s on a 2-core machine)
 find benchmarks -maxdepth 1 -name '[!_]*.py' -print0 | sort -z |
   xargs -0 -P 2 -I{} sh -c 'cd benchmarks && OMP_NUM_THREADS=1 ../.venv/bin/python "$(basename "$1")" --smoke >/dev/null' _ {}
-# every test, slow ones included
-.venv/bin/python -m pytest -q -x
+# every test, slow ones included, on two workers (one per core)
+.venv/bin/python -m pytest -q -x -n 2
 # every Triton kernel and the fused engine against their float64 references, on CPU through triton's
 # interpreter (bf16 swapped for fp16, which the interpreter handles); the tests marked no_kernel ran above
 if .venv/bin/python -c "import triton" 2>/dev/null; then
-  TRITON_INTERPRET=1 .venv/bin/python -m pytest -q -x -m "not no_kernel" tests/gpu tests/test_autograd_fast_path.py
+  TRITON_INTERPRET=1 .venv/bin/python -m pytest -q -x -n 2 -m "not no_kernel" tests/gpu tests/test_autograd_fast_path.py
 fi
