@@ -210,9 +210,8 @@ class DADLinear(BatchNormLayer):
         """
         dtype = compute_dtype or self.weight.dtype
         rows = inputs.flatten(1) if inputs.dim() > 2 else inputs
-        if self.streams(rows.shape[0], dtype):
-            block = stream_rows(rows.shape[0], self.out_features, torch.empty((), dtype=dtype).element_size())
-            assert block is not None
+        block = self._stream_block(rows.shape[0], dtype)
+        if block is not None:
             return self._streamed_gradients(rows, target, dtype, block, backend, reuse_input, weights)
         a = rows.to(dtype)
         weight, bias = weights or (None, None)
@@ -229,9 +228,13 @@ class DADLinear(BatchNormLayer):
     def streams(self, rows: int, dtype: torch.dtype) -> bool:
         """Whether :meth:`local_gradients` on ``rows`` rows in ``dtype`` runs in row blocks: where
         :func:`stream_rows` says so and the rule is row-wise (``"ce"``, no batch norm)."""
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return (stream_rows(rows, self.out_features, itemsize) is not None and self.local_loss == "ce"
-                and self.normalize != "batchnorm")
+        return self._stream_block(rows, dtype) is not None
+
+    def _stream_block(self, rows: int, dtype: torch.dtype) -> int | None:
+        """The rows per block of a streamed step (:meth:`streams`), or ``None``."""
+        if self.local_loss != "ce" or self.normalize == "batchnorm":
+            return None
+        return stream_rows(rows, self.out_features, dtype.itemsize)
 
     def _streamed_gradients(self, rows: Tensor, target: Tensor, dtype: torch.dtype, block: int, backend: str,
                             reuse_input: bool, weights: tuple[Tensor, Tensor | None] | None

@@ -364,7 +364,7 @@ class DADLMHead(LocalLayer):
         backend = resolve_backend(self.backend, rows.device, bias=self.bias is not None, token_stats=token_stats,
                                   grad_input=want_gi, dtype=dtype)
         return auto_sweep(rows.shape[0], self.vocab_size, self.in_features,
-                          torch.empty((), dtype=dtype).element_size(), backend == "triton")
+                          dtype.itemsize, backend == "triton")
 
     def _graphs_call(self, hidden: Tensor, labels: Tensor, shift: bool, token_stats: bool) -> _GraphsCall | None:
         """The graphed step this training call runs, or ``None`` (an eager step). ``cuda_graphs=True``: every

@@ -427,9 +427,10 @@ class _Run(LayerLoop):
             w, b = self.shadows[index]
         else:
             w, b = layer.weight.detach(), (layer.bias.detach() if layer.bias is not None else None)
-        if not uses_local_error_kernel(layer) or self._streamed(layer, a):
+        streamed = self._streamed(layer, a)
+        if not uses_local_error_kernel(layer) or streamed:
             # op by op, a later layer's input is this step's own activation: a streamed layer writes over it
-            return self._rule_layer(layer, a, w, b, reuse_input=index > 0 and not self.overlap)
+            return self._rule_layer(layer, a, w, b, streamed=streamed, reuse_input=index > 0 and not self.overlap)
         assert w is not None
         z, h, saved = layer.step_forward(a, w, b)
         layer.update_running_statistics()  # batch norm: on the main stream, which made the statistics
@@ -497,15 +498,14 @@ class _Run(LayerLoop):
         moments = state.moments("exp_avg"), state.moments("exp_avg_sq")
         return _Update([p.data for p in params], grads, moments[0], moments[1], [None] * len(params), _tensor(state.step))
 
-    def _rule_layer(self, layer: DADLinear, a: Tensor, w: Tensor | None, b: Tensor | None,
-                    reuse_input: bool = False) -> tuple[Tensor, Tensor, Tensor]:
+    def _rule_layer(self, layer: DADLinear, a: Tensor, w: Tensor | None, b: Tensor | None, *,
+                    streamed: bool, reuse_input: bool) -> tuple[Tensor, Tensor, Tensor]:
         """A layer the local-error kernel does not cover, or a streamed one (:meth:`_streamed`): its own
         ``local_gradients`` (on the main stream; a streamed one reads the low-precision copies ``w``, ``b``), then AdamW on
         weight and bias (refreshing their copies) and on each further pair it trains (local head,
         batch-norm affine), and the batch norm's running statistics."""
         # a streamed layer reads the copies (no cast of the masters beside its activation); the others cast the
         # masters as the eager step does
-        streamed = self._streamed(layer, a)
         weights = (w, b) if streamed and self.shadows is not None and w is not None else None
         result, grads = layer.local_gradients(a, self.batch.y, self.batch.compute_dtype, backend="triton",
                                               reuse_input=reuse_input, weights=weights)
